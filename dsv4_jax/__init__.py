@@ -1,0 +1,7 @@
+"""dsv4_jax: a pure-functional JAX reimplementation of DeepSeek-V4-Flash."""
+from .config import ConfigError, ModelConfig, flash, from_hf_config, pro, tiny
+from .model import forward
+from .params import abstract_params, init_params
+
+__all__ = ["ConfigError", "ModelConfig", "abstract_params", "flash", "forward", "from_hf_config", "init_params",
+           "pro", "tiny"]

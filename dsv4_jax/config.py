@@ -1,0 +1,369 @@
+"""Model configuration: a frozen, hashable dataclass with every DeepSeek-V4 hyperparameter.
+
+`ModelConfig` is a static argument of every jitted function, so it must be hashable: every
+field is an immutable scalar or tuple. Presets: `flash()`, `pro()` (exact published values,
+spec `target_model.md` §1) and tiny test configs. `from_hf_config` reads both the
+transformers form (`layer_types`, `mlp_layer_types`, `rope_parameters`) and DeepSeek's legacy
+form (`compress_ratios`, `num_hash_layers`, `rope_scaling`, `qk_rope_head_dim`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+HASH_MOE = "hash_moe"
+MOE = "moe"
+MLP_LAYER_TYPES = (HASH_MOE, MOE)
+
+# transformers' mapping of the legacy integer codes in `compress_ratios` (target_model.md §1).
+_HF_RATIO_CODE = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+class ConfigError(ValueError):
+    """An invalid or unsupported model configuration."""
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN parameters of the compress RoPE (target_model.md §2.0). No mscale: attention_factor must be 1."""
+
+    factor: float = 16.0
+    original_max_position_embeddings: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Every hyperparameter of the DeepSeek-V4 target model (target_model.md §1).
+
+    `layer_types[i]` is one of SLIDING / CSA / HCA and `compress_ratios[i]` the ratio m of layer i
+    (0 for sliding layers). `mlp_layer_types[i]` is HASH_MOE or MOE.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    compress_ratios: tuple[int, ...]
+    mlp_layer_types: tuple[str, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    swiglu_limit: float
+    rope_theta: float
+    compress_rope_theta: float
+    yarn: YarnScaling | None
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    norm_topk_prob: bool = True
+    router_eps: float = 1e-20  # HF adds 1e-20 to the routing-weight denominator (target_model.md §4)
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    num_nextn_predict_layers: int = 0
+    name: str = "custom"
+
+    def __post_init__(self):
+        validate(self)
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def num_hash_layers(self) -> int:
+        return sum(t == HASH_MOE for t in self.mlp_layer_types)
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.rope_head_dim
+
+    def layer_kind(self, i: int) -> tuple[str, int, str]:
+        """(attention type, compress ratio, mlp type) of layer i: what decides its parameter shapes."""
+        return self.layer_types[i], self.compress_ratios[i], self.mlp_layer_types[i]
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("layer_types", "compress_ratios", "mlp_layer_types"):
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        yarn = d.get("yarn")
+        d["yarn"] = YarnScaling(**yarn) if isinstance(yarn, Mapping) else yarn
+        for k in ("layer_types", "compress_ratios", "mlp_layer_types"):
+            d[k] = tuple(d[k])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig fields: {unknown}")
+        return cls(**d)
+
+
+def validate(c: ModelConfig) -> None:
+    """Raise ConfigError naming the first inconsistent hyperparameter."""
+
+    def need(cond: bool, msg: str):
+        if not cond:
+            raise ConfigError(f"invalid DeepSeek-V4 config ({c.name}): {msg}")
+
+    for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank", "o_groups",
+              "o_lora_rank", "sliding_window", "hc_mult", "hc_sinkhorn_iters", "n_routed_experts",
+              "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
+        v = getattr(c, f)
+        need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{f} must be a positive int, got {v!r}")
+    n = c.num_layers
+    for f in ("layer_types", "compress_ratios", "mlp_layer_types"):
+        v = getattr(c, f)
+        need(isinstance(v, tuple), f"{f} must be a tuple")
+        need(len(v) == n, f"len({f}) = {len(v)} but num_layers = {n}")
+    bad = [t for t in c.layer_types if t not in LAYER_TYPES]
+    need(not bad, f"layer_types entries must be in {LAYER_TYPES}, got {bad}")
+    bad = [t for t in c.mlp_layer_types if t not in MLP_LAYER_TYPES]
+    need(not bad, f"mlp_layer_types entries must be in {MLP_LAYER_TYPES}, got {bad}")
+    for i, (t, m) in enumerate(zip(c.layer_types, c.compress_ratios)):
+        need(isinstance(m, int) and m >= 0, f"compress_ratios[{i}] must be an int >= 0, got {m!r}")
+        need((m == 0) == (t == SLIDING), f"layer {i} is {t} but its compress ratio is {m}")
+    need(c.rope_head_dim % 2 == 0 and 0 < c.rope_head_dim <= c.head_dim,
+         f"rope_head_dim must be even and in (0, head_dim], got {c.rope_head_dim}")
+    need(c.num_heads % c.o_groups == 0, f"num_heads ({c.num_heads}) must be divisible by o_groups ({c.o_groups})")
+    need(c.num_experts_per_tok <= c.n_routed_experts,
+         f"num_experts_per_tok ({c.num_experts_per_tok}) > n_routed_experts ({c.n_routed_experts})")
+    need(c.n_shared_experts in (0, 1), f"n_shared_experts must be 0 or 1, got {c.n_shared_experts}")
+    if CSA in c.layer_types:
+        for f in ("index_n_heads", "index_head_dim", "index_topk"):
+            need(getattr(c, f) > 0, f"{f} must be > 0 when there are CSA layers")
+        need(c.index_head_dim % 2 == 0 and c.rope_head_dim <= c.index_head_dim,
+             f"index_head_dim ({c.index_head_dim}) must be even and >= rope_head_dim ({c.rope_head_dim})")
+    need(c.hc_eps >= 0 and c.rms_norm_eps > 0, "epsilons must be non-negative (rms_norm_eps > 0)")
+    need(0 <= c.bos_token_id < c.vocab_size and 0 <= c.eos_token_id < c.vocab_size, "bos/eos outside the vocab")
+    if c.yarn is not None:
+        need(c.yarn.factor >= 1 and c.yarn.original_max_position_embeddings > 0, "bad YaRN parameters")
+
+
+# ---- presets ------------------------------------------------------------------------------
+
+def _schedule(ratios, csa_ratio=4):
+    """Legacy integer ratios -> (layer_types, compress_ratios), DeepSeek semantics (CSA iff ratio == 4)."""
+    types = tuple(SLIDING if r == 0 else CSA if r == csa_ratio else HCA for r in ratios)
+    return types, tuple(int(r) for r in ratios)
+
+
+def flash() -> ModelConfig:
+    """DeepSeek-V4-Flash (284B), exact published values (target_model.md §1)."""
+    types, ratios = _schedule([0, 0] + [4, 128] * 20 + [4])
+    return ModelConfig(
+        name="flash", vocab_size=129280, hidden_size=4096, num_layers=43, num_heads=64, head_dim=512,
+        rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
+        layer_types=types, compress_ratios=ratios, mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 40,
+        index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+        n_routed_experts=256, num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=2048,
+        routed_scaling_factor=1.5, swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0,
+        yarn=YarnScaling(), max_position_embeddings=1048576, num_nextn_predict_layers=1)
+
+
+def pro() -> ModelConfig:
+    """DeepSeek-V4-Pro (1.6T), published values (target_model.md §1)."""
+    types, ratios = _schedule([128, 128] + [4, 128] * 29 + [4])
+    return flash().replace(
+        name="pro", hidden_size=7168, num_layers=61, num_heads=128, q_lora_rank=1536, o_groups=16,
+        layer_types=types, compress_ratios=ratios, mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 58,
+        index_topk=1024, n_routed_experts=384, moe_intermediate_size=3072, routed_scaling_factor=2.5)
+
+
+def _tiny_base(**kw) -> ModelConfig:
+    base = dict(
+        vocab_size=97, hidden_size=64, num_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=24, o_groups=2,
+        o_lora_rank=16, sliding_window=6, index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=4,
+        hc_sinkhorn_iters=20, hc_eps=1e-6, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, routed_scaling_factor=1.5, swiglu_limit=10.0, rope_theta=10000.0,
+        compress_rope_theta=160000.0, yarn=YarnScaling(original_max_position_embeddings=16),
+        max_position_embeddings=256)
+    base.update(kw)
+    ratios = base.pop("ratios")
+    n_hash = base.pop("n_hash")
+    types, ratios = _schedule(ratios)
+    n = len(ratios)
+    return ModelConfig(num_layers=n, layer_types=types, compress_ratios=ratios,
+                       mlp_layer_types=(HASH_MOE,) * n_hash + (MOE,) * (n - n_hash), **base)
+
+
+def tiny() -> ModelConfig:
+    """5 layers SWA, SWA, CSA(4), HCA(8), CSA(4); 2 hash layers (the shape of shared/reference/hf_tiny_dsv4.py)."""
+    return _tiny_base(name="tiny", ratios=[0, 0, 4, 8, 4], n_hash=2)
+
+
+def tiny_flash_like() -> ModelConfig:
+    """Flash's schedule shape in miniature: 2 SWA, CSA, then repeated HCA/CSA pairs (exercises the layer scan)."""
+    return _tiny_base(name="tiny_flash_like", ratios=[0, 0, 4] + [8, 4] * 3, n_hash=3)
+
+
+PRESETS = {"flash": flash, "pro": pro, "tiny": tiny, "tiny_flash_like": tiny_flash_like}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
+
+
+# ---- Hugging Face / DeepSeek config.json ---------------------------------------------------
+
+def _yarn_from(rp: Mapping[str, Any] | None) -> YarnScaling | None:
+    if not rp:
+        return None
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ConfigError(f"unsupported compress RoPE type {kind!r} (only 'yarn' or none)")
+    af = rp.get("attention_factor")
+    if af not in (None, 1, 1.0) or rp.get("mscale") not in (None, 0, 1, 1.0):
+        raise ConfigError("DeepSeek-V4 YaRN has no mscale: attention_factor must be 1")
+    if "factor" not in rp or "original_max_position_embeddings" not in rp:
+        raise ConfigError("YaRN rope scaling needs 'factor' and 'original_max_position_embeddings'")
+    return YarnScaling(factor=float(rp["factor"]),
+                       original_max_position_embeddings=int(rp["original_max_position_embeddings"]),
+                       beta_fast=float(rp.get("beta_fast", 32)), beta_slow=float(rp.get("beta_slow", 1)),
+                       truncate=bool(rp.get("truncate", True)))
+
+
+def from_hf_config(d: Mapping[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a transformers or DeepSeek-legacy `config.json` dict.
+
+    Layer schedule, in order of precedence:
+      * `layer_types` (transformers): ratios from `compress_rates` (default CSA 4, HCA 128);
+      * `compress_ratios` with `compress_rates` and only the codes 0/4/128: transformers semantics
+        (the codes name the type, `compress_rates` gives the ratio);
+      * `compress_ratios` otherwise: DeepSeek semantics (official inference/model.py: overlap and
+        indexer iff ratio == 4), any positive ratio accepted. Trailing MTP entries are dropped.
+    """
+    d = dict(d)
+    try:
+        n = int(d["num_hidden_layers"])
+    except KeyError:
+        raise ConfigError("config has no num_hidden_layers") from None
+    rates = {CSA: 4, HCA: 128}
+    rates.update(d.get("compress_rates") or {})
+    if d.get("compress_rate_csa") is not None:
+        rates[CSA] = int(d["compress_rate_csa"])
+    if d.get("compress_rate_hca") is not None:
+        rates[HCA] = int(d["compress_rate_hca"])
+    if d.get("layer_types") is not None:
+        types = tuple(d["layer_types"])[:n]
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"unknown layer_types {bad}")
+        ratios = tuple(0 if t == SLIDING else int(rates[t]) for t in types)
+    elif d.get("compress_ratios") is not None:
+        raw = [int(r) for r in d["compress_ratios"]][:n]
+        if d.get("compress_rates") is not None and set(raw) <= set(_HF_RATIO_CODE):
+            types = tuple(_HF_RATIO_CODE[r] for r in raw)
+            ratios = tuple(0 if t == SLIDING else int(rates[t]) for t in types)
+        else:
+            if any(r < 0 for r in raw):
+                raise ConfigError(f"compress_ratios must be >= 0, got {raw}")
+            types, ratios = _schedule(raw)
+    else:
+        raise ConfigError("config has neither layer_types nor compress_ratios")
+    if len(types) != n:
+        raise ConfigError(f"layer schedule has {len(types)} entries for {n} layers")
+
+    if d.get("mlp_layer_types") is not None:
+        mlp = tuple(d["mlp_layer_types"])[:n]
+    else:
+        n_hash = int(d.get("num_hash_layers", 3))
+        mlp = (HASH_MOE,) * min(n, n_hash) + (MOE,) * max(0, n - n_hash)
+
+    head_dim = int(d.get("head_dim", 512))
+    if d.get("qk_rope_head_dim") is not None:
+        rope_dim = int(d["qk_rope_head_dim"])
+    elif d.get("partial_rotary_factor") is not None:
+        rope_dim = int(round(head_dim * float(d["partial_rotary_factor"])))
+    else:
+        rope_dim = 64
+
+    rp = d.get("rope_parameters") or {}
+    if isinstance(rp.get("compress"), Mapping):
+        comp = rp["compress"]
+        main = rp.get("main") or {}
+        rope_theta = float(main.get("rope_theta", d.get("rope_theta", 10000.0)))
+        compress_theta = float(comp.get("rope_theta", d.get("compress_rope_theta", 160000.0)))
+        if main.get("rope_type", "default") != "default":
+            raise ConfigError("the main RoPE of DeepSeek-V4 has no scaling; got " + str(main.get("rope_type")))
+        yarn = _yarn_from(comp)
+    else:
+        scaling = d.get("rope_scaling") or (rp if rp else None)
+        rope_theta = float(d.get("rope_theta", rp.get("rope_theta", 10000.0) if rp else 10000.0))
+        compress_theta = float(d.get("compress_rope_theta", 160000.0))
+        yarn = _yarn_from(scaling)
+
+    if d.get("tie_word_embeddings", False):
+        raise ConfigError("tie_word_embeddings=True is not DeepSeek-V4 (the head is untied)")
+    if d.get("num_key_value_heads", 1) != 1:
+        raise ConfigError(f"DeepSeek-V4 has one shared K=V head; num_key_value_heads={d['num_key_value_heads']}")
+    if d.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+        raise ConfigError(f"unsupported scoring_func {d['scoring_func']!r} (only sqrtsoftplus)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
+    eos = d.get("eos_token_id", 1)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0]
+    return ModelConfig(
+        name=str(d.get("_name_or_path") or d.get("model_type") or "hf"),
+        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]), num_layers=n,
+        num_heads=int(d["num_attention_heads"]), head_dim=head_dim, rope_head_dim=rope_dim,
+        q_lora_rank=int(d["q_lora_rank"]), o_groups=int(d["o_groups"]), o_lora_rank=int(d["o_lora_rank"]),
+        sliding_window=int(d.get("sliding_window", 128)), layer_types=types, compress_ratios=ratios,
+        mlp_layer_types=mlp, index_n_heads=int(d.get("index_n_heads", 64)),
+        index_head_dim=int(d.get("index_head_dim", 128)), index_topk=int(d.get("index_topk", 512)),
+        hc_mult=int(d.get("hc_mult", 4)), hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(d.get("hc_eps", 1e-6)), n_routed_experts=int(d["n_routed_experts"]),
+        num_experts_per_tok=int(d["num_experts_per_tok"]), n_shared_experts=int(d.get("n_shared_experts", 1)),
+        moe_intermediate_size=int(d["moe_intermediate_size"]),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
+        swiglu_limit=float(d.get("swiglu_limit", 10.0)), rope_theta=rope_theta, compress_rope_theta=compress_theta,
+        yarn=yarn, max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        bos_token_id=int(d.get("bos_token_id") if d.get("bos_token_id") is not None else 0),
+        eos_token_id=int(eos if eos is not None else 1),
+        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 0)))
+
+
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """Read `config.json` (a file or a checkpoint directory)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    if not os.path.exists(p):
+        raise ConfigError(f"no config.json at {p}")
+    with open(p) as f:
+        try:
+            return from_hf_config(json.load(f))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None

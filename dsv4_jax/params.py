@@ -1,0 +1,212 @@
+"""Abstract parameter trees (shapes, dtypes, logical axes) and random initialisation.
+
+Tree layout (leaf names follow `dsv4_jax.names`, which maps them to every checkpoint naming):
+
+    embed            [V, D]
+    segments[s][j]   the layer dict of slot j of segment s, every leaf stacked on a leading
+                     `reps` axis (see `schedule.py`)
+    hc_head          {fn [n, n·D], base [n], scale [1]}
+    norm             [D]
+    head             [V, D]
+
+Matrices use the `[out, in]` layout of the checkpoints (y = W x). Norm weights, HC parameters,
+sinks, compressor position biases and the router bias stay float32 whatever the compute dtype
+(HF `_keep_in_fp32_modules`, target_model.md §4); `tid2eid` is int32.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from .config import CSA, HASH_MOE, SLIDING, ModelConfig
+from .schedule import segments
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """Shape, dtype kind and logical axis names of one leaf."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    kind: str = "weight"   # weight (compute dtype) | f32 (kept float32) | index (int32)
+    init: str = "matrix"   # matrix | norm | vector | hc_scale | embed | tid2eid | bias
+
+    def dtype(self, compute_dtype) -> Any:
+        return {"weight": compute_dtype, "f32": jnp.float32, "index": jnp.int32}[self.kind]
+
+
+def _hc_specs(c: ModelConfig, n_out: int) -> dict[str, ParamSpec]:
+    nd = c.hc_mult * c.hidden_size
+    scales = 3 if n_out > c.hc_mult else 1
+    return {"fn": ParamSpec((n_out, nd), ("hc_mix", "hc_embed"), "f32"),
+            "base": ParamSpec((n_out,), ("hc_mix",), "f32", "vector"),
+            "scale": ParamSpec((scales,), (None,), "f32", "hc_scale")}
+
+
+def _norm(dim: int, axis: str) -> ParamSpec:
+    return ParamSpec((dim,), (axis,), "f32", "norm")
+
+
+def _compressor_specs(c: ModelConfig, ratio: int, dim: int, overlap: bool) -> dict[str, ParamSpec]:
+    cd = 2 * dim if overlap else dim
+    return {"wkv": ParamSpec((cd, c.hidden_size), ("comp_dim", "embed")),
+            "wgate": ParamSpec((cd, c.hidden_size), ("comp_dim", "embed")),
+            "ape": ParamSpec((ratio, cd), (None, "comp_dim"), "f32", "vector"),
+            "norm": _norm(dim, "head_dim")}
+
+
+def attention_specs(c: ModelConfig, layer_type: str, ratio: int) -> dict[str, Any]:
+    D, H, d, G, R = c.hidden_size, c.num_heads, c.head_dim, c.o_groups, c.o_lora_rank
+    out = {
+        "wq_a": ParamSpec((c.q_lora_rank, D), ("q_lora", "embed")),
+        "q_norm": _norm(c.q_lora_rank, "q_lora"),
+        "wq_b": ParamSpec((H * d, c.q_lora_rank), ("q_heads", "q_lora")),
+        "wkv": ParamSpec((d, D), ("head_dim", "embed")),
+        "kv_norm": _norm(d, "head_dim"),
+        "wo_a": ParamSpec((G * R, H * d // G), ("o_groups", "o_group_in")),
+        "wo_b": ParamSpec((D, G * R), ("embed", "o_groups")),
+        "attn_sink": ParamSpec((H,), ("heads",), "f32", "vector"),
+    }
+    if layer_type != SLIDING:
+        out["compressor"] = _compressor_specs(c, ratio, d, overlap=layer_type == CSA)
+    if layer_type == CSA:
+        nI, dI = c.index_n_heads, c.index_head_dim
+        out["indexer"] = {
+            "wq_b": ParamSpec((nI * dI, c.q_lora_rank), ("index_heads", "q_lora")),
+            "weights_proj": ParamSpec((nI, D), ("index_heads", "embed")),
+            "compressor": _compressor_specs(c, ratio, dI, overlap=True),
+        }
+    return out
+
+
+def moe_specs(c: ModelConfig, mlp_type: str) -> dict[str, Any]:
+    D, E, I, k = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    gate = {"weight": ParamSpec((E, D), ("experts", "embed"))}
+    if mlp_type == HASH_MOE:
+        gate["tid2eid"] = ParamSpec((c.vocab_size, k), ("vocab", None), "index", "tid2eid")
+    else:
+        gate["bias"] = ParamSpec((E,), ("experts",), "f32", "bias")
+    out = {"gate": gate,
+           "experts": {"w1": ParamSpec((E, I, D), ("experts", "mlp", "embed")),
+                       "w2": ParamSpec((E, D, I), ("experts", "embed", "mlp")),
+                       "w3": ParamSpec((E, I, D), ("experts", "mlp", "embed"))}}
+    if c.n_shared_experts:
+        out["shared_experts"] = {"w1": ParamSpec((I, D), ("mlp", "embed")),
+                                 "w2": ParamSpec((D, I), ("embed", "mlp")),
+                                 "w3": ParamSpec((I, D), ("mlp", "embed"))}
+    return out
+
+
+def layer_specs(c: ModelConfig, layer: int) -> dict[str, Any]:
+    """Parameter specs of one decoder layer (no stacking axis)."""
+    lt, ratio, mt = c.layer_kind(layer)
+    n = c.hc_mult
+    return {"attn_norm": _norm(c.hidden_size, "embed"), "ffn_norm": _norm(c.hidden_size, "embed"),
+            "hc_attn": _hc_specs(c, (2 + n) * n), "hc_ffn": _hc_specs(c, (2 + n) * n),
+            "attn": attention_specs(c, lt, ratio), "ffn": moe_specs(c, mt)}
+
+
+def _stack(spec: ParamSpec, reps: int) -> ParamSpec:
+    return dataclasses.replace(spec, shape=(reps,) + spec.shape, axes=("layers",) + spec.axes)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_specs(c: ModelConfig) -> dict[str, Any]:
+    """The full tree of ParamSpec leaves for a config."""
+    segs = []
+    for seg in segments(c):
+        slots = [jax.tree.map(lambda s: _stack(s, seg.reps), layer_specs(c, seg.start + j), is_leaf=_is_spec)
+                 for j in range(seg.pattern)]
+        segs.append(slots)
+    return {"embed": ParamSpec((c.vocab_size, c.hidden_size), ("vocab", "embed"), init="embed"),
+            "segments": segs,
+            "hc_head": _hc_specs(c, c.hc_mult),
+            "norm": _norm(c.hidden_size, "embed"),
+            "head": ParamSpec((c.vocab_size, c.hidden_size), ("vocab", "embed"))}
+
+
+def abstract_params(c: ModelConfig, dtype=jnp.float32):
+    """Tree of jax.ShapeDtypeStruct: the parameters without allocating them."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype(dtype)), param_specs(c), is_leaf=_is_spec)
+
+
+def logical_axes(c: ModelConfig):
+    """Tree of logical axis-name tuples, parallel to the parameter tree (for sharding rules)."""
+    return jax.tree.map(lambda s: s.axes, param_specs(c), is_leaf=_is_spec)
+
+
+def count_params(c: ModelConfig) -> int:
+    return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_specs(c), is_leaf=_is_spec))
+
+
+def _init_leaf(spec: ParamSpec, key, dtype, c: ModelConfig):
+    shape = spec.shape
+    if spec.init == "tid2eid":
+        # distinct experts per token, like a real table: argsort of uniform noise per row
+        noise = jax.random.uniform(key, shape[:-1] + (c.n_routed_experts,))
+        return jnp.argsort(noise, axis=-1)[..., : c.num_experts_per_tok].astype(jnp.int32)
+    dt = spec.dtype(dtype)
+    if spec.init == "norm":
+        return (1.0 + 0.1 * jax.random.normal(key, shape)).astype(dt)
+    if spec.init == "embed":
+        return jax.random.normal(key, shape).astype(dt)
+    if spec.init == "hc_scale":
+        return (0.5 + jax.random.uniform(key, shape)).astype(dt)
+    if spec.init == "vector":
+        return (0.5 * jax.random.normal(key, shape)).astype(dt)
+    if spec.init == "bias":
+        return (0.1 * jax.random.normal(key, shape)).astype(dt)
+    return (jax.random.normal(key, shape) / np.sqrt(shape[-1])).astype(dt)
+
+
+def init_params(c: ModelConfig, key, dtype=jnp.float32):
+    """Random parameters for tests: non-degenerate (sinks, biases, HC bases and tid2eid all random).
+
+    norms ~ 1 ± 0.1, embedding ~ N(0, 1), matrices ~ N(0, 1/fan_in), vectors ~ N(0, 0.5),
+    HC scales ~ U(0.5, 1.5), router bias ~ N(0, 0.1), tid2eid distinct experts per token.
+    """
+    specs = param_specs(c)
+    flat = traverse_util.flatten_dict(_as_dict(specs), sep="/")
+    keys = jax.random.split(key, len(flat))
+    out = {name: _init_leaf(spec, k, dtype, c) for (name, spec), k in zip(sorted(flat.items()), keys)}
+    return _from_dict(traverse_util.unflatten_dict(out, sep="/"), specs)
+
+
+def _as_dict(tree):
+    """Lists -> dicts with string indices (for flax.traverse_util)."""
+    if isinstance(tree, (list, tuple)):
+        return {str(i): _as_dict(v) for i, v in enumerate(tree)}
+    if isinstance(tree, dict):
+        return {k: _as_dict(v) for k, v in tree.items()}
+    return tree
+
+
+def _from_dict(tree, like):
+    if isinstance(like, (list, tuple)):
+        return [_from_dict(tree[str(i)], v) for i, v in enumerate(like)]
+    if isinstance(like, dict):
+        return {k: _from_dict(tree[k], v) for k, v in like.items()}
+    return tree
+
+
+def flatten(tree, sep: str = ".") -> dict[str, Any]:
+    """Flat {"segments.0.1.attn.wq_a": leaf} view of a parameter tree (or any tree in its layout)."""
+    return traverse_util.flatten_dict(_as_dict(tree), sep=sep)
+
+
+def unflatten(flat: dict[str, Any], c: ModelConfig, sep: str = "."):
+    """Inverse of `flatten` for the parameter layout of config `c`."""
+    return _from_dict(traverse_util.unflatten_dict(flat, sep=sep), param_specs(c))
+
+
+def cast_params(params, c: ModelConfig, dtype):
+    """Cast the compute-dtype leaves to `dtype`, keeping float32 and integer leaves as they are."""
+    return jax.tree.map(lambda s, x: x.astype(s.dtype(dtype)), param_specs(c), params, is_leaf=_is_spec)

@@ -1,0 +1,120 @@
+"""Test helper: tiny random Hugging Face `DeepseekV4ForCausalLM` models (PyTorch, CPU, float32).
+
+HF's own init is degenerate (zero sinks / biases / HC bases, tid2eid all 0), so every weight is
+re-drawn: norms ~ 1 ± 0.1, embedding ~ N(0,1), matrices ~ N(0, 1/fan_in), vectors ~ N(0, 0.5),
+HC scales ~ U(0.5, 1.5), router bias ~ N(0, 0.1), tid2eid distinct random experts per token.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+BASE = dict(
+    vocab_size=97, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=1,
+    head_dim=32, qk_rope_head_dim=8, q_lora_rank=24, o_groups=2, o_lora_rank=16, num_experts_per_tok=2,
+    n_routed_experts=8, n_shared_experts=1, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+    norm_topk_prob=True, sliding_window=6, index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, rms_norm_eps=1e-6, rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    rope_scaling=dict(type="yarn", factor=16, beta_fast=32, beta_slow=1, original_max_position_embeddings=16),
+    max_position_embeddings=256, num_nextn_predict_layers=1, tie_word_embeddings=False, bos_token_id=0,
+    eos_token_id=1,
+)
+
+# Three configs that between them cover: sliding-only layers, CSA with a selecting indexer, HCA,
+# hash layers, hc_mult 4, sequences much longer than the window spanning many compression windows.
+CONFIGS = {
+    # the shape of the spec's verified recipe (target_model.md §5): SWA, SWA, CSA, HCA(8), CSA
+    "swa_csa_hca": dict(BASE, num_hidden_layers=5, compress_ratios=[0, 0, 4, 128, 4], num_hash_layers=2,
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
+    # Flash's schedule in miniature (3 hash layers, repeated HCA/CSA pairs -> a scanned segment)
+    "flash_like": dict(BASE, num_hidden_layers=9, compress_ratios=[0, 0, 4] + [128, 4] * 3, num_hash_layers=3,
+                       compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                       sliding_window=8, index_topk=4),
+    # transformers form (layer_types), other widths: HCA first, more experts/heads, bigger indexer
+    "wide_hca_first": dict(
+        {k: v for k, v in BASE.items() if k != "rope_scaling"},
+        num_hidden_layers=4, hidden_size=96, num_attention_heads=8, head_dim=64, qk_rope_head_dim=16,
+        q_lora_rank=40, o_groups=4, o_lora_rank=24, n_routed_experts=16, num_experts_per_tok=3,
+        moe_intermediate_size=24, index_n_heads=12, index_head_dim=32, index_topk=5, sliding_window=10,
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                     "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                         "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 8.0, "beta_fast": 32,
+                                      "beta_slow": 1, "original_max_position_embeddings": 32,
+                                      "partial_rotary_factor": 0.25, "attention_factor": 1.0}},
+        routed_scaling_factor=2.5),
+}
+
+
+def randomize(model, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(".scale") or name.endswith("hc_scale"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            else:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok]
+                        for _ in range(b.shape[0])]
+                b.copy_(torch.stack(rows))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def build(name: str, seed: int = 0):
+    cfg = DeepseekV4Config(**CONFIGS[name])
+    cfg._attn_implementation = "eager"
+    model = DeepseekV4ForCausalLM(cfg).eval()
+    randomize(model, seed)
+    return model
+
+
+def logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(ids), use_cache=False).logits
+
+
+def count_topk_boundary_ties(model, ids) -> int:
+    """Queries whose k-th and (k+1)-th best valid indexer scores are exactly equal (tie order is undefined)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
+    seen = []
+    orig = M.DeepseekV4IndexerScorer.forward
+
+    def hook(self, q, ckv, h):
+        r = orig(self, q, ckv, h)
+        seen.append(r.detach())
+        return r
+
+    M.DeepseekV4IndexerScorer.forward = hook
+    try:
+        logits(model, ids)
+    finally:
+        M.DeepseekV4IndexerScorer.forward = orig
+    k, m, n = model.config.index_topk, model.config.compress_rates["compressed_sparse_attention"], 0
+    for sc in seen:
+        for b in range(sc.shape[0]):
+            for s in range(sc.shape[1]):
+                nvalid = min((s + 1) // m, sc.shape[2])
+                if nvalid > k:
+                    v = sc[b, s, :nvalid].sort(descending=True).values
+                    n += int(v[k - 1] == v[k])
+    return n
+
+
+def save(model, path) -> None:
+    # transformers 5.23's default save rewrites names (model. prefix, attn.kv_norm -> attn.norm)
+    model.save_pretrained(path, save_original_format=False)

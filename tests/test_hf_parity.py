@@ -1,0 +1,58 @@
+"""Logit parity with Hugging Face transformers' DeepseekV4ForCausalLM (float32, CPU).
+
+The reference is required: if transformers/torch are not importable this module fails (no skip).
+"""
+import numpy as np
+import pytest
+import torch
+
+import dsv4_jax
+from dsv4_jax.convert.hf import load_hf_dir
+
+from . import hf_reference as ref
+
+TOL = 1e-4
+CASES = [("swa_csa_hca", 2, 37), ("flash_like", 2, 70), ("wide_hca_first", 3, 53)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def case(request, tmp_path_factory):
+    name, batch, seq = request.param
+    model = ref.build(name, seed=0)
+    path = tmp_path_factory.mktemp(name)
+    ref.save(model, path)
+    ids = torch.randint(2, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return name, model, path, ids
+
+
+def test_logits_match_hf(case):
+    name, model, path, ids = case
+    config, params = load_hf_dir(path)
+    want = ref.logits(model, ids).numpy()
+    got = np.asarray(dsv4_jax.forward(params, config, ids.numpy().astype(np.int32)))
+    diff = np.abs(got - want).max()
+    print(f"{name}: max |logit diff| = {diff:.3e} (mean |logit| {np.abs(want).mean():.3f}, shape {want.shape})")
+    assert got.dtype == np.float32
+    assert 0.3 < np.abs(want).mean() < 3.0          # logits of magnitude ~1: the tolerance means something
+    assert diff <= TOL
+
+
+def test_indexer_selects_and_has_no_ties(case):
+    """The parity test only proves the indexer if it really selects, and ties would make it ill-posed."""
+    name, model, _, ids = case
+    cfg = model.config
+    m = cfg.compress_rates["compressed_sparse_attention"]
+    assert ids.shape[1] // m > cfg.index_topk           # more compressed rows than index_topk
+    assert ids.shape[1] > 3 * cfg.sliding_window
+    assert ref.count_topk_boundary_ties(model, ids) == 0
+
+
+def test_coverage_of_layer_types():
+    seen_types, hash_layers = set(), 0
+    for name, *_ in CASES:
+        cfg = ref.build(name).config
+        seen_types |= set(cfg.layer_types)
+        hash_layers += cfg.mlp_layer_types.count("hash_moe")
+        assert cfg.hc_mult == 4
+    assert seen_types == {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
+    assert hash_layers > 0
