@@ -253,6 +253,11 @@ def _yarn_from(rp: Mapping[str, Any] | None) -> YarnScaling | None:
                        truncate=bool(rp.get("truncate", True)))
 
 
+# keys from_hf_config has no default for
+_HF_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "q_lora_rank", "o_groups", "o_lora_rank",
+                "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
 def from_hf_config(d: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a transformers or DeepSeek-legacy `config.json` dict.
 
@@ -268,6 +273,9 @@ def from_hf_config(d: Mapping[str, Any]) -> ModelConfig:
         n = int(d["num_hidden_layers"])
     except KeyError:
         raise ConfigError("config has no num_hidden_layers") from None
+    missing = [k for k in _HF_REQUIRED if d.get(k) is None]
+    if missing:
+        raise ConfigError(f"config is missing required keys {missing}")
     rates = {CSA: 4, HCA: 128}
     rates.update(d.get("compress_rates") or {})
     if d.get("compress_rate_csa") is not None:

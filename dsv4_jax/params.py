@@ -210,3 +210,37 @@ def unflatten(flat: dict[str, Any], c: ModelConfig, sep: str = "."):
 def cast_params(params, c: ModelConfig, dtype):
     """Cast the compute-dtype leaves to `dtype`, keeping float32 and integer leaves as they are."""
     return jax.tree.map(lambda s, x: x.astype(s.dtype(dtype)), param_specs(c), params, is_leaf=_is_spec)
+
+
+# ---- drafter trees (leaf names follow `names.MTP_NAMES` / `names.DSPARK_NAMES`) -------------------
+
+def drafter_block_specs(c: ModelConfig) -> dict[str, Any]:
+    """One drafter block (MTP layer or DSpark stage): a full V4 block with ratio 0 (SWA) and a
+    score-routed (non-hash) MoE (drafters.md §1.1, §2.1)."""
+    from .config import MOE
+    one = c.replace(num_layers=1, layer_types=(SLIDING,), compress_ratios=(0,), mlp_layer_types=(MOE,))
+    return layer_specs(one, 0)
+
+
+def mtp_specs(c: ModelConfig) -> dict[str, Any]:
+    """MTP block n (drafters.md §1.1): block leaves + e_proj/h_proj [D, D], enorm/hnorm/norm [D], own hc_head."""
+    D = c.hidden_size
+    out = drafter_block_specs(c)
+    out.update({"e_proj": ParamSpec((D, D), ("embed", "embed_in")), "h_proj": ParamSpec((D, D), ("embed", "embed_in")),
+                "enorm": _norm(D, "embed"), "hnorm": _norm(D, "embed"), "norm": _norm(D, "embed"),
+                "hc_head": _hc_specs(c, c.hc_mult)})
+    return out
+
+
+def dspark_specs(c: ModelConfig, n_stages: int, n_taps: int, markov_rank: int, conf_bias: bool) -> dict[str, Any]:
+    """DSpark drafter (drafters.md §2.2): stages[s] are blocks; main_proj [D, n_taps·D]; markov_w1/w2 [V, R];
+    conf_proj.weight [1, D+R] (+ bias [1] when the checkpoint has one)."""
+    D, V, R = c.hidden_size, c.vocab_size, markov_rank
+    conf = {"weight": ParamSpec((1, D + R), (None, "conf_in"), "f32", "vector")}
+    if conf_bias:
+        conf["bias"] = ParamSpec((1,), (None,), "f32", "vector")
+    return {"main_proj": ParamSpec((D, n_taps * D), ("embed", "taps")), "main_norm": _norm(D, "embed"),
+            "stages": [drafter_block_specs(c) for _ in range(n_stages)],
+            "norm": _norm(D, "embed"), "hc_head": _hc_specs(c, c.hc_mult),
+            "markov_w1": ParamSpec((V, R), ("vocab", "markov")), "markov_w2": ParamSpec((V, R), ("vocab", "markov")),
+            "conf_proj": conf}

@@ -30,19 +30,29 @@ def project_kv(h: jax.Array, p: dict, config: ModelConfig, positions: jax.Array,
     return apply_rope(rms_norm(h @ p["wkv"].T, p["kv_norm"], config.rms_norm_eps), positions, freqs)
 
 
-def attend(q: jax.Array, keys: jax.Array, mask: jax.Array, sinks: jax.Array) -> jax.Array:
+def attend(q: jax.Array, keys: jax.Array, mask: jax.Array, sinks: jax.Array,
+           query_keys: jax.Array | None = None, query_mask: jax.Array | None = None) -> jax.Array:
     """Softmax attention with a per-head sink logit; values are the keys.
 
-    q [B,S,H,d], keys [B,T,d], mask bool [B,S,T], sinks [H] -> [B,S,H,d]. Softmax in float32.
+    q [B,S,H,d], keys [B,T,d] shared by all queries with mask bool [B,S,T], sinks [H]; optional
+    per-query keys [B,S,K,d] with query_mask [B,S,K] (the CSA rows the indexer selected for each
+    query). Softmax in float32 over both sets plus the sink. Returns [B,S,H,d].
     """
     d = q.shape[-1]
     logits = jnp.einsum("bshd,btd->bsht", q, keys).astype(jnp.float32) * d ** -0.5
     logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
+    if query_keys is not None:
+        ql = jnp.einsum("bshd,bskd->bshk", q, query_keys).astype(jnp.float32) * d ** -0.5
+        logits = jnp.concatenate([logits, jnp.where(query_mask[:, :, None, :], ql, -jnp.inf)], axis=-1)
     sink = sinks.astype(jnp.float32)[None, None, :]
     top = jnp.maximum(jnp.max(logits, axis=-1), sink)                       # [B,S,H]
     e = jnp.exp(logits - top[..., None])
-    probs = e / (jnp.sum(e, axis=-1) + jnp.exp(sink - top))[..., None]
-    return jnp.einsum("bsht,btd->bshd", probs.astype(keys.dtype), keys)
+    probs = (e / (jnp.sum(e, axis=-1) + jnp.exp(sink - top))[..., None]).astype(keys.dtype)
+    T = keys.shape[1]
+    out = jnp.einsum("bsht,btd->bshd", probs[..., :T], keys)
+    if query_keys is not None:
+        out = out + jnp.einsum("bshk,bskd->bshd", probs[..., T:], query_keys)
+    return out
 
 
 def grouped_output(o: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
@@ -89,3 +99,57 @@ def attention_sequence(h: jax.Array, p: dict, config: ModelConfig, layer_type: s
     o = attend(q, keys, mask, p["attn_sink"])
     o = apply_rope(o, positions, freqs, inverse=True)
     return grouped_output(o, p, config)
+
+
+def _compressed_block(h, p, config, ratio, dim, overlap, positions, pos, n_valid, table, ring_a, ring_z, freqs):
+    """Close this block's windows into `table` and push its projections to the ring. Returns the 3 arrays."""
+    a, z = compressor.block_projections(h, p, positions, ratio)
+    rows, w, ok = compressor.close_windows(a, z, ring_a, ring_z, pos, n_valid, ratio, dim, overlap)
+    rows = compressor.finish_rows(rows, p["norm"], w * ratio, freqs, config.rms_norm_eps)
+    return (compressor.write_rows(table, rows, w, ok),
+            compressor.write_ring(ring_a, a, pos, n_valid),
+            compressor.write_ring(ring_z, z, pos, n_valid))
+
+
+def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, ratio: int, positions: jax.Array,
+                   pos: jax.Array, n_valid: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """Attention of a block of S tokens at positions pos..pos+S−1 against the decode state of one layer.
+
+    h [B,S,D] normed; positions [B,S]; pos [B] block start (= committed tokens); n_valid [B] how many
+    of the block's tokens are real (the rest, e.g. right padding, is never stored). Returns
+    (y [B,S,D], new cache). Rows of every block token are written; only advancing pos commits them.
+    """
+    from ..cache import EMPTY
+
+    freqs = inv_freq(config, layer_rope_kind(layer_type))
+    qr, q = project_q(h, p, config, positions, freqs)
+    kv = project_kv(h, p, config, positions, freqs)
+    ring_pos = jnp.where(cache["win_pos"] < pos[:, None], cache["win_pos"], EMPTY)   # committed rows only
+    keys = jnp.concatenate([cache["win_kv"], kv], axis=1)
+    mask = window_mask(positions, jnp.concatenate([ring_pos, positions], axis=1), config.sliding_window)
+    new = dict(cache)
+    new["win_kv"] = compressor.write_ring(cache["win_kv"], kv, pos, n_valid)
+    new["win_pos"] = compressor.write_ring(cache["win_pos"], positions, pos, n_valid)
+    query_keys = query_mask = None
+    if layer_type != SLIDING:
+        new["comp_kv"], new["comp_a"], new["comp_z"] = _compressed_block(
+            h, p["compressor"], config, ratio, config.head_dim, layer_type == CSA, positions, pos, n_valid,
+            cache["comp_kv"], cache["comp_a"], cache["comp_z"], freqs)
+        visible = compressed_visible(positions, new["comp_kv"].shape[1], ratio)
+        if layer_type == CSA:
+            pi = p["indexer"]
+            new["idx_keys"], new["idx_a"], new["idx_z"] = _compressed_block(
+                h, pi["compressor"], config, ratio, config.index_head_dim, True, positions, pos, n_valid,
+                cache["idx_keys"], cache["idx_a"], cache["idx_z"], freqs)
+            qi = indexer.index_queries(qr, pi, config, positions, freqs)
+            scores = indexer.index_scores(qi, new["idx_keys"], h, pi, config)
+            k = min(config.index_topk, scores.shape[-1])
+            _, sel = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)           # [B,S,k]
+            query_mask = jnp.take_along_axis(visible, sel, axis=-1)
+            query_keys = jax.vmap(lambda rows, i: rows[i])(new["comp_kv"], sel)       # [B,S,k,d]
+        else:
+            keys = jnp.concatenate([keys, new["comp_kv"]], axis=1)
+            mask = jnp.concatenate([mask, visible], axis=2)
+    o = attend(q, keys, mask, p["attn_sink"], query_keys, query_mask)
+    o = apply_rope(o, positions, freqs, inverse=True)
+    return grouped_output(o, p, config), new

@@ -58,3 +58,68 @@ def compress_sequence(h: jax.Array, p: dict, ratio: int, dim: int, overlap: bool
     rows = pool(a, z)
     row_pos = jnp.broadcast_to(jnp.arange(nW, dtype=jnp.int32) * ratio, (B, nW))
     return finish_rows(rows, p["norm"], row_pos, freqs, eps)
+
+
+# ---- incremental form (decode state, see dsv4_jax/cache.py) ------------------------------------
+
+def block_projections(h: jax.Array, p: dict, positions: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array]:
+    """(a, z + B[t mod m]) of a block of tokens at absolute positions [B,S]: 2 × [B,S,cd]."""
+    a, z = project(h, p)
+    return a, z + p["ape"].astype(jnp.float32)[positions % ratio]
+
+
+def _gather_positions(src: jax.Array, t: jax.Array, pos: jax.Array, ring: int) -> jax.Array:
+    """Rows of absolute positions t [B,...] from src = concat(ring [B,R,c], block [B,S,c]) [B,R+S,c].
+
+    Positions ≥ pos (the block start) come from the block, earlier ones from ring slot t mod R.
+    """
+    lead = (slice(None),) + (None,) * (t.ndim - 1)
+    start = pos[lead]
+    idx = jnp.where(t >= start, ring + t - start, jnp.mod(t, ring))
+    return jax.vmap(lambda s, i: s[i])(src, idx)
+
+
+def close_windows(a: jax.Array, z: jax.Array, ring_a: jax.Array, ring_z: jax.Array, pos: jax.Array,
+                  n_valid: jax.Array, ratio: int, dim: int, overlap: bool):
+    """Pool every window that closes inside the block [pos, pos + n_valid).
+
+    a, z: the block's projections [B,S,cd]; ring_a/z: earlier projections [B,Rp,cd]. Returns
+    (rows [B,J,dim] un-normed, window index w [B,J], ok [B,J]) for the J = ⌊(S−1)/m⌋+1 candidate
+    windows w = ⌊pos/m⌋ + j; ok marks those whose last token lies inside the valid block.
+    """
+    S = a.shape[1]
+    R = ring_a.shape[1]
+    J = (S - 1) // ratio + 1
+    w = pos[:, None] // ratio + jnp.arange(J, dtype=pos.dtype)[None, :]
+    ok = w * ratio + ratio - 1 <= (pos + n_valid - 1)[:, None]
+    src_a = jnp.concatenate([ring_a, a], axis=1)
+    src_z = jnp.concatenate([ring_z, z], axis=1)
+    own = w[..., None] * ratio + jnp.arange(ratio, dtype=pos.dtype)          # [B,J,m]
+    own_a = _gather_positions(src_a, own, pos, R)
+    own_z = _gather_positions(src_z, own, pos, R)
+    if overlap:
+        prev = own - ratio
+        safe = jnp.maximum(prev, 0)
+        prev_a = _gather_positions(src_a, safe, pos, R)[..., :dim]
+        prev_z = jnp.where((prev >= 0)[..., None], _gather_positions(src_z, safe, pos, R)[..., :dim], -jnp.inf)
+        slots_a = jnp.concatenate([prev_a, own_a[..., dim:]], axis=2)
+        slots_z = jnp.concatenate([prev_z, own_z[..., dim:]], axis=2)
+    else:
+        slots_a, slots_z = own_a, own_z
+    return pool(slots_a, slots_z), w, ok
+
+
+def write_rows(table: jax.Array, rows: jax.Array, index: jax.Array, ok: jax.Array) -> jax.Array:
+    """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c], rows [B,J,c]."""
+    T = table.shape[1]
+    idx = jnp.where(ok, index, T)
+    return jax.vmap(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"))(table, idx, rows)
+
+
+def write_ring(ring: jax.Array, values: jax.Array, pos: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """Store the valid block entries at slots t mod R (only the last R of them). ring [B,R,...], values [B,S,...]."""
+    R, S = ring.shape[1], values.shape[1]
+    i = jnp.arange(S, dtype=pos.dtype)[None, :]
+    keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - R)
+    slot = jnp.where(keep, jnp.mod(pos[:, None] + i, R), R)
+    return jax.vmap(lambda r, s, v: r.at[s].set(v.astype(r.dtype), mode="drop"))(ring, slot, values)

@@ -69,15 +69,30 @@ def experts_sorted(x, idx, w, p, config: ModelConfig):
     return jnp.zeros((T, x.shape[-1]), jnp.float32).at[order // k].add(ys).astype(x.dtype)
 
 
-def moe(h: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str) -> jax.Array:
-    """h [B,S,D], tokens int [B,S] -> [B,S,D]."""
+def moe(h: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str,
+        impl: str | None = None) -> jax.Array:
+    """h [B,S,D], tokens int [B,S] -> [B,S,D].
+
+    impl (static): "reference" (these jnp functions), "pallas" or "auto" (`dsv4_jax.kernels`); None means
+    `kernels.default_impl()` (env DSV4_KERNELS, "reference" unless set). Quantized experts
+    ("w1_scale", ... present) are dequantized on the reference path and in-kernel on the Pallas path.
+    """
+    from .. import kernels  # lazy: kernels import this module
+
     B, S, D = h.shape
     x = h.reshape(B * S, D)
-    idx, w = route(x, tokens.reshape(-1), p["gate"], config, mlp_type)
-    if B * S * config.num_experts_per_tok <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * config.n_routed_experts:
-        y = experts_gather(x, idx, w, p["experts"], config)
+    if kernels.resolve(impl) == "pallas":
+        from ..kernels import moe_decode, moe_prefill, routing
+        idx, w = routing.route(x, tokens.reshape(-1), p["gate"], config, mlp_type, impl="pallas")
+        few = B * S <= moe_decode.DECODE_MAX_TOKENS
+        y = (moe_decode if few else moe_prefill).experts(x, idx, w, p["experts"], config, impl="pallas")
     else:
-        y = experts_sorted(x, idx, w, p["experts"], config)
+        idx, w = route(x, tokens.reshape(-1), p["gate"], config, mlp_type)
+        experts = kernels.quant.dequantize_experts(p["experts"], x.dtype)
+        if B * S * config.num_experts_per_tok <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * config.n_routed_experts:
+            y = experts_gather(x, idx, w, experts, config)
+        else:
+            y = experts_sorted(x, idx, w, experts, config)
     if "shared_experts" in p:
         y = y + shared_expert(x, p["shared_experts"], config)
     return y.reshape(B, S, D)

@@ -25,23 +25,35 @@ def head(params: dict, config: ModelConfig, X: jax.Array) -> jax.Array:
     return h @ params["head"].T
 
 
-def run_segments(params: dict, config: ModelConfig, X: jax.Array, layer_fn) -> jax.Array:
+def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: list | None = None):
     """Apply every layer in order; repeated segments are a lax.scan over their stacked parameters.
 
-    `layer_fn(X, layer_params, layer_index) -> X` (layer_index is static: it fixes the layer type).
+    layer_fn(carry, layer_params, layer_state, kind_layer, layer) -> (carry, new_layer_state), where
+    kind_layer is a static layer index with the right type (it fixes the code path) and layer the
+    actual index (a traced int inside a scan). `states` mirrors params["segments"] (or None).
+    Returns (carry, new states).
     """
-    for seg, slots in zip(segments(config), params["segments"]):
-        def one_rep(X, rep_params, rep=None):
-            for j, pj in enumerate(rep_params):
-                # within a scan every repetition has the same kinds, so the first one's index serves
-                X = layer_fn(X, pj, seg.layer_index(j, 0 if rep is None else rep))
-            return X
+    new_states = []
+    for s, (seg, slots) in enumerate(zip(segments(config), params["segments"])):
+        cache_slots = states[s] if states is not None else [None] * seg.pattern
+
+        def one_rep(carry, rep_params, rep_states, rep):
+            outs = []
+            for j in range(seg.pattern):
+                carry, c = layer_fn(carry, rep_params[j], rep_states[j], seg.layer_index(j, 0),
+                                    seg.start + rep * seg.pattern + j)
+                outs.append(c)
+            return carry, outs
 
         if seg.reps == 1:
-            X = one_rep(X, [jax.tree.map(lambda a: a[0], s) for s in slots], 0)
+            first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+            carry, outs = one_rep(carry, first(slots), first(cache_slots), 0)
+            outs = jax.tree.map(lambda a: a[None], outs)
         else:
-            X, _ = jax.lax.scan(lambda X, rp: (one_rep(X, rp), None), X, slots)
-    return X
+            carry, outs = jax.lax.scan(lambda c, xs: one_rep(c, *xs), carry,
+                                       (slots, cache_slots, jnp.arange(seg.reps)))
+        new_states.append(outs)
+    return carry, new_states
 
 
 def hidden_states(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -49,8 +61,8 @@ def hidden_states(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.A
     B, S = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     X = embed(params, config, tokens)
-    fn = lambda X, p, layer: layer_sequence(X, p, config, layer, tokens, positions)
-    return run_segments(params, config, X, fn)
+    fn = lambda X, p, _c, kind, _layer: (layer_sequence(X, p, config, kind, tokens, positions), None)
+    return run_segments(params, config, X, fn)[0]
 
 
 @functools.partial(jax.jit, static_argnums=1)

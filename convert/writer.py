@@ -1,0 +1,118 @@
+"""Atomic, streaming Orbax output.
+
+Checkpoint directory layout (format_version 1):
+
+    OUT/dsv4.json     model config, source and per-leaf format metadata (see `dsv4_jax.checkpoint`)
+    OUT/target/       Orbax (v1 partial save): {embed, head, norm, hc_head, layers: {"00": {...}, ...}}
+    OUT/mtp/          optional: {"0": {...block..., e_proj, h_proj, enorm, hnorm, norm, hc_head}}
+    OUT/dspark/       optional: {main_proj, main_norm, norm, hc_head, markov_w1, markov_w2, conf_proj, stages: {"0": ...}}
+
+Quantized leaves are stored as {"codes", "scale"} (uint8 / int8 / float16 arrays, never float8_e8m0fnu
+or float4, weight_formats.md §4). Everything is written to a temporary directory `<OUT>.incomplete-<pid>` next to the
+target, which is renamed only when complete; on any error (or Ctrl-C) the temporary directory is removed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp1
+
+from . import quant_formats as qf
+
+META_FILE = "dsv4.json"
+FORMAT_VERSION = 1
+
+
+def nest(flat: dict[str, object]) -> dict:
+    """{"a.b": x} -> {"a": {"b": x}}; QTensors become {"codes", "scale"} dicts."""
+    out: dict = {}
+    for path, v in flat.items():
+        d = out
+        *parents, last = path.split(".")
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[last] = v.arrays() if isinstance(v, qf.QTensor) else v
+    return out
+
+
+def describe(v) -> dict:
+    """Metadata record of one stored leaf."""
+    if isinstance(v, qf.QTensor):
+        return {"format": v.fmt, "shape": list(v.shape),
+                "arrays": {k: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name} for k, a in v.arrays().items()}}
+    return {"format": "dense", "shape": list(v.shape), "dtype": np.dtype(v.dtype).name}
+
+
+class ItemWriter:
+    """Streams units of one Orbax item (partial saves, additions only) into `path`."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.leaves: dict[str, dict] = {}
+        self._ctx = ocp1.Context()
+        self._ctx.array.saving.use_compression = False   # ~no gain on codes, §4
+
+    def save(self, key: tuple[str, ...], flat: dict[str, object]) -> None:
+        tree = nest(flat)
+        for k in reversed(key):
+            tree = {k: tree}
+        with self._ctx:
+            ocp1.partial.save(self.path, tree)
+        prefix = ".".join(key)
+        for p, v in flat.items():
+            self.leaves[f"{prefix}.{p}" if prefix else p] = describe(v)
+
+    def finalize(self) -> None:
+        with self._ctx:
+            ocp1.partial.finalize(self.path)
+
+
+class AtomicDir:
+    """Context manager: a temporary sibling of `final`, renamed to `final` by `commit()`, removed on failure."""
+
+    def __init__(self, final: str | os.PathLike, overwrite: bool = False, create: bool = True):
+        self.final = os.path.abspath(os.fspath(final))
+        if os.path.exists(self.final) and not overwrite:
+            raise FileExistsError(f"{self.final} already exists (use --overwrite to replace it)")
+        parent, name = os.path.split(self.final)
+        os.makedirs(parent, exist_ok=True)
+        # not a hidden name: Orbax's partial finalize silently fails on dot-prefixed paths
+        self.tmp = os.path.join(parent, f"{name}.incomplete-{os.getpid()}")
+        self.overwrite = overwrite
+        self.create = create
+        self.committed = False
+
+    def __enter__(self) -> "AtomicDir":
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.create:
+            os.makedirs(self.tmp)
+        return self
+
+    def commit(self) -> None:
+        if os.path.exists(self.final) and self.overwrite:
+            shutil.rmtree(self.final)
+        os.rename(self.tmp, self.final)
+        self.committed = True
+
+    def __exit__(self, *exc) -> bool:
+        if not self.committed:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return False
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def read_meta(ckpt: str | os.PathLike) -> dict:
+    p = os.path.join(os.fspath(ckpt), META_FILE)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"{ckpt}: not a dsv4 checkpoint (no {META_FILE})")
+    with open(p) as f:
+        return json.load(f)

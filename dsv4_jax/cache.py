@@ -1,0 +1,116 @@
+"""Decode state: fixed-shape pytrees indexed by absolute position (DESIGN.md property 3).
+
+Per layer (leaves stacked on a leading `reps` axis per scan segment, like the parameters):
+
+    all layers  win_kv  [B, Rw, d]   raw K=V rows, ring slot t mod Rw
+                win_pos [B, Rw]      absolute position held by each slot (EMPTY when never written)
+    CSA / HCA   comp_kv [B, T, d]    compressed row w at index w (T = ceil(max_len / m))
+                comp_a / comp_z [B, Rp, cd]   pending compressor projections (z with its slot bias),
+                                     ring slot t mod Rp; cd = 2d for CSA (A | B halves), d for HCA
+    CSA only    idx_keys [B, T, dI], idx_a / idx_z [B, Rp, 2·dI]   the indexer's own compressor
+
+plus `pos [B]`, the number of committed tokens of each sequence. Nothing is ever "undone": a
+block of tokens is written at positions pos..pos+S−1, and only advancing `pos` commits it. A row
+of an uncommitted position is invisible (windows and the ⌊(p+1)/m⌋ rule are decided from `pos`
+and the stored positions) and is overwritten when that position is processed again.
+
+Ring sizes: a block starting at `pos` needs the W−1 committed raw rows before it, and (for the
+compressor) the 2m−1 projections before it (m−1 for HCA); rows written by a rejected block of at
+most `max_block` tokens must not clobber them, hence Rw = W + max_block − 1 and
+Rp = c·m + max_block − 1 (c = 2 for CSA, 1 for HCA).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .config import CSA, SLIDING, ModelConfig
+from .schedule import segments
+
+EMPTY = -(2 ** 30)   # position tag of a never-written ring slot: outside every window
+
+
+@struct.dataclass
+class DecodeState:
+    pos: jax.Array                                     # [B] int32 committed tokens per sequence
+    layers: list                                       # layers[s][j]: dict of [reps, B, ...] arrays
+    max_len: int = struct.field(pytree_node=False)     # capacity in tokens
+    max_block: int = struct.field(pytree_node=False)   # widest decode/verify block (k + 1)
+
+    @property
+    def batch(self) -> int:
+        return self.pos.shape[0]
+
+
+def ring_sizes(config: ModelConfig, layer: int, max_block: int) -> tuple[int, int]:
+    """(Rw, Rp) of layer `layer`: raw-window ring and compressor-projection ring (0 if none)."""
+    lt, m, _ = config.layer_kind(layer)
+    rw = config.sliding_window + max_block - 1
+    rp = 0 if lt == SLIDING else (2 if lt == CSA else 1) * m + max_block - 1
+    return rw, rp
+
+
+def layer_cache_shapes(config: ModelConfig, layer: int, batch: int, max_len: int, max_block: int,
+                       dtype) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of one layer's cache (no reps axis)."""
+    lt, m, _ = config.layer_kind(layer)
+    d, B = config.head_dim, batch
+    rw, rp = ring_sizes(config, layer, max_block)
+    out = {"win_kv": jax.ShapeDtypeStruct((B, rw, d), dtype), "win_pos": jax.ShapeDtypeStruct((B, rw), jnp.int32)}
+    if lt != SLIDING:
+        T = math.ceil(max_len / m)
+        cd = 2 * d if lt == CSA else d
+        out.update(comp_kv=jax.ShapeDtypeStruct((B, T, d), dtype),
+                   comp_a=jax.ShapeDtypeStruct((B, rp, cd), dtype),
+                   comp_z=jax.ShapeDtypeStruct((B, rp, cd), jnp.float32))
+    if lt == CSA:
+        dI = config.index_head_dim
+        out.update(idx_keys=jax.ShapeDtypeStruct((B, T, dI), dtype),
+                   idx_a=jax.ShapeDtypeStruct((B, rp, 2 * dI), dtype),
+                   idx_z=jax.ShapeDtypeStruct((B, rp, 2 * dI), jnp.float32))
+    return out
+
+
+def state_shapes(config: ModelConfig, batch: int, max_len: int, max_block: int, dtype=jnp.float32):
+    """Abstract DecodeState (jax.ShapeDtypeStruct leaves): sizes without allocating."""
+    layers = []
+    for seg in segments(config):
+        slots = []
+        for j in range(seg.pattern):
+            shapes = layer_cache_shapes(config, seg.start + j, batch, max_len, max_block, dtype)
+            slots.append({k: jax.ShapeDtypeStruct((seg.reps,) + v.shape, v.dtype) for k, v in shapes.items()})
+        layers.append(slots)
+    return DecodeState(pos=jax.ShapeDtypeStruct((batch,), jnp.int32), layers=layers, max_len=max_len,
+                       max_block=max_block)
+
+
+def init_state(config: ModelConfig, batch: int, max_len: int, max_block: int = 8, dtype=jnp.float32) -> DecodeState:
+    """An empty state: pos = 0, rings tagged EMPTY, everything else zero."""
+    if max_len <= 0 or max_block <= 0 or batch <= 0:
+        raise ValueError(f"batch, max_len and max_block must be positive (got {batch}, {max_len}, {max_block})")
+    shapes = state_shapes(config, batch, max_len, max_block, dtype)
+
+    def make(path, s):
+        name = path[-1].key if hasattr(path[-1], "key") else None
+        return jnp.full(s.shape, EMPTY, s.dtype) if name == "win_pos" else jnp.zeros(s.shape, s.dtype)
+
+    layers = jax.tree_util.tree_map_with_path(make, shapes.layers)
+    return DecodeState(pos=jnp.zeros((batch,), jnp.int32), layers=layers, max_len=max_len, max_block=max_block)
+
+
+def state_bytes(config: ModelConfig, batch: int, max_len: int, max_block: int = 8, dtype=jnp.bfloat16) -> dict:
+    """Bytes of the decode state by part, from the shapes alone."""
+    out = {"window": 0, "compressed": 0, "compressor_pending": 0, "indexer_keys": 0, "indexer_pending": 0}
+    part = {"win_kv": "window", "win_pos": "window", "comp_kv": "compressed", "comp_a": "compressor_pending",
+            "comp_z": "compressor_pending", "idx_keys": "indexer_keys", "idx_a": "indexer_pending",
+            "idx_z": "indexer_pending"}
+    shapes = state_shapes(config, batch, max_len, max_block, dtype)
+    for slots in shapes.layers:
+        for slot in slots:
+            for k, v in slot.items():
+                out[part[k]] += math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,183 @@
+"""Restore a `dsv4-convert` checkpoint into the model's parameter tree.
+
+On disk (see `dsv4_jax.convert.writer`): `dsv4.json` + Orbax items `target/`, optional `mtp/`,
+`dspark/`, all with per-layer leaves. `load_checkpoint` restores one scan segment at a time
+(Orbax partial load, each array straight into its sharding), dequantizes kept codes on device,
+casts, and stacks the layers of a segment on the scan axis, so peak memory is about the model plus
+one segment.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp1
+from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from . import params as P, quant
+from .config import ModelConfig
+from .schedule import segments
+
+META_FILE = "dsv4.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkMeta:
+    """Shape-defining DSpark values read from the checkpoint (drafters.md §2.1-2.2)."""
+
+    n_stages: int
+    n_taps: int
+    markov_rank: int
+    conf_bias: bool
+    block_size: int | None = None
+    noise_token_id: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Config bundle of a checkpoint holding drafters: the target config plus drafter metadata."""
+
+    target: ModelConfig
+    mtp_layers: int = 0
+    dspark: DSparkMeta | None = None
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    p = os.path.join(os.fspath(path), META_FILE)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"{path}: not a dsv4 checkpoint (no {META_FILE}); convert one with dsv4-convert")
+    with open(p) as f:
+        return json.load(f)
+
+
+def _leaf_dtype(spec: P.ParamSpec, dtype):
+    return spec.dtype(dtype)
+
+
+def _abstract(rec: dict, spec: P.ParamSpec, dtype, sharding):
+    if rec["format"] == "dense":
+        return jax.ShapeDtypeStruct(tuple(rec["shape"]), _leaf_dtype(spec, dtype), sharding=sharding)
+    return {k: jax.ShapeDtypeStruct(tuple(a["shape"]), np.dtype(a["dtype"]), sharding=sharding)
+            for k, a in rec["arrays"].items()}
+
+
+def _materialize(rec: dict, stored, spec: P.ParamSpec, dtype, sharding):
+    """Stored leaf -> model array: dense leaves come cast by Orbax; kept codes are dequantized here."""
+    fmt = rec["format"]
+    if fmt == "dense":
+        return stored
+    target = _leaf_dtype(spec, dtype)
+    if fmt in quant.DEVICE_FORMATS:
+        return quant.dequantize(fmt, stored, target)
+    if fmt.startswith("ggml_"):          # K- / IQ-quants: gguf-py's host dequantizer
+        import gguf
+        arr = gguf.quants.dequantize(np.asarray(stored["codes"]), gguf.GGMLQuantizationType[fmt[5:]])
+        return jax.device_put(np.asarray(arr, np.float32).reshape(rec["shape"]).astype(target), sharding)
+    raise ValueError(f"unknown stored format {fmt!r}")
+
+
+def _restore(item_path: str, leaves: dict[str, dict], specs: dict[str, P.ParamSpec], dtype, sharding) -> dict:
+    """Restore the given flat leaves of one item; returns {path: model array}."""
+    abstract = {p: _abstract(leaves[p], specs[p], dtype, sharding) for p in specs}
+    ctx = ocp1.Context()
+    ctx.pytree.loading.partial_load = True
+    with ctx:
+        got = ocp1.load(item_path, traverse_util.unflatten_dict(abstract, sep="."))
+    flat_stored = {}
+    for p in specs:
+        node = got
+        for k in p.split("."):
+            node = node[k]
+        flat_stored[p] = node
+    return {p: _materialize(leaves[p], flat_stored[p], specs[p], dtype, sharding) for p in specs}
+
+
+def _flat_specs(tree) -> dict[str, P.ParamSpec]:
+    return traverse_util.flatten_dict(P._as_dict(tree), sep=".")
+
+
+def _load_target(path: str, config: ModelConfig, leaves: dict, dtype, sharding) -> dict:
+    item = os.path.join(path, "target")
+    full = P.param_specs(config)
+    top_specs = _flat_specs({k: v for k, v in full.items() if k != "segments"})
+    flat = _restore(item, leaves, top_specs, dtype, sharding)
+    for s, seg in enumerate(segments(config)):
+        for j in range(seg.pattern):
+            layer_specs = _flat_specs(P.layer_specs(config, seg.start + j))
+            per_rep = []
+            for r in range(seg.reps):
+                key = f"layers.{seg.layer_index(j, r):02d}"
+                specs = {f"{key}.{p}": sp for p, sp in layer_specs.items()}
+                got = _restore(item, leaves, specs, dtype, sharding)
+                per_rep.append({p: got[f"{key}.{p}"] for p in layer_specs})
+            for p in layer_specs:
+                flat[f"segments.{s}.{j}.{p}"] = jnp.stack([rep[p] for rep in per_rep])
+                for rep in per_rep:
+                    del rep[p]
+    return P.unflatten(flat, config)
+
+
+def _load_mtp(path: str, config: ModelConfig, item: dict, dtype, sharding) -> list:
+    out = []
+    for i in range(item["num_layers"]):
+        specs = {f"{i}.{p}": sp for p, sp in _flat_specs(P.mtp_specs(config)).items()}
+        got = _restore(os.path.join(path, "mtp"), item["leaves"], specs, dtype, sharding)
+        out.append(traverse_util.unflatten_dict({k[len(f"{i}."):]: v for k, v in got.items()}, sep="."))
+    return out
+
+
+def _load_dspark(path: str, config: ModelConfig, item: dict, dtype, sharding) -> tuple[dict, DSparkMeta]:
+    m = item["config"]
+    meta = DSparkMeta(n_stages=m["n_stages"], n_taps=m["n_taps"], markov_rank=m["markov_rank"],
+                      conf_bias=m["conf_bias"], block_size=m.get("block_size"), noise_token_id=m.get("noise_token_id"),
+                      target_layer_ids=None if m.get("target_layer_ids") is None else tuple(m["target_layer_ids"]))
+    specs = P.dspark_specs(config, meta.n_stages, meta.n_taps, meta.markov_rank, meta.conf_bias)
+    head = _flat_specs({k: v for k, v in specs.items() if k != "stages"})
+    tree = traverse_util.unflatten_dict(_restore(os.path.join(path, "dspark"), item["leaves"], head, dtype, sharding),
+                                        sep=".")
+    stages = []
+    for s in range(meta.n_stages):
+        st = {f"stages.{s}.{p}": sp for p, sp in _flat_specs(specs["stages"][s]).items()}
+        got = _restore(os.path.join(path, "dspark"), item["leaves"], st, dtype, sharding)
+        stages.append(traverse_util.unflatten_dict({k[len(f"stages.{s}."):]: v for k, v in got.items()}, sep="."))
+    tree["stages"] = stages
+    return tree, meta
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None):
+    """(config, params) of a checkpoint written by `dsv4-convert`.
+
+    dtype: compute dtype of the weight leaves (default: the dtype chosen at conversion, bfloat16 for
+    kept codes). Norms, HC parameters, sinks, biases and `ape` stay float32, `tid2eid` int32. Kept
+    FP8 / FP4 codes are dequantized exactly.
+    mesh: a `jax.sharding.Mesh`; every array is restored into a replicated NamedSharding on it
+    (per-axis sharding rules come with `dsv4_jax.sharding`). Default: the first local device.
+
+    Returns (ModelConfig, params) for a target-only checkpoint. When the checkpoint holds drafters
+    the config is a `CheckpointConfig(target, mtp_layers, dspark)` and params gain `params["mtp"]`
+    (list of MTP block trees) and/or `params["dspark"]` ({main_proj, ..., stages: [...]}).
+    """
+    path = os.path.abspath(os.fspath(path))
+    meta = read_metadata(path)
+    if meta.get("format_version") != 1:
+        raise ValueError(f"{path}: unsupported checkpoint format_version {meta.get('format_version')}")
+    config = ModelConfig.from_dict(meta["config"])
+    dtype = jnp.dtype(dtype if dtype is not None else meta["conversion"].get("dtype", "bfloat16"))
+    sharding = NamedSharding(mesh, PartitionSpec()) if mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
+    items = meta["items"]
+    params = _load_target(path, config, items["target"]["leaves"], dtype, sharding)
+    mtp_layers, dspark = 0, None
+    if "mtp" in items:
+        params["mtp"] = _load_mtp(path, config, items["mtp"], dtype, sharding)
+        mtp_layers = len(params["mtp"])
+    if "dspark" in items:
+        params["dspark"], dspark = _load_dspark(path, config, items["dspark"], dtype, sharding)
+    if mtp_layers or dspark is not None:
+        return CheckpointConfig(config, mtp_layers, dspark), params
+    return config, params

@@ -1,0 +1,143 @@
+"""Converter throughput: a synthetic ~1 GB file per format through the converter's streaming path.
+
+    python experiments/bench_convert.py [--mb 1024] [--formats fp8,fp4,q8_0,mxfp4,bf16] [--dequant]
+        [--dir /tmp/bench_convert] [--json experiments/results/convert_DATE.json]
+
+Per format, in a fresh subprocess (so peak RSS is per format): write a synthetic source file of
+tensors of ~64 MB ("layers"), then stream it exactly as dsv4-convert does: memory-mapped read ->
+`plan.convert_leaf` (keep codes, or --dequant to bf16) -> one Orbax partial save per tensor ->
+finalize, into an atomic output directory. Reports MB/s of source bytes for the conversion alone
+(`convert`) and for the host-side repack alone (`repack`, no write), and peak RSS.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+TENSOR_MB = 64
+
+
+def _rows(fmt: str, mb: int) -> tuple[int, int, int]:
+    """(n tensors, out rows, in cols) of ~TENSOR_MB-byte tensors (source bytes)."""
+    inn = 4096
+    per_row = {"fp8": inn, "fp4": inn // 2 + inn // 32, "q8_0": inn // 32 * 34, "mxfp4": inn // 32 * 17,
+               "bf16": 2 * inn}[fmt]
+    rows = TENSOR_MB * 2**20 // per_row
+    rows -= rows % 128
+    return max(1, mb // TENSOR_MB), rows, inn
+
+
+def write_source(fmt: str, mb: int, d: str) -> str:
+    n, rows, inn = _rows(fmt, mb)
+    rng = np.random.default_rng(0)
+    if fmt in ("fp8", "fp4", "bf16"):
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+        from tests.convert_fixtures import save_safetensors
+        t = {}
+        for i in range(n):
+            if fmt == "fp8":
+                t[f"w{i}.weight"] = ("F8_E4M3", rng.integers(0, 126, (rows, inn), dtype=np.uint8))
+                t[f"w{i}.scale"] = ("F8_E8M0", rng.integers(110, 130, (rows // 128, inn // 128), dtype=np.uint8))
+            elif fmt == "fp4":
+                t[f"w{i}.weight"] = ("I8", rng.integers(-128, 128, (rows, inn // 2), dtype=np.int8))
+                t[f"w{i}.scale"] = ("F8_E8M0", rng.integers(110, 130, (rows, inn // 32), dtype=np.uint8))
+            else:
+                t[f"w{i}.weight"] = ("BF16", rng.integers(0, 2**16, (rows, inn), dtype=np.uint16) & 0xBFFF)
+        os.makedirs(os.path.join(d, "src"), exist_ok=True)
+        save_safetensors(os.path.join(d, "src", "model.safetensors"), t)
+        return os.path.join(d, "src")
+    import gguf
+    qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "mxfp4": gguf.GGMLQuantizationType.MXFP4}[fmt]
+    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    path = os.path.join(d, "src.gguf")
+    w = gguf.GGUFWriter(path, "deepseek4")
+    for i in range(n):
+        raw = rng.integers(0, 256, (rows, inn // bs * ts), dtype=np.uint8)
+        if fmt == "q8_0":   # finite f16 scales
+            raw.reshape(rows, -1, 34)[..., 1] &= 0x3B
+        w.add_tensor(f"w{i}.weight", raw, raw_dtype=qt)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return path
+
+
+def run_one(fmt: str, src: str, d: str, dequant: bool) -> dict:
+    import ml_dtypes
+    from dsv4_jax.convert import plan as PL
+    from dsv4_jax.convert.gguf_io import GGUFSource
+    from dsv4_jax.convert.hf_source import SafetensorsSource
+    from dsv4_jax.convert.writer import AtomicDir, ItemWriter
+    from dsv4_jax.params import ParamSpec
+    source = SafetensorsSource(src) if os.path.isdir(src) else GGUFSource(src)
+    names = [n for n in source.names() if n.endswith(".weight")]
+    total = sum(source.nbytes(n) for n in names)
+    spec = ParamSpec(source.shape(names[0]), ("a", "b"))
+    dtype = np.dtype(ml_dtypes.bfloat16)
+    t0 = time.perf_counter()
+    for n in names:                     # host-side repack only
+        PL.convert_leaf(source.load(n), spec, dtype, keep_quantized=not dequant)
+    repack_s = time.perf_counter() - t0
+    out = os.path.join(d, "out")
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    with AtomicDir(out) as a:
+        w = ItemWriter(os.path.join(a.tmp, "target"))
+        for i, n in enumerate(names):
+            w.save(("layers", f"{i:02d}"), {"w": PL.convert_leaf(source.load(n), spec, dtype, not dequant)})
+        w.finalize()
+        a.commit()
+    convert_s = time.perf_counter() - t0
+    out_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(out) for f in fs)
+    return {"format": fmt, "mode": "dequant-bf16" if dequant else "keep-codes", "source_MB": round(total / 2**20, 1),
+            "output_MB": round(out_bytes / 2**20, 1), "tensors": len(names),
+            "repack_MBps": round(total / 2**20 / repack_s, 1), "convert_MBps": round(total / 2**20 / convert_s, 1),
+            "convert_s": round(convert_s, 2), "peak_rss_MB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=1024, help="source size per format in MB (default 1024)")
+    ap.add_argument("--formats", default="fp8,fp4,q8_0,mxfp4,bf16")
+    ap.add_argument("--dequant", action="store_true", help="dequantize to bf16 instead of keeping codes")
+    ap.add_argument("--dir", default="/tmp/bench_convert")
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--one", nargs=2, metavar=("FMT", "SRC"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(run_one(a.one[0], a.one[1], a.dir, a.dequant)))
+        return
+    rows = []
+    for fmt in a.formats.split(","):
+        d = os.path.join(a.dir, fmt)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        src = write_source(fmt, a.mb, d)
+        cmd = [sys.executable, __file__, "--one", fmt, src, "--dir", d] + (["--dequant"] if a.dequant else [])
+        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        if p.returncode:
+            sys.exit(p.stderr[-3000:])
+        rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        shutil.rmtree(d, ignore_errors=True)
+        r = rows[-1]
+        print(f"{fmt:6s} {r['mode']:12s} src {r['source_MB']:7.1f} MB  out {r['output_MB']:7.1f} MB  "
+              f"repack {r['repack_MBps']:7.1f} MB/s  convert {r['convert_MBps']:7.1f} MB/s  "
+              f"peak RSS {r['peak_rss_MB']} MB", flush=True)
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.platform(),
+           "cpus": os.cpu_count(), "command": " ".join(sys.argv), "results": rows}
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Quant formats: host (numpy) decoders against gguf-py and direct formulas, device (jnp) twins against host."""
+import gguf
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from dsv4_jax import quant
+from dsv4_jax.convert import quant_formats as qf
+
+from . import convert_fixtures as fx
+
+rng = np.random.default_rng(0)
+
+
+def test_e8m0_exact_including_subnormal():
+    assert qf.E8M0_F32[127] == 1.0 and qf.E8M0_F32[130] == 8.0 and qf.E8M0_F32[1] == 2.0 ** -126
+    assert qf.E8M0_F32[0] == np.float32(2.0 ** -127) and qf.E8M0_F32[0] > 0     # not flushed to zero
+    assert np.isnan(qf.E8M0_F32[255])
+
+
+def test_fp8_block_dequant_matches_formula():
+    w = rng.standard_normal((200, 300)).astype(np.float32)
+    codes, scale, deq = fx.quant_fp8(w)
+    assert scale.shape == (2, 3)
+    got = qf.dequantize(qf.check(qf.QTensor(qf.FP8, codes, scale, (200, 300))))
+    np.testing.assert_array_equal(got, deq)
+    direct = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.ldexp(
+        1.0, scale.astype(int) - 127).repeat(128, 0)[:200].repeat(128, 1)[:, :300]
+    np.testing.assert_array_equal(got, direct)
+    np.testing.assert_array_equal(np.asarray(quant.dequant_fp8(jnp.asarray(codes), jnp.asarray(scale), jnp.float32)), got)
+    # exact in bf16 too (e4m3 × 2^k)
+    np.testing.assert_array_equal(np.asarray(quant.dequant_fp8(jnp.asarray(codes), jnp.asarray(scale), jnp.bfloat16),
+                                             np.float32), got)
+
+
+def test_fp4_nibble_order_low_first():
+    codes = np.array([[0x21] + [0] * 15], np.uint8)            # element 0 = code 1 (0.5), element 1 = code 2 (1.0)
+    scale = np.array([[127]], np.uint8)
+    got = qf.dequantize(qf.QTensor(qf.FP4, codes, scale, (1, 32)))
+    assert got[0, 0] == 0.5 and got[0, 1] == 1.0 and not got[0, 2:].any()
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    c, s, deq = fx.quant_fp4(w)
+    got = qf.dequantize(qf.QTensor(qf.FP4, c, s, (64, 128)))
+    np.testing.assert_array_equal(got, deq)
+    np.testing.assert_array_equal(np.asarray(quant.dequant_fp4(jnp.asarray(c), jnp.asarray(s), jnp.float32)), got)
+
+
+def test_mxfp4_repack_is_lossless():
+    x = rng.standard_normal((3, 16, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(x, T.MXFP4)
+    q = qf.repack_mxfp4(raw)
+    assert q.shape == (3, 16, 256) and q.codes.shape == (3, 16, 128) and q.scale.shape == (3, 16, 8)
+    np.testing.assert_array_equal(qf.dequantize(q), gguf.quants.dequantize(raw, T.MXFP4))
+
+
+def test_q8_0_split():
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(x, T.Q8_0)
+    q = qf.split_q8_0(raw)
+    assert q.codes.dtype == np.int8 and q.scale.dtype == np.float16 and q.scale.shape == (5, 3)
+    want = gguf.quants.dequantize(raw, T.Q8_0)
+    np.testing.assert_array_equal(qf.dequantize(q), want)
+    np.testing.assert_array_equal(np.asarray(quant.dequant_q8_0(jnp.asarray(q.codes), jnp.asarray(q.scale),
+                                                                jnp.float32)), want)
+
+
+@pytest.mark.parametrize("qtype", sorted(qf.GGML_RAW_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_ggml_raw_types(qtype):
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (4, 2 * ts), dtype=np.uint8)
+    q = qf.ggml_raw(raw, qtype)
+    assert q.shape == (4, 2 * bs)
+    np.testing.assert_array_equal(qf.dequantize(q), gguf.quants.dequantize(raw, qtype), strict=False)
+
+
+def test_slice_fused_q8_0_columns():
+    x = rng.standard_normal((4, 128)).astype(np.float32)
+    q = qf.split_q8_0(gguf.quants.quantize(x, T.Q8_0))
+    full = qf.dequantize(q)
+    np.testing.assert_array_equal(qf.dequantize(qf.slice_axis(q, 1, 64, 128)), full[:, 64:])
+    with pytest.raises(qf.FormatError):
+        qf.slice_axis(q, 1, 0, 40)
