@@ -60,7 +60,7 @@ class ItemWriter:
         for k in reversed(key):
             tree = {k: tree}
         with self._ctx:
-            ocp1.partial.save(self.path, tree)
+            ocp1.partial.save(self.path, tree)   # synchronous: overlapping with save_async gained nothing (bench)
         prefix = ".".join(key)
         for p, v in flat.items():
             self.leaves[f"{prefix}.{p}" if prefix else p] = describe(v)

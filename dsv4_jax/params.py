@@ -147,36 +147,45 @@ def count_params(c: ModelConfig) -> int:
     return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_specs(c), is_leaf=_is_spec))
 
 
-def _init_leaf(spec: ParamSpec, key, dtype, c: ModelConfig):
+def _init_leaf(spec: ParamSpec, rng: np.random.Generator, dtype, c: ModelConfig) -> np.ndarray:
     shape = spec.shape
     if spec.init == "tid2eid":
-        # distinct experts per token, like a real table: argsort of uniform noise per row
-        noise = jax.random.uniform(key, shape[:-1] + (c.n_routed_experts,))
-        return jnp.argsort(noise, axis=-1)[..., : c.num_experts_per_tok].astype(jnp.int32)
-    dt = spec.dtype(dtype)
+        # distinct experts per token, like a real table: the first k of a random permutation per row
+        noise = rng.random(shape[:-1] + (c.n_routed_experts,))
+        return np.argsort(noise, axis=-1)[..., : c.num_experts_per_tok].astype(np.int32)
     if spec.init == "norm":
-        return (1.0 + 0.1 * jax.random.normal(key, shape)).astype(dt)
-    if spec.init == "embed":
-        return jax.random.normal(key, shape).astype(dt)
-    if spec.init == "hc_scale":
-        return (0.5 + jax.random.uniform(key, shape)).astype(dt)
-    if spec.init == "vector":
-        return (0.5 * jax.random.normal(key, shape)).astype(dt)
-    if spec.init == "bias":
-        return (0.1 * jax.random.normal(key, shape)).astype(dt)
-    return (jax.random.normal(key, shape) / np.sqrt(shape[-1])).astype(dt)
+        x = 1.0 + 0.1 * rng.standard_normal(shape)
+    elif spec.init == "embed":
+        x = rng.standard_normal(shape)
+    elif spec.init == "hc_scale":
+        x = 0.5 + rng.random(shape)
+    elif spec.init == "vector":
+        x = 0.5 * rng.standard_normal(shape)
+    elif spec.init == "bias":
+        x = 0.1 * rng.standard_normal(shape)
+    else:
+        x = rng.standard_normal(shape) / np.sqrt(shape[-1])
+    return x.astype(np.float32)
+
+
+def _seed_of(key) -> int:
+    if isinstance(key, (int, np.integer)):
+        return int(key)
+    data = np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
+    return int(np.uint64(data.ravel().astype(np.uint64).sum()) % np.uint64(2 ** 63))
 
 
 def init_params(c: ModelConfig, key, dtype=jnp.float32):
-    """Random parameters for tests: non-degenerate (sinks, biases, HC bases and tid2eid all random).
+    """Random parameters for tests (host-side numpy RNG, fast): non-degenerate sinks, biases, HC bases, tid2eid.
 
-    norms ~ 1 ± 0.1, embedding ~ N(0, 1), matrices ~ N(0, 1/fan_in), vectors ~ N(0, 0.5),
-    HC scales ~ U(0.5, 1.5), router bias ~ N(0, 0.1), tid2eid distinct experts per token.
+    key: a jax PRNG key or an int seed. norms ~ 1 ± 0.1, embedding ~ N(0, 1), matrices ~ N(0, 1/fan_in),
+    vectors ~ N(0, 0.5), HC scales ~ U(0.5, 1.5), router bias ~ N(0, 0.1), tid2eid distinct experts per token.
     """
     specs = param_specs(c)
     flat = traverse_util.flatten_dict(_as_dict(specs), sep="/")
-    keys = jax.random.split(key, len(flat))
-    out = {name: _init_leaf(spec, k, dtype, c) for (name, spec), k in zip(sorted(flat.items()), keys)}
+    children = np.random.SeedSequence(_seed_of(key)).spawn(len(flat))
+    out = {name: jnp.asarray(_init_leaf(spec, np.random.default_rng(ss), dtype, c).astype(np.dtype(spec.dtype(dtype))))
+           for (name, spec), ss in zip(sorted(flat.items()), children)}
     return _from_dict(traverse_util.unflatten_dict(out, sep="/"), specs)
 
 

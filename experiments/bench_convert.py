@@ -100,7 +100,16 @@ def run_one(fmt: str, src: str, d: str, dequant: bool) -> dict:
     return {"format": fmt, "mode": "dequant-bf16" if dequant else "keep-codes", "source_MB": round(total / 2**20, 1),
             "output_MB": round(out_bytes / 2**20, 1), "tensors": len(names),
             "repack_MBps": round(total / 2**20 / repack_s, 1), "convert_MBps": round(total / 2**20 / convert_s, 1),
-            "convert_s": round(convert_s, 2), "peak_rss_MB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+            "convert_s": round(convert_s, 2), "peak_rss_MB": _peak_rss_mb()}
+
+
+def _peak_rss_mb() -> int:
+    """VmHWM (resets at exec, unlike ru_maxrss, which would report the parent's peak); includes mapped file pages."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
 def main():

@@ -61,9 +61,10 @@ def test_verify_commit_every_accept_length(model, k):
     config, params, tokens, full = model
     rng = np.random.default_rng(k)
     # block starts: on a CSA/HCA window boundary (16), just before one (15), mid-window (13)
-    for start in (16, 15, 13):
+    for start in (16, 15, 13):  # (padded prefill: tokens past `start` are ignored)
         for a in range(k + 1):
-            _, state, _ = D.prefill(params, config, tokens[:, :start], max_len=64, max_block=8)
+            # one padded prefill shape for every start (lengths = start): one compilation
+            _, state, _ = D.prefill(params, config, tokens[:, :16], [start] * 2, max_len=64, max_block=8)
             block = tokens[:, start:start + k + 1].copy()
             # drafts after the accepted ones are wrong tokens (rows written, then rejected)
             block[:, a + 1:] = rng.integers(0, config.vocab_size, block[:, a + 1:].shape)

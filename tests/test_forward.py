@@ -22,7 +22,7 @@ def small_config(name="fwd", ratios=(0, 4, 8, 4, 8), n_hash=1):
 
 
 def np_init(cfg, seed):
-    """Random float32 parameters drawn with numpy from the spec tree (params.init_params is slow eagerly on CPU).
+    """Random float32 parameters drawn with numpy from the spec tree (fast, and independent of init_params).
 
     Same distributions as the HF parity tests: norms 1 ± 0.1, embedding N(0,1), matrices N(0, 1/fan_in),
     vectors N(0, 0.5), HC scales U(0.5, 1.5), router bias N(0, 0.1), tid2eid distinct experts per token.
@@ -77,11 +77,30 @@ def test_eval_shape_flash_full_size(dtype):
     assert aparams["segments"][0][0]["ffn"]["gate"]["tid2eid"].shape == (2, 129280, 6)
 
 
+def _dtypes(jaxpr, acc):
+    """Every dtype produced anywhere in a jaxpr, nested jaxprs (jit, scan, ...) included."""
+    for e in jaxpr.eqns:
+        acc.update(str(v.aval.dtype) for v in e.outvars)
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                if hasattr(sub, "eqns"):
+                    _dtypes(sub, acc)
+                elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    _dtypes(sub.jaxpr, acc)
+    return acc
+
+
 def test_float32_forward(model):
     cfg, params, tokens, logits = model
     assert logits.shape == (B, S, cfg.vocab_size) and logits.dtype == jnp.float32
     assert np.isfinite(np.asarray(logits)).all()
     assert 0.1 < float(jnp.abs(logits).mean()) < 10
+    # float32 end to end: no intermediate anywhere in the traced program is a narrower float
+    seen = _dtypes(jax.make_jaxpr(lambda p, t: forward(p, cfg, t))(params, tokens).jaxpr, set())
+    assert "float32" in seen and not seen & {"bfloat16", "float16", "float8_e4m3fn"}, seen
+    seen16 = _dtypes(jax.make_jaxpr(lambda p, t: forward(p, cfg, t))(abstract_params(cfg, jnp.bfloat16),
+                                                                       tokens).jaxpr, set())
+    assert "bfloat16" in seen16            # the walk does see inside the program
 
 
 def test_bf16_forward_close_to_fp32(model):

@@ -20,7 +20,7 @@ def _case(B, S, T, H, d, dtype, seed=0):
 
 
 @pytest.mark.parametrize("B,S,T,H,d,dtype", [(1, 1, 37, 8, 16, jnp.float32), (2, 5, 64, 8, 32, jnp.bfloat16),
-                                             (1, 12, 150, 16, 16, jnp.float32)])
+                                             pytest.param(1, 12, 150, 16, 16, jnp.float32, marks=pytest.mark.slow)])
 def test_scores_match_reference(B, S, T, H, d, dtype):
     q, keys, omega, pos = _case(B, S, T, H, d, dtype, seed=S)
     n_rows = jnp.array([T - 3] * B)
@@ -47,7 +47,7 @@ def test_select_matches_reference_decode_and_prefill():
     cfg = tiny().replace(index_topk=5)
     H, d = cfg.index_n_heads, cfg.index_head_dim
     p = {"weights_proj": jax.random.normal(jax.random.key(5), (H, cfg.hidden_size)) * 0.3}
-    for S, n_rows in ((1, None), (4, jnp.array([30])), (16, jnp.array([40]))):   # decode 1..k+1, prefill
+    for S, n_rows in ((1, None), (16, jnp.array([40]))):   # decode 1..k+1, prefill
         q, keys, _, _ = _case(1, S, 48, H, d, jnp.float32, seed=S)
         h = jax.random.normal(jax.random.key(S), (1, S, cfg.hidden_size))
         pos = jnp.arange(100, 100 + S)[None] if S < 16 else jnp.arange(0, 12 * S, 12)[None]

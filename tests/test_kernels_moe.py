@@ -110,7 +110,9 @@ def test_model_moe_pallas_equals_reference_in_while_loop(S):
 
 
 def _moe_layer_params(cfg):
+    """Random score-routed MoE layer parameters with the shapes of `params.moe_specs`."""
     specs = params_mod.moe_specs(cfg, "moe")
-    keys = iter(jax.random.split(jax.random.key(3), 16))
-    leaf = lambda s: params_mod._init_leaf(s, next(keys), jnp.float32, cfg)
-    return jax.tree.map(leaf, specs, is_leaf=params_mod._is_spec)
+    leaves, tree = jax.tree.flatten(specs, is_leaf=params_mod._is_spec)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    vals = [jax.random.normal(kk, sp.shape) * (0.1 if len(sp.shape) == 1 else 0.3) for kk, sp in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, vals)

@@ -342,7 +342,8 @@ def test_index_queries_and_scores():
     p = {"wq_b": r_.normal(size=(nI * dI, ql)) / math.sqrt(ql), "weights_proj": r_.normal(size=(nI, D)) / math.sqrt(D)}
     pj = {k: f32(v) for k, v in p.items()}
     pos = np.tile(np.arange(S), (B, 1))
-    q = np.asarray(jit(indexer.index_queries, config=c, freqs=freqs)(f32(qr), pj, positions=jnp.asarray(pos, jnp.int32)))
+    q = jit(indexer.index_queries, config=c, freqs=freqs)(f32(qr), pj, positions=jnp.asarray(pos, jnp.int32))
+    q = np.asarray(q)
     want_q = (qr @ p["wq_b"].T).reshape(B, S, nI, dI)
     want_q = np.array([[[np_rope_vec(want_q[b, s, hh], s, freqs) for hh in range(nI)] for s in range(S)]
                        for b in range(B)])
@@ -496,7 +497,8 @@ def test_moe_layer(mlp_type, B, S):
     c = CFG
     p = _moe_params(r_, c, amp=4.0)
     h, tokens = r_.normal(size=(B, S, c.hidden_size)), r_.integers(0, c.vocab_size, size=(B, S))
-    got = np.asarray(jit(moe.moe, config=c, mlp_type=mlp_type)(f32(h), jnp.asarray(tokens, jnp.int32), _jtree(p)))
+    layer = jit(moe.moe, config=c, mlp_type=mlp_type, impl="reference")
+    got = np.asarray(layer(f32(h), jnp.asarray(tokens, jnp.int32), _jtree(p)))
     x = h.reshape(B * S, -1)
     routes = np_route(x, tokens.reshape(-1), p["gate"], c, mlp_type == HASH_MOE)
     sh = p["shared_experts"]
@@ -530,6 +532,26 @@ def test_attend_with_sinks():
     assert np.abs(no_sink[0, 1:] - got[0, 1:]).max() > 1e-2
 
 
+def test_attend_with_per_query_keys():
+    """The CSA form: shared window keys plus each query's own selected rows, one softmax with the sink."""
+    r_ = rng(13)
+    B, S, H, d, T, K = 2, 3, 2, 8, 4, 3
+    q, keys, qk = r_.normal(size=(B, S, H, d)) * 2, r_.normal(size=(B, T, d)) * 2, r_.normal(size=(B, S, K, d)) * 2
+    mask, qmask = r_.random((B, S, T)) < 0.7, r_.random((B, S, K)) < 0.6
+    sinks = r_.normal(size=(H,))
+    got = np.asarray(jax.jit(attention.attend)(f32(q), f32(keys), jnp.asarray(mask), f32(sinks), f32(qk),
+                                               jnp.asarray(qmask)))
+    want = np.zeros((B, S, H, d))
+    for b in range(B):
+        for s in range(S):
+            J = [keys[b, j] for j in range(T) if mask[b, s, j]] + [qk[b, s, j] for j in range(K) if qmask[b, s, j]]
+            for h in range(H):
+                e = np.array([math.exp(q[b, s, h] @ k / math.sqrt(d)) for k in J])
+                den = e.sum() + math.exp(sinks[h])
+                want[b, s, h] = sum(e[i] / den * k for i, k in enumerate(J)) if J else 0
+    close(got, want, 1e-4, 1e-5)
+
+
 def test_window_mask_includes_current_token():
     W, S = 5, 12
     pos = jnp.asarray(np.tile(np.arange(S), (2, 1)), jnp.int32)
@@ -554,7 +576,8 @@ def test_grouped_output_and_projections():
     want = np.zeros((B, S, D))
     for b in range(B):
         for s in range(S):
-            u = [p["wo_a"][g * R:(g + 1) * R] @ np.concatenate([o[b, s, hh] for hh in range(g * H // G, (g + 1) * H // G)])
+            u = [p["wo_a"][g * R:(g + 1) * R] @ np.concatenate([o[b, s, hh] for hh in range(g * H // G,
+                                                                                             (g + 1) * H // G)])
                  for g in range(G)]
             want[b, s] = p["wo_b"] @ np.concatenate(u)
     close(got, want, 1e-3, 1e-5)

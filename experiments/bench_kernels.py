@@ -1,0 +1,216 @@
+"""Benchmark the Pallas kernels against their XLA references (issue 10).
+
+MoE experts (SwiGLU FFN of the routed experts: gate/up + down + weighted combine) at decode shapes
+(T tokens, k of E experts, D -> I), bf16 and weight-quantized (fp8 128x128 blocks, int8 per channel):
+  kernel_decode (active experts only), kernel_prefill (grouped matmul), ref_gather (gathered einsum,
+  model.moe.experts_gather), ref_ragged (sort + lax.ragged_dot, model.moe.experts_sorted).
+Lightning indexer (scores + validity + top-k) over R compressed rows (context = 4R), H heads x dI:
+  kernel (Pallas scores + two-stage top-k), ref (model.indexer.index_scores + select_topk), and
+  ref_topk_only (lax.top_k over R rows alone).
+
+Each case also checks the kernel against the reference (max abs error). The bandwidth bound is
+bytes that must be read / measured device bandwidth (a large elementwise copy, read+write).
+
+  python experiments/bench_kernels.py --small              # CPU, interpret mode, reduced sizes
+  python experiments/bench_kernels.py --out results.json   # GPU, DeepSeek-V4-Flash shapes
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax.kernels import lightning_indexer as li
+from dsv4_jax.kernels import moe_decode, moe_prefill, quant
+from dsv4_jax.model import indexer as indexer_ref
+from dsv4_jax.model import moe as moe_ref
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+class _Cfg:
+    def __init__(self, E, limit=10.0):
+        self.n_routed_experts, self.swiglu_limit = E, limit
+
+
+def timeit(fn, *args, iters: int) -> float:
+    """Median wall time in µs of fn(*args) (compiled, after warm-up)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(ts)
+
+
+def measure_bandwidth(nbytes: int, iters: int) -> float:
+    """Achieved bytes/s of y = x + 1 (read + write) on an nbytes buffer."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda v: v + 1.0)
+    return 2 * nbytes / (timeit(f, x, iters=iters) * 1e-6)
+
+
+def moe_cases(a, bw):
+    E, D, I, k = a.experts, a.hidden, a.inter, a.topk
+    key = jax.random.key(0)
+    w1 = (jax.random.normal(key, (E, I, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    p = {"w1": w1, "w3": w1 * 0.5, "w2": jnp.swapaxes(w1, 1, 2)}
+    blk = (min(128, I), min(128, D))
+    fmts = {"bf16": p, "fp8_blk128": quant.quantize_experts(p, "fp8", blk),
+            "int8_chan": quant.quantize_experts(p, "int8", (1, None))}
+    cfg = _Cfg(E)
+    interp = jax.default_backend() != "gpu"
+    rows = []
+    for T in a.tokens:
+        x = jax.random.normal(jax.random.key(T), (T, D), jnp.bfloat16)
+        idx = jnp.argsort(jax.random.uniform(jax.random.key(T + 1), (T, E)), -1)[:, :k].astype(jnp.int32)
+        w = jax.random.uniform(jax.random.key(T + 2), (T, k))
+        n_active = int(jnp.unique(idx).shape[0])
+        for name, pp in fmts.items():
+            if name != "bf16" and T not in a.quant_tokens:
+                continue
+            wbytes = sum(pp[n].dtype.itemsize for n in ("w1", "w2", "w3")) * I * D * n_active
+            ref_g = jax.jit(lambda x, i, w, pp: moe_ref.experts_gather(x, i, w, quant.dequantize_experts(pp, x.dtype), cfg))
+            ref_r = jax.jit(lambda x, i, w, pp: moe_ref.experts_sorted(x, i, w, quant.dequantize_experts(pp, x.dtype), cfg))
+            want = ref_g(x, idx, w, pp).astype(jnp.float32)
+            res = {"bench": "moe", "T": T, "E": E, "k": k, "D": D, "I": I, "weights": name, "active_experts": n_active,
+                   "weight_bytes": wbytes, "bound_us": wbytes / bw * 1e6}
+            impls = {"ref_gather": lambda: ref_g, "ref_ragged": lambda: ref_r}
+            for blocks in a.decode_blocks:
+                impls[f"kernel_decode{list(blocks)}"] = lambda b=blocks: jax.jit(
+                    lambda x, i, w, pp: moe_decode.experts_decode(x, i, w, pp, limit=10.0, interpret=interp, blocks=b))
+            impls["kernel_prefill"] = lambda: jax.jit(
+                lambda x, i, w, pp: moe_prefill.experts_prefill(x, i, w, pp, limit=10.0, interpret=interp,
+                                                                blocks=tuple(a.prefill_blocks)))
+            for iname, make in impls.items():
+                try:
+                    f = make()
+                    err = float(jnp.max(jnp.abs(f(x, idx, w, pp).astype(jnp.float32) - want)))
+                    us = timeit(f, x, idx, w, pp, iters=a.iters)
+                    res[iname] = {"us": us, "max_abs_err": err, "bytes_per_s": wbytes / (us * 1e-6),
+                                  "x_bound": us / res["bound_us"]}
+                except Exception as e:  # noqa: BLE001 - a failing variant must not stop the run
+                    res[iname] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            kern = [v["us"] for kk, v in res.items() if kk.startswith("kernel") and isinstance(v, dict) and "us" in v]
+            if kern:
+                best = min(kern)
+                res["best_kernel_us"] = best
+                res["speedup_vs_ref_gather"] = res["ref_gather"].get("us", float("nan")) / best
+                res["speedup_vs_ref_ragged"] = res["ref_ragged"].get("us", float("nan")) / best
+            rows.append(res)
+            print(fmt_moe(res), flush=True)
+    return rows
+
+
+def indexer_cases(a, bw):
+    H, d, topk = a.heads, a.head_dim, a.index_topk
+    interp = jax.default_backend() != "gpu"
+    rows = []
+    for R in a.rows:
+        for S in a.queries:
+            ks = jax.random.split(jax.random.key(R + S), 3)
+            q = jax.random.normal(ks[0], (1, S, H, d), jnp.bfloat16)
+            keys = jax.random.normal(ks[1], (1, R, d), jnp.bfloat16)
+            om = jax.random.normal(ks[2], (1, S, H), jnp.float32)
+            pos = jnp.full((1, S), 4 * R - S, jnp.int32) + jnp.arange(S)[None]
+            n_rows = jnp.array([R], jnp.int32)
+
+            def ref(q, keys, om, pos):
+                sc = li.scores_reference(q, keys, om)
+                return indexer_ref.select_topk(sc, li.validity(sc.shape, pos, n_rows, 4), topk)
+
+            def kern(q, keys, om, pos):
+                return li.topk_mask(li.scores(q, keys, om, pos, n_rows, ratio=4, interpret=interp,
+                                              blocks=tuple(a.index_blocks)), topk, a.topk_chunk)
+
+            def kern_scores(q, keys, om, pos):
+                return li.scores(q, keys, om, pos, n_rows, ratio=4, interpret=interp, blocks=tuple(a.index_blocks))
+
+            topk_only = jax.jit(lambda s: jax.lax.top_k(s, topk))
+            two_stage = jax.jit(lambda s: li.topk(s, topk, a.topk_chunk))
+            kb = R * d * 2 + S * H * d * 2
+            res = {"bench": "indexer", "rows": R, "context": 4 * R, "queries": S, "heads": H, "head_dim": d,
+                   "topk": topk, "key_bytes": kb, "bound_us": kb / bw * 1e6}
+            fr, fk = jax.jit(ref), jax.jit(kern)
+            mism = int(jnp.sum(fr(q, keys, om, pos) != fk(q, keys, om, pos)))
+            scores = jax.jit(kern_scores)(q, keys, om, pos)
+            for name, f, args in (("ref", fr, (q, keys, om, pos)), ("kernel", fk, (q, keys, om, pos)),
+                                  ("kernel_scores_only", jax.jit(kern_scores), (q, keys, om, pos)),
+                                  ("two_stage_topk_only", two_stage, (scores,)),
+                                  ("ref_topk_only", topk_only, (scores,))):
+                us = timeit(f, *args, iters=a.iters)
+                res[name] = {"us": us, "us_per_query": us / S}
+            res["kernel"]["mask_mismatches_vs_ref"] = mism
+            res["kernel"]["x_bound"] = res["kernel"]["us"] / res["bound_us"]
+            res["speedup_vs_ref"] = res["ref"]["us"] / res["kernel"]["us"]
+            rows.append(res)
+            print(fmt_idx(res), flush=True)
+    return rows
+
+
+def fmt_moe(r):
+    parts = [f"moe T={r['T']:>3} {r['weights']:<10} bound {r['bound_us']:9.1f}us"]
+    for kk, v in r.items():
+        if isinstance(v, dict):
+            parts.append(f"{kk} " + (f"{v['us']:10.1f}us (x{v['x_bound']:.1f}, err {v['max_abs_err']:.1e})"
+                                      if "us" in v else v["error"][:60]))
+    return " | ".join(parts)
+
+
+def fmt_idx(r):
+    return (f"indexer rows={r['rows']:>7} q={r['queries']:>2} bound {r['bound_us']:8.1f}us | "
+            + " | ".join(f"{kk} {v['us']:10.1f}us ({v['us_per_query']:.1f}/q)" for kk, v in r.items()
+                         if isinstance(v, dict))
+            + f" | mism {r['kernel']['mask_mismatches_vs_ref']} | speedup {r['speedup_vs_ref']:.2f}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="reduced sizes (CPU interpret mode)")
+    ap.add_argument("--only", choices=["moe", "indexer"], default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write JSON here")
+    a = ap.parse_args(argv)
+    if a.small:
+        a.experts, a.hidden, a.inter, a.topk, a.tokens, a.quant_tokens = 16, 256, 128, 6, [1, 8], [1]
+        a.heads, a.head_dim, a.index_topk, a.rows, a.queries = 16, 32, 64, [512, 2048], [1, 4]
+        a.decode_blocks, a.prefill_blocks, a.index_blocks, a.topk_chunk = [(16, 64, 16, 64)], (16, 64, 64), (4, 256), 512
+        a.iters = a.iters or 3
+        bw_bytes = 1 << 26
+    else:
+        a.experts, a.hidden, a.inter, a.topk, a.tokens, a.quant_tokens = 256, 4096, 2048, 6, [1, 8, 64], [1, 8]
+        a.heads, a.head_dim, a.index_topk, a.rows, a.queries = 64, 128, 512, [2048, 32768, 262144], [1, 4]
+        a.decode_blocks = [(16, 256, 16, 256), (8, 512, 8, 512), (32, 128, 32, 128)]
+        a.prefill_blocks, a.index_blocks, a.topk_chunk = (16, 64, 64), (4, 128), 4096
+        a.iters = a.iters or 20
+        bw_bytes = 1 << 31
+    bw = measure_bandwidth(bw_bytes, a.iters)
+    dev = jax.devices()[0]
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(dev.device_kind),
+            "backend": jax.default_backend(), "jax": jax.__version__, "host": platform.node(),
+            "command": " ".join(sys.argv), "interpret_mode": jax.default_backend() != "gpu",
+            "measured_bandwidth_GBps": bw / 1e9, "small": a.small}
+    print(json.dumps(meta), flush=True)
+    out = {"meta": meta, "moe": [], "indexer": []}
+    if a.only in (None, "moe"):
+        out["moe"] = moe_cases(a, bw)
+    if a.only in (None, "indexer"):
+        out["indexer"] = indexer_cases(a, bw)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
