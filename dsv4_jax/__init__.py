@@ -3,6 +3,8 @@ from .checkpoint import load_checkpoint
 from .config import ConfigError, ModelConfig, flash, from_hf_config, pro, tiny
 from .model import forward
 from .params import abstract_params, init_params
+from . import sharding  # noqa: F401  (meshes, sharding rules, multi-host: docs/sharding.md)
+from .spec.generate import generate
 
-__all__ = ["ConfigError", "ModelConfig", "abstract_params", "flash", "forward", "from_hf_config", "init_params",
+__all__ = ["ConfigError", "ModelConfig", "abstract_params", "flash", "forward", "from_hf_config", "generate", "init_params",
            "load_checkpoint", "pro", "tiny"]

@@ -175,18 +175,27 @@ def _seed_of(key) -> int:
     return int(np.uint64(data.ravel().astype(np.uint64).sum()) % np.uint64(2 ** 63))
 
 
-def init_params(c: ModelConfig, key, dtype=jnp.float32):
-    """Random parameters for tests (host-side numpy RNG, fast): non-degenerate sinks, biases, HC bases, tid2eid.
-
-    key: a jax PRNG key or an int seed. norms ~ 1 ± 0.1, embedding ~ N(0, 1), matrices ~ N(0, 1/fan_in),
-    vectors ~ N(0, 0.5), HC scales ~ U(0.5, 1.5), router bias ~ N(0, 0.1), tid2eid distinct experts per token.
-    """
-    specs = param_specs(c)
+def init_tree(specs, c: ModelConfig, key, dtype=jnp.float32):
+    """Random arrays for any tree of ParamSpec leaves (see init_params for the distributions)."""
     flat = traverse_util.flatten_dict(_as_dict(specs), sep="/")
     children = np.random.SeedSequence(_seed_of(key)).spawn(len(flat))
     out = {name: jnp.asarray(_init_leaf(spec, np.random.default_rng(ss), dtype, c).astype(np.dtype(spec.dtype(dtype))))
            for (name, spec), ss in zip(sorted(flat.items()), children)}
     return _from_dict(traverse_util.unflatten_dict(out, sep="/"), specs)
+
+
+def init_params(c: ModelConfig, key, dtype=jnp.float32):
+    """Random target parameters for tests (host-side numpy RNG, fast), non-degenerate everywhere.
+
+    key: a jax PRNG key or an int seed. norms ~ 1 ± 0.1, embedding ~ N(0, 1), matrices ~ N(0, 1/fan_in),
+    vectors ~ N(0, 0.5), HC scales ~ U(0.5, 1.5), router bias ~ N(0, 0.1), tid2eid distinct experts per token.
+    """
+    return init_tree(param_specs(c), c, key, dtype)
+
+
+def init_mtp(c: ModelConfig, key, dtype=jnp.float32, n_layers: int = 1) -> list:
+    """Random MTP blocks (params["mtp"]), same distributions as init_params."""
+    return [init_tree(mtp_specs(c), c, _seed_of(key) + 1000 * (i + 1), dtype) for i in range(n_layers)]
 
 
 def _as_dict(tree):

@@ -1,0 +1,1 @@
+"""Speculative-decoding drafters: MTP (drafters.md §1) and DSpark (drafters.md §2)."""

@@ -1,0 +1,91 @@
+"""The MTP drafter (drafters.md §1): one extra V4 block chained to draft up to k tokens.
+
+Row i of the MTP block takes the target's last-layer HC streams S_i (before hc_head) and the token
+x_{i+1}:  X0 = e_proj(enorm(E[x_{i+1}])) (on every stream) + h_proj(hnorm(S_i)) (per stream);
+X1 = Block(X0) with sliding-window attention at position i; logits for x_{i+2} from the MTP's own
+hc_head and norm and the target's head. Chaining reuses the block: row i+1 takes (X1_i, draft).
+
+State (`MTPState`): the block's position-indexed window ring (a one-layer decode cache), holding
+rows built from committed target hiddens, plus the last committed row's output X1 and logits —
+the start of the next chain. Chain rows are written to the ring beyond the committed rows and
+are invisible to (and overwritten by) later rows, like rejected target rows.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ..cache import init_state
+from ..config import ModelConfig
+from ..model import hyper
+from ..model.block import layer_step
+from ..model.norms import rms_norm
+from .common import block_config, chain_length, draw
+
+
+@struct.dataclass
+class MTPState:
+    cache: dict            # one sliding layer's ring: win_kv [B,Rw,d], win_pos [B,Rw]
+    last_hidden: jax.Array  # [B,n,D] X1 of the last committed row
+    last_logits: jax.Array  # [B,V] its logits: the distribution of the first draft
+
+
+def init(config: ModelConfig, batch: int, max_len: int, max_block: int, dtype) -> MTPState:
+    bc = block_config(config)
+    cache = jax.tree.map(lambda a: a[0], init_state(bc, batch, max_len, max_block, dtype).layers[0][0])
+    return MTPState(cache=cache, last_hidden=jnp.zeros((batch, config.hc_mult, config.hidden_size), dtype),
+                    last_logits=jnp.zeros((batch, config.vocab_size), jnp.float32))
+
+
+def rows(mtp: dict, target: dict, config: ModelConfig, cache: dict, hidden: jax.Array, tokens: jax.Array,
+         start: jax.Array, n_valid: jax.Array):
+    """Run MTP rows at positions start + [0, R). hidden [B,R,n,D] (S_i), tokens [B,R] (x_{i+1}).
+
+    Returns (X1 [B,R,n,D], logits [B,R,V] float32, cache with the first n_valid rows written).
+    """
+    eps = config.rms_norm_eps
+    R = tokens.shape[1]
+    e = rms_norm(target["embed"][tokens], mtp["enorm"], eps) @ mtp["e_proj"].T            # [B,R,D]
+    h = rms_norm(hidden, mtp["hnorm"], eps) @ mtp["h_proj"].T                             # [B,R,n,D]
+    X0 = (h + e[:, :, None, :]).astype(hidden.dtype)
+    positions = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
+    X1, cache = layer_step(X0, mtp, cache, block_config(config), 0, tokens, positions, start, n_valid)
+    y = rms_norm(hyper.hc_head(X1, mtp["hc_head"], config), mtp["norm"], eps)
+    return X1, (y @ target["head"].T).astype(jnp.float32), cache
+
+
+def _last(x: jax.Array, n: jax.Array) -> jax.Array:
+    """x[b, n[b] − 1] for x [B,R,...]."""
+    return jnp.take_along_axis(x, (n - 1).reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+
+def observe(mtp: dict, target: dict, config: ModelConfig, st: MTPState, hidden, tokens, start, n_valid) -> MTPState:
+    """Commit MTP rows from newly committed target positions start..start+n_valid−1.
+
+    hidden [B,R,n,D]: the target's S at those positions; tokens [B,R]: the token after each (the
+    accepted drafts, then the bonus token). The last committed row seeds the next chain.
+    """
+    X1, logits, cache = rows(mtp, target, config, st.cache, hidden, tokens, start, n_valid)
+    return MTPState(cache=cache, last_hidden=_last(X1, n_valid), last_logits=_last(logits, n_valid))
+
+
+def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax.Array, key, k: int, *,
+            temperature, top_p, p_min, greedy: bool):
+    """Draft a chain of k tokens after committed position pos−1 (pos = target's committed count).
+
+    Returns (drafts [B,k], draft probs q [B,k,V], n_draft [B] ≤ k after the p_min rule).
+    """
+    keys = jax.random.split(key, k)
+    tok, q, top1 = draw(keys[0], st.last_logits, temperature, top_p, greedy)
+    drafts, probs, tops = [tok], [q], [top1]
+    X, cache = st.last_hidden, st.cache
+    ones = jnp.ones_like(pos)
+    for j in range(1, k):
+        # chain row at position pos−1+j: (X1 of the previous row, previous draft)
+        X1, logits, cache = rows(mtp, target, config, cache, X[:, None], drafts[-1][:, None], pos - 1 + j, ones)
+        X = X1[:, 0]
+        tok, q, top1 = draw(keys[j], logits[:, 0], temperature, top_p, greedy)
+        drafts.append(tok), probs.append(q), tops.append(top1)
+    n = chain_length(jnp.stack(tops, axis=1), p_min)
+    return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1), n

@@ -1,0 +1,1 @@
+"""The on-device speculative decoding loop: sampling, verification, statistics, generate()."""

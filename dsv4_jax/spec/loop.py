@@ -1,0 +1,161 @@
+"""The speculative decoding loop: one jitted `lax.while_loop` over rounds (DESIGN.md property 5).
+
+A round: draft k tokens (drafter) → verify [last, d_1..d_k] in one target pass → accept (greedy
+prefix match or lossless rejection sampling) plus the bonus token → emit, commit, and feed the
+newly committed positions to the drafter. The carry (`Carry`) holds everything: output buffer,
+positions, done flags, target and drafter state, RNG key and statistics. `run_rounds_python`
+drives the same jitted round from Python (debugging twin; identical results).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ..cache import DecodeState
+from ..config import ModelConfig
+from ..decode import advance, process_block
+from . import sampling
+
+
+@struct.dataclass
+class Options:
+    """Static choices of a run (part of the compilation key)."""
+
+    drafter: str = struct.field(pytree_node=False, default="none")   # none | mtp | dspark | oracle
+    k: int = struct.field(pytree_node=False, default=0)              # drafts per round (draft_n_max)
+    greedy: bool = struct.field(pytree_node=False, default=True)
+    max_new_tokens: int = struct.field(pytree_node=False, default=16)
+    eos_token_id: int = struct.field(pytree_node=False, default=-1)  # -1: none
+    taps: tuple = struct.field(pytree_node=False, default=())        # target layers the drafter reads
+
+
+@struct.dataclass
+class Knobs:
+    """Dynamic scalars (no recompilation when they change)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    p_min: jax.Array
+    confidence: jax.Array
+
+
+@struct.dataclass
+class Stats:
+    rounds: jax.Array          # [B] rounds in which the sequence was active
+    drafted: jax.Array         # [B] drafts proposed
+    accepted: jax.Array        # [B] drafts accepted
+    per_position: jax.Array    # [B,k] rounds whose draft j was accepted
+    proposed_at: jax.Array     # [B,k] rounds that proposed a draft at position j
+
+
+@struct.dataclass
+class Carry:
+    out: jax.Array             # [B, max_new + k + 1] generated tokens (−1 = none)
+    out_len: jax.Array         # [B]
+    last: jax.Array            # [B] the next token to feed the target (sampled, not yet processed)
+    done: jax.Array            # [B] bool
+    target: DecodeState
+    drafter: Any
+    key: jax.Array
+    stats: Stats
+    round: jax.Array           # scalar int32
+
+
+def _emit(c: Carry, tokens: jax.Array, n_new: jax.Array, opts: Options):
+    """Append up to n_new[b] of tokens [B,m] to each output; stop at EOS or the budget. -> (out, out_len, done, n)."""
+    m = tokens.shape[1]
+    j = jnp.arange(m)[None, :]
+    n = jnp.where(c.done, 0, jnp.minimum(n_new, opts.max_new_tokens - c.out_len))
+    hit_eos = jnp.zeros_like(c.done)
+    if opts.eos_token_id >= 0:
+        is_eos = (tokens == opts.eos_token_id) & (j < n[:, None])
+        first = jnp.argmax(is_eos, axis=1)
+        hit_eos = jnp.any(is_eos, axis=1)
+        n = jnp.where(hit_eos, first + 1, n)
+    idx = jnp.where(j < n[:, None], c.out_len[:, None] + j, c.out.shape[1])
+    out = c.out.at[jnp.arange(c.out.shape[0])[:, None], idx].set(tokens, mode="drop")
+    out_len = c.out_len + n
+    done = c.done | hit_eos | (out_len >= opts.max_new_tokens)
+    return out, out_len, done, n
+
+
+def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """One draft → verify → accept → commit round for every active sequence."""
+    from ..drafters import mtp   # drafter modules import spec.sampling (imported here to avoid a cycle)
+
+    k = opts.k
+    key, k_draft, k_acc = jax.random.split(c.key, 3)
+    pos = c.target.pos
+    B = pos.shape[0]
+    if opts.drafter == "mtp":
+        drafts, q, n_draft = mtp.propose(params["mtp"][0], params, config, c.drafter, pos, k_draft, k,
+                                         temperature=knobs.temperature, top_p=knobs.top_p, p_min=knobs.p_min,
+                                         greedy=opts.greedy)
+    elif opts.drafter == "dspark":
+        from ..drafters import dspark
+        drafts, q, n_draft = dspark.propose(params["dspark"], params, config, c.drafter, pos, c.last, k_draft, k,
+                                            temperature=knobs.temperature, top_p=knobs.top_p,
+                                            threshold=knobs.confidence, greedy=opts.greedy)
+    elif opts.drafter == "oracle":
+        from ..drafters import oracle
+        drafts, q, n_draft = oracle.propose(params["oracle"], config.vocab_size, pos, k)
+    else:
+        drafts, q, n_draft = (jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, config.vocab_size), jnp.float32),
+                              jnp.zeros((B,), jnp.int32))
+    n_draft = jnp.where(c.done, 0, n_draft)
+    block = jnp.concatenate([c.last[:, None], drafts], axis=1)                       # [B,k+1]
+    logits, tstate, aux = process_block(params, config, c.target, block, jnp.full((B,), k + 1, jnp.int32),
+                                        opts.taps)
+    if opts.greedy:
+        a, nxt = sampling.verify_greedy(logits, drafts, n_draft)
+    else:
+        a, nxt = sampling.verify_sampled(k_acc, logits, drafts, q, n_draft, knobs.temperature, knobs.top_p)
+    # emitted this round: the a accepted drafts, then the correction / bonus token
+    j = jnp.arange(k + 1)[None, :]
+    emitted = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
+    active = ~c.done
+    out, out_len, done, _ = _emit(c, emitted, a + 1, opts)
+    n_commit = jnp.where(active, a + 1, 0)
+    tstate = advance(tstate, n_commit)
+    dstate = c.drafter
+    if opts.drafter == "mtp":
+        dstate = mtp.observe(params["mtp"][0], params, config, dstate, aux["hidden"], emitted, pos,
+                             jnp.maximum(n_commit, 1))
+    elif opts.drafter == "dspark":
+        from ..drafters import dspark
+        dstate = dspark.observe(params["dspark"], params, config, dstate, aux["taps"], pos,
+                                jnp.maximum(n_commit, 1))
+    kk = jnp.arange(k)[None, :]
+    s = c.stats
+    stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
+                  accepted=s.accepted + jnp.where(active, a, 0),
+                  per_position=s.per_position + ((kk < a[:, None]) & active[:, None]),
+                  proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]))
+    return Carry(out=out, out_len=out_len, last=jnp.where(active, nxt, c.last), done=done, target=tstate,
+                 drafter=dstate, key=key, stats=stats, round=c.round + 1)
+
+
+def _cond(c: Carry, opts: Options):
+    return jnp.any(~c.done) & (c.round < opts.max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
+def run_rounds(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """All rounds in one on-device lax.while_loop (no host round-trips)."""
+    return jax.lax.while_loop(lambda c: _cond(c, opts), lambda c: round_step(params, config, c, knobs, opts), carry)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
+def _round_jit(params, config, carry, knobs, opts):
+    return round_step(params, config, carry, knobs, opts)
+
+
+def run_rounds_python(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """The Python-loop twin of `run_rounds`: the same jitted round, driven from the host."""
+    while bool(_cond(carry, opts)):
+        carry = _round_jit(params, config, carry, knobs, opts)
+    return carry

@@ -1,0 +1,239 @@
+"""MTP drafter and the on-device speculative loop: exact drafts, lossless greedy and sampling."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax as d
+from dsv4_jax.decode import CapacityError
+from dsv4_jax.drafters import mtp
+from dsv4_jax.model.target import hidden_states
+from dsv4_jax.params import init_mtp
+from dsv4_jax.spec import loop
+
+from . import mtp_reference as ref
+
+N_NEW = 200
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = d.tiny()
+    params = d.init_params(config, 11)
+    params["mtp"] = init_mtp(config, 12)
+    return config, params
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(2, 97, n).tolist() for n in (7, 3, 12)]
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompts):
+    config, params = model
+    return {B: d.generate(params, config, prompts[:B], N_NEW, eos_token_id=-1, max_len=256)[0] for B in (1, 3)}
+
+
+def _prefix_streams(params, config, seq):
+    return np.asarray(hidden_states(params, config, jnp.asarray([seq], jnp.int32)))[0]
+
+
+def test_mtp_rows_match_full_recompute(model):
+    config, params = model
+    seq = np.random.default_rng(1).integers(2, 97, 21)
+    S = _prefix_streams(params, config, seq[:-1])                       # [20, n, D]
+    st = mtp.init(config, 1, 64, 4, jnp.float32)
+    X1, logits, _ = mtp.rows(params["mtp"][0], params, config, st.cache, jnp.asarray(S[None]),
+                             jnp.asarray(seq[None, 1:], jnp.int32), jnp.zeros(1, jnp.int32), jnp.full(1, 20))
+    rX1, rlogits = ref.mtp_rows(params["mtp"][0], params["embed"], params["head"], config, S, seq[1:])
+    diff = np.abs(np.asarray(logits[0]) - rlogits.numpy()).max()
+    print(f"MTP rows vs full recompute: max |logit diff| {diff:.2e}")
+    assert diff <= 1e-4
+    assert np.abs(np.asarray(X1[0]) - rX1.numpy()).max() <= 1e-4
+
+
+def test_incremental_chain_matches_full_recompute_over_rounds(model):
+    """Commit rows in chunks as rounds with partial acceptance do; every chain equals recompute."""
+    config, params = model
+    seq = np.random.default_rng(2).integers(2, 97, 40)
+    S = _prefix_streams(params, config, seq[:-1])
+    k = 4
+    st = mtp.init(config, 1, 64, k + 1, jnp.float32)
+    committed = 0
+    for chunk in (12, 3, 1, 5, 2, 4):      # rows committed per round (accepted + 1)
+        R = k + 1 if committed else chunk
+        hid = np.zeros((1, max(R, chunk), config.hc_mult, config.hidden_size), np.float32)
+        hid[0, :chunk] = S[committed:committed + chunk]
+        tok = np.zeros((1, hid.shape[1]), np.int32)
+        tok[0, :chunk] = seq[committed + 1:committed + chunk + 1]
+        st = mtp.observe(params["mtp"][0], params, config, st, jnp.asarray(hid), jnp.asarray(tok),
+                         jnp.array([committed]), jnp.array([chunk]))
+        committed += chunk
+        drafts, q, n = mtp.propose(params["mtp"][0], params, config, st, jnp.array([committed]),
+                                   jax.random.PRNGKey(0), k, temperature=1.0, top_p=1.0, p_min=0.0, greedy=True)
+        want, want_logits = ref.greedy_chain(params["mtp"][0], params["embed"], params["head"], config,
+                                             S[:committed], seq[1:committed + 1], k)
+        assert np.asarray(drafts)[0].tolist() == want, committed
+        want_q = np.exp(want_logits - want_logits.max(-1, keepdims=True))
+        want_q /= want_q.sum(-1, keepdims=True)
+        assert np.abs(np.asarray(q)[0] - want_q).max() <= 1e-5
+        assert int(n[0]) == k
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_speculative_equals_plain(model, prompts, plain, k):
+    config, params = model
+    for B in (1, 3):
+        toks, stats = d.generate(params, config, prompts[:B], N_NEW, drafter="mtp", draft_n_max=k,
+                                 eos_token_id=-1, max_len=256)
+        assert toks == plain[B]
+        assert all(len(t) == N_NEW for t in toks)
+        assert stats["drafted"] == stats["rounds"] * k
+
+
+def test_oracle_drafter_exercises_every_acceptance_length(model, prompts, plain):
+    config, params = model
+    k, B = 5, 3
+    table = np.zeros((B, 256), np.int32)
+    for b in range(B):
+        full = prompts[b] + plain[3][b]
+        table[b, :len(full)] = full
+    for wrong_at in [None, 0, 1, 2, 3, 4]:
+        wrong = np.zeros((B, k), bool)
+        if wrong_at is not None:
+            wrong[:, wrong_at] = True
+        p = dict(params, oracle={"tokens": jnp.asarray(table), "wrong": jnp.asarray(wrong)})
+        toks, stats = d.generate(p, config, prompts, N_NEW, drafter="oracle", draft_n_max=k, eos_token_id=-1,
+                                 max_len=256)
+        assert toks == plain[3]
+        a = k if wrong_at is None else wrong_at
+        per_round = np.array(stats["per_sequence"]["accepted"]) / np.array(stats["per_sequence"]["rounds"])
+        # every round accepts exactly a drafts (the last round may be cut by the budget)
+        assert np.all(per_round <= a) and np.all(per_round > a - 1), (wrong_at, per_round)
+        assert stats["per_position_accepted"][a:] == [0] * (k - a)
+        assert stats["mean_accepted_length"] == pytest.approx((stats["accepted"] + stats["rounds"]) / stats["rounds"])
+
+
+def _top_p(p, top_p):
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, bool)
+    mass = 0.0
+    for i in order:
+        keep[i] = True
+        mass += p[i]
+        if mass >= top_p:
+            break
+    q = np.where(keep, p, 0)
+    return q / q.sum()
+
+
+def _softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_sampling_is_lossless_on_a_tiny_vocabulary():
+    """Joint law of the first two generated tokens: speculative == plain == exact (20k samples each).
+
+    Bound: with N samples over C = V² cells the expected TV distance of the empirical law is at most
+    ½·Σ_i sqrt(p_i/N) ≤ ½·sqrt(C/N) (Cauchy–Schwarz) = 0.028 for C = 64, N = 20000; TV changes by at
+    most 1/N per sample, so by McDiarmid P(TV > E + 0.02) ≤ exp(−2N·0.02²) ≈ 1e-7. We assert TV < 0.05,
+    and that the draft law is far (TV > 0.15) from the target's so that accepting drafts blindly fails.
+    """
+    V, N, temp, top_p = 8, 20000, 1.0, 0.9
+    config = d.tiny().replace(vocab_size=V, name="tiny-v8")
+    params = d.init_params(config, 21)
+    params["mtp"] = init_mtp(config, 22)
+    prompt = [3, 1, 4, 1, 5, 2]
+    exact = np.zeros((V, V))
+    draft = np.zeros((V, V))
+    p1 = _top_p(_softmax(np.asarray(d.forward(params, config, jnp.asarray([prompt])))[0, -1] / temp), top_p)
+    S = _prefix_streams(params, config, prompt)
+    for x1 in range(V):
+        lg = np.asarray(d.forward(params, config, jnp.asarray([prompt + [x1]])))[0, -1]
+        exact[x1] = p1[x1] * _top_p(_softmax(lg / temp), top_p)
+        _, mlg = ref.mtp_rows(params["mtp"][0], params["embed"], params["head"], config, S, prompt[1:] + [x1])
+        draft[x1] = p1[x1] * _top_p(_softmax(mlg[-1].numpy() / temp), top_p)
+    assert 0.5 * np.abs(draft - exact).sum() > 0.15
+    for drafter, k in [(None, 0), ("mtp", 3)]:
+        toks, stats = d.generate(params, config, [prompt] * N, 2, temperature=temp, top_p=top_p, drafter=drafter,
+                                 draft_n_max=max(k, 1), eos_token_id=-1, seed=5, max_len=16)
+        counts = np.zeros((V, V))
+        for t in toks:
+            counts[t[0], t[1]] += 1
+        tv = 0.5 * np.abs(counts / N - exact).sum()
+        print(f"drafter={drafter}: TV(empirical, exact) = {tv:.4f}, accept rate {stats['draft_acceptance_rate']:.3f}")
+        assert tv < 0.05
+        if drafter:
+            assert 0.05 < stats["draft_acceptance_rate"] < 0.95      # both accept and reject paths ran
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_python_twin_gives_identical_results(model, prompts, temperature):
+    config, params = model
+    kw = dict(drafter="mtp", draft_n_max=3, temperature=temperature, top_p=0.95, seed=3, eos_token_id=-1,
+              max_len=128)
+    a, sa = d.generate(params, config, prompts, 40, **kw)
+    b, sb = d.generate(params, config, prompts, 40, host_loop=True, **kw)
+    assert a == b
+    for key in ("rounds", "drafted", "accepted", "per_position_accepted", "per_sequence"):
+        assert sa[key] == sb[key]
+
+
+def test_one_compilation_per_shape(model):
+    config, params = model
+    rng = np.random.default_rng(9)
+    kw = dict(drafter="mtp", draft_n_max=2, eos_token_id=-1, max_len=96, temperature=0.7)
+    d.generate(params, config, [rng.integers(2, 97, 5).tolist()] * 2, 8, **kw)
+    n = loop.run_rounds._cache_size()
+    d.generate(params, config, [rng.integers(2, 97, 5).tolist()] * 2, 8, **dict(kw, temperature=1.1, seed=4))
+    d.generate(params, config, [rng.integers(2, 97, 5).tolist()] * 2, 8, **dict(kw, top_p=0.5))
+    assert loop.run_rounds._cache_size() == n
+
+
+def test_loop_is_one_on_device_while(model):
+    """The whole generation after the prefill is one while primitive: no host callbacks inside."""
+    config, params = model
+    from dsv4_jax.spec.generate import start
+    opts = loop.Options(drafter="mtp", k=2, greedy=True, max_new_tokens=4, eos_token_id=-1)
+    knobs = loop.Knobs(*(jnp.float32(v) for v in (1.0, 1.0, 0.0, 0.0)))
+    carry = start(params, config, np.array([[5, 6, 7]], np.int32), np.array([3]), max_len=32, opts=opts,
+                  knobs=knobs, key=jax.random.PRNGKey(0))
+    jaxpr = jax.make_jaxpr(lambda c: jax.lax.while_loop(
+        lambda c: loop._cond(c, opts), lambda c: loop.round_step(params, config, c, knobs, opts), c))(carry)
+    text = str(jaxpr)
+    assert [e.primitive.name for e in jaxpr.eqns] == ["while"]
+    assert "callback" not in text
+
+
+def test_eos_stops_and_budget(model, prompts, plain):
+    config, params = model
+    ref_toks = plain[3]
+    eos = ref_toks[0][10]              # a token sequence 0 produces at step 10
+    toks, _ = d.generate(params, config, prompts, N_NEW, drafter="mtp", draft_n_max=3, eos_token_id=eos,
+                         max_len=256)
+    first = ref_toks[0].index(eos)
+    assert toks[0] == ref_toks[0][:first + 1]
+    for b in range(3):
+        want = ref_toks[b][:ref_toks[b].index(eos) + 1] if eos in ref_toks[b] else ref_toks[b]
+        assert toks[b] == want
+    toks, _ = d.generate(params, config, prompts, 7, drafter="mtp", draft_n_max=5, eos_token_id=-1)
+    assert toks == [t[:7] for t in ref_toks]
+
+
+def test_bad_options(model):
+    config, params = model
+    with pytest.raises(ValueError, match="drafter"):
+        d.generate(params, config, [[1, 2]], 4, drafter="eagle")
+    with pytest.raises(ValueError, match="draft_n_max"):
+        d.generate(params, config, [[1, 2]], 4, drafter="mtp", draft_n_max=0)
+    with pytest.raises(CapacityError, match="max_len=8"):
+        d.generate(params, config, [[1, 2, 3, 4, 5]], 4, drafter="mtp", draft_n_max=2, max_len=8)
+    with pytest.raises(ValueError, match="token ids"):
+        d.generate(params, config, [[1, 200]], 4)
+    with pytest.raises(ValueError, match="MTP weights"):
+        d.generate({k: v for k, v in params.items() if k != "mtp"}, config, [[1, 2]], 4, drafter="mtp")
+    with pytest.raises(ValueError, match="top_p"):
+        d.generate(params, config, [[1, 2]], 4, top_p=0.0)
