@@ -198,6 +198,12 @@ def init_mtp(c: ModelConfig, key, dtype=jnp.float32, n_layers: int = 1) -> list:
     return [init_tree(mtp_specs(c), c, _seed_of(key) + 1000 * (i + 1), dtype) for i in range(n_layers)]
 
 
+def init_dspark(c: ModelConfig, key, dtype=jnp.float32, n_stages: int = 3, n_taps: int = 3, markov_rank: int = 16,
+                conf_bias: bool = False) -> dict:
+    """Random DSpark drafter weights (params["dspark"]), same distributions as init_params."""
+    return init_tree(dspark_specs(c, n_stages, n_taps, markov_rank, conf_bias), c, key, dtype)
+
+
 def _as_dict(tree):
     """Lists -> dicts with string indices (for flax.traverse_util)."""
     if isinstance(tree, (list, tuple)):

@@ -32,7 +32,8 @@ def _pad_prompts(prompt_tokens) -> tuple[np.ndarray, np.ndarray]:
     return out, lengths
 
 
-def _validate(config, tokens, drafter, draft_n_max, max_new_tokens, temperature, top_p, p_min, params):
+def _validate(config, tokens, drafter, draft_n_max, max_new_tokens, temperature, top_p, p_min, params,
+              confidence_threshold=0.0):
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
     if max_new_tokens < 1:
@@ -46,6 +47,8 @@ def _validate(config, tokens, drafter, draft_n_max, max_new_tokens, temperature,
         raise ValueError(f"prompt token ids must be in [0, {config.vocab_size})")
     if drafter == "mtp" and not params.get("mtp"):
         raise ValueError("drafter='mtp' needs MTP weights in params['mtp'] (a checkpoint with an MTP block)")
+    if drafter == "dspark" and not 0 <= confidence_threshold <= 1:
+        raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
     if drafter == "oracle" and "oracle" not in params:
         raise ValueError("drafter='oracle' needs params['oracle'] = {'tokens': [B,T], 'wrong': [B,k]}")
     if drafter == "dspark" and "dspark" not in params:
@@ -75,7 +78,7 @@ def start(params: dict, config: ModelConfig, tokens: np.ndarray, lengths: np.nda
         dstate = mtp.observe(params["mtp"][0], params, config, dstate, aux["hidden"], nxt, zero, n)
     elif opts.drafter == "dspark":
         from ..drafters import dspark
-        dstate = dspark.init(params["dspark"], config, B, max_len, k + 1, dtype, dspark_meta)
+        dstate = dspark.init(params["dspark"], config, B, dtype)
         dstate = dspark.observe(params["dspark"], params, config, dstate, aux["taps"], zero, n)
     else:
         dstate = ()
@@ -83,7 +86,7 @@ def start(params: dict, config: ModelConfig, tokens: np.ndarray, lengths: np.nda
     fresh = lambda *shape: jnp.zeros(shape, jnp.int32)   # distinct buffers: the carry is donated
     c = Carry(out=out, out_len=fresh(B), last=first, done=jnp.zeros((B,), bool), target=state, drafter=dstate,
               key=key, stats=Stats(rounds=fresh(B), drafted=fresh(B), accepted=fresh(B), per_position=fresh(B, k),
-                                   proposed_at=fresh(B, k)), round=fresh())
+                                   proposed_at=fresh(B, k), length_hist=fresh(B, k + 1)), round=fresh())
     # the first token is already generated: emit it (it may be EOS, or the whole budget)
     from .loop import _emit
     out, out_len, done, _ = _emit(c, first[:, None], jnp.ones((B,), jnp.int32), opts)
@@ -100,6 +103,7 @@ def summarize(c: Carry, opts: Options, wall_s: float) -> dict[str, Any]:
         "generated": int(n_out.sum()), "per_sequence_generated": n_out.tolist(),
         "per_position_accepted": s.per_position.sum(0).tolist(),
         "per_position_proposed": s.proposed_at.sum(0).tolist(),
+        "draft_length_histogram": s.length_hist.sum(0).tolist(),     # rounds by drafts proposed (0..k)
         # accept_rate@j: rounds whose draft j was accepted / rounds that proposed a draft j
         "per_position_accept_rate": [float(a / p) if p else 0.0 for a, p in
                                      zip(s.per_position.sum(0), s.proposed_at.sum(0))],
@@ -127,13 +131,15 @@ def generate(params: dict, config: ModelConfig, prompt_tokens, max_new_tokens: i
     acceptance, mean accepted length incl. the bonus token, draft acceptance rate, wall time, tokens/s).
     """
     tokens, lengths = _pad_prompts(prompt_tokens)
-    _validate(config, tokens, drafter, draft_n_max, max_new_tokens, temperature, top_p, p_min, params)
+    _validate(config, tokens, drafter, draft_n_max, max_new_tokens, temperature, top_p, p_min, params,
+              confidence_threshold)
     k = draft_n_max if drafter else 0
-    taps = ()
+    taps, dcfg = (), None
     if drafter == "dspark":
         from ..drafters import dspark
-        taps = dspark.taps_of(params["dspark"], config, dspark_meta)
-        k = dspark.check_k(params["dspark"], dspark_meta, k)
+        dcfg = dspark.resolve(config, params["dspark"], dspark_meta)
+        taps = dcfg.target_layer_ids
+        k = min(k, dcfg.block_size)            # draft_n_max beyond the block size truncates to it
     need = int(lengths.max()) + max_new_tokens + k + 1
     max_len = max_len or need
     if need > max_len:
@@ -141,7 +147,7 @@ def generate(params: dict, config: ModelConfig, prompt_tokens, max_new_tokens: i
                             f"({k + 1}) needs {need} positions, more than max_len={max_len}")
     eos = config.eos_token_id if eos_token_id is None else eos_token_id
     opts = Options(drafter=drafter or "none", k=k, greedy=temperature == 0, max_new_tokens=max_new_tokens,
-                   eos_token_id=int(eos), taps=taps)
+                   eos_token_id=int(eos), taps=taps, dspark=dcfg)
     knobs = Knobs(temperature=jnp.float32(max(temperature, 1e-6)), top_p=jnp.float32(top_p),
                   p_min=jnp.float32(p_min), confidence=jnp.float32(confidence_threshold))
     t0 = time.perf_counter()

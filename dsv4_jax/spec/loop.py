@@ -31,6 +31,7 @@ class Options:
     max_new_tokens: int = struct.field(pytree_node=False, default=16)
     eos_token_id: int = struct.field(pytree_node=False, default=-1)  # -1: none
     taps: tuple = struct.field(pytree_node=False, default=())        # target layers the drafter reads
+    dspark: Any = struct.field(pytree_node=False, default=None)      # drafters.dspark.DSparkConfig
 
 
 @struct.dataclass
@@ -50,6 +51,7 @@ class Stats:
     accepted: jax.Array        # [B] drafts accepted
     per_position: jax.Array    # [B,k] rounds whose draft j was accepted
     proposed_at: jax.Array     # [B,k] rounds that proposed a draft at position j
+    length_hist: jax.Array     # [B,k+1] rounds that proposed exactly L drafts (after p_min / confidence)
 
 
 @struct.dataclass
@@ -97,9 +99,9 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
                                          greedy=opts.greedy)
     elif opts.drafter == "dspark":
         from ..drafters import dspark
-        drafts, q, n_draft = dspark.propose(params["dspark"], params, config, c.drafter, pos, c.last, k_draft, k,
-                                            temperature=knobs.temperature, top_p=knobs.top_p,
-                                            threshold=knobs.confidence, greedy=opts.greedy)
+        drafts, q, n_draft, _ = dspark.propose(params["dspark"], params, config, opts.dspark, c.drafter, pos,
+                                               c.last, k_draft, k, temperature=knobs.temperature,
+                                               top_p=knobs.top_p, threshold=knobs.confidence, greedy=opts.greedy)
     elif opts.drafter == "oracle":
         from ..drafters import oracle
         drafts, q, n_draft = oracle.propose(params["oracle"], config.vocab_size, pos, k)
@@ -134,7 +136,8 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
     stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
                   accepted=s.accepted + jnp.where(active, a, 0),
                   per_position=s.per_position + ((kk < a[:, None]) & active[:, None]),
-                  proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]))
+                  proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]),
+                  length_hist=s.length_hist + ((jnp.arange(k + 1)[None, :] == n_draft[:, None]) & active[:, None]))
     return Carry(out=out, out_len=out_len, last=jnp.where(active, nxt, c.last), done=done, target=tstate,
                  drafter=dstate, key=key, stats=stats, round=c.round + 1)
 

@@ -1,0 +1,134 @@
+"""DSpark drafter: incremental proposals equal a full recompute; greedy and sampling are lossless."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax as d
+from dsv4_jax.decode import process_block
+from dsv4_jax.cache import init_state
+from dsv4_jax.drafters import dspark
+from dsv4_jax.params import init_dspark
+
+from . import dspark_reference as ref
+from .test_spec_mtp import _softmax, _top_p
+
+N_NEW = 64
+DCFG = dspark.DSparkConfig(block_size=5, noise_token_id=96, target_layer_ids=(2, 3, 4))
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = d.tiny()
+    params = d.init_params(config, 31)
+    params["dspark"] = init_dspark(config, 32, n_stages=2, n_taps=3, markov_rank=12, conf_bias=True)
+    return config, params
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(4)
+    return [rng.integers(2, 96, n).tolist() for n in (9, 4, 14)]
+
+
+def _taps(params, config, seq):
+    st = init_state(config, 1, 64, 8, jnp.float32)
+    _, _, aux = process_block(params, config, st, jnp.asarray([seq], jnp.int32), jnp.array([len(seq)]),
+                              DCFG.target_layer_ids)
+    return np.asarray(aux["taps"])[0]
+
+
+@pytest.mark.parametrize("rule", ["per-position", "cumulative"])
+def test_incremental_proposal_matches_full_recompute(model, rule):
+    """Rounds with partial acceptance: commit chunks of context, then propose; equal to a from-scratch run."""
+    config, params = model
+    dcfg = dspark.DSparkConfig(**{**DCFG.__dict__, "confidence_rule": rule})
+    seq = np.random.default_rng(5).integers(2, 96, 40)
+    taps = _taps(params, config, seq[:-1])                           # [39, 3, D]
+    st = dspark.init(params["dspark"], config, 1, jnp.float32)
+    a = 0
+    for chunk in (9, 1, 4, 2, 6, 5):                                  # accepted + 1 per round
+        pad = np.zeros((1, 6 if a else chunk, 3, config.hidden_size), np.float32)
+        pad[0, :chunk] = taps[a:a + chunk]
+        st = dspark.observe(params["dspark"], params, config, st, jnp.asarray(pad), jnp.array([a]), jnp.array([chunk]))
+        a += chunk
+        for threshold in (0.0, 0.5):
+            drafts, q, n, conf = dspark.propose(params["dspark"], params, config, dcfg, st, jnp.array([a]),
+                                                jnp.array([seq[a]]), jax.random.PRNGKey(0), 4, temperature=1.0,
+                                                top_p=1.0, threshold=threshold, greedy=True)
+            want, want_logits, want_conf, kept = ref.propose(params["dspark"], params["embed"], params["head"],
+                                                             config, taps[:a], int(seq[a]), 5, 96, 4, threshold, rule)
+            assert np.asarray(drafts)[0].tolist() == want, (a, threshold)
+            assert np.abs(np.asarray(conf)[0] - want_conf).max() <= 1e-5
+            want_q = np.stack([_softmax(l) for l in want_logits])
+            assert np.abs(np.asarray(q)[0] - want_q).max() <= 1e-5
+            assert int(n[0]) == kept
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompts):
+    config, params = model
+    return {B: d.generate(params, config, prompts[:B], N_NEW, eos_token_id=-1, max_len=96)[0] for B in (1, 3)}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_speculative_equals_plain(model, prompts, plain, k):
+    config, params = model
+    for B in (1, 3):
+        for threshold in (0.0, 0.3, 0.7):
+            toks, stats = d.generate(params, config, prompts[:B], N_NEW, drafter="dspark", draft_n_max=k,
+                                     confidence_threshold=threshold, eos_token_id=-1, max_len=96, dspark_meta=DCFG)
+            assert toks == plain[B], (k, B, threshold)
+            hist = stats["draft_length_histogram"]
+            assert len(hist) == k + 1 and sum(hist) == stats["rounds"]
+            if threshold == 0.0:
+                assert hist[k] == stats["rounds"]                     # τ = 0: the whole (truncated) block
+
+
+def test_draft_n_max_beyond_block_size_truncates(model, prompts):
+    config, params = model
+    _, stats = d.generate(params, config, prompts[:1], 6, drafter="dspark", draft_n_max=9, dspark_meta=DCFG,
+                          eos_token_id=-1)
+    assert stats["draft_n_max"] == 5
+
+
+def test_sampling_is_lossless_on_a_tiny_vocabulary():
+    """Same statistical test as the MTP one (see its docstring for the TV bound)."""
+    V, N, temp, top_p = 8, 20000, 1.0, 0.9
+    config = d.tiny().replace(vocab_size=V, name="tiny-v8")
+    params = d.init_params(config, 41)
+    params["dspark"] = init_dspark(config, 42, n_stages=1, n_taps=3, markov_rank=4)
+    dcfg = dspark.DSparkConfig(block_size=3, noise_token_id=7, target_layer_ids=(2, 3, 4))
+    prompt = [3, 1, 4, 1, 5, 2]
+    p1 = _top_p(_softmax(np.asarray(d.forward(params, config, jnp.asarray([prompt])))[0, -1] / temp), top_p)
+    exact, draft = np.zeros((V, V)), np.zeros((V, V))
+    taps = _taps(params, config, prompt)
+    for x1 in range(V):
+        lg = np.asarray(d.forward(params, config, jnp.asarray([prompt + [x1]])))[0, -1]
+        exact[x1] = p1[x1] * _top_p(_softmax(lg / temp), top_p)
+        _, dl, _, _ = ref.propose(params["dspark"], params["embed"], params["head"], config, taps, x1, 3, 7, 1, 0.0)
+        draft[x1] = p1[x1] * _top_p(_softmax(dl[0] / temp), top_p)
+    assert 0.5 * np.abs(draft - exact).sum() > 0.15
+    toks, stats = d.generate(params, config, [prompt] * N, 2, temperature=temp, top_p=top_p, drafter="dspark",
+                             draft_n_max=3, eos_token_id=-1, seed=7, max_len=16, dspark_meta=dcfg)
+    counts = np.zeros((V, V))
+    for t in toks:
+        counts[t[0], t[1]] += 1
+    tv = 0.5 * np.abs(counts / N - exact).sum()
+    print(f"dspark: TV(empirical, exact) = {tv:.4f}, accept rate {stats['draft_acceptance_rate']:.3f}")
+    assert tv < 0.05
+    assert 0.05 < stats["draft_acceptance_rate"] < 0.95
+
+
+def test_bad_dspark_settings(model):
+    config, params = model
+    with pytest.raises(ValueError, match="confidence_rule"):
+        dspark.DSparkConfig(confidence_rule="max")
+    with pytest.raises(ValueError, match="taps"):
+        d.generate(params, config, [[1, 2]], 4, drafter="dspark",
+                   dspark_meta=dspark.DSparkConfig(target_layer_ids=(3, 4)))
+    with pytest.raises(ValueError, match="noise_token_id"):
+        d.generate(params, config, [[1, 2]], 4, drafter="dspark",
+                   dspark_meta=dspark.DSparkConfig(noise_token_id=500, target_layer_ids=(2, 3, 4)))
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        d.generate(params, config, [[1, 2]], 4, drafter="dspark", confidence_threshold=1.5, dspark_meta=DCFG)
