@@ -4,7 +4,9 @@ On disk (see `dsv4_jax.convert.writer`): `dsv4.json` + Orbax items `target/`, op
 `dspark/`, all with per-layer leaves. `load_checkpoint` restores one scan segment at a time
 (Orbax partial load, each array straight into its sharding), dequantizes kept codes on device,
 casts, and stacks the layers of a segment on the scan axis, so peak memory is about the model plus
-one segment.
+one segment. With a mesh, every leaf (and every stored codes / scale array) is restored into the
+NamedSharding that `dsv4_jax.sharding` derives from its logical axes: each device reads only its
+own slice, and the per-layer slices are stacked shard by shard.
 """
 from __future__ import annotations
 
@@ -60,10 +62,33 @@ def _leaf_dtype(spec: P.ParamSpec, dtype):
     return spec.dtype(dtype)
 
 
-def _abstract(rec: dict, spec: P.ParamSpec, dtype, sharding):
+class _Placement:
+    """Sharding of each restored array: one sharding for all (single device), or rule-derived per leaf."""
+
+    def __init__(self, mesh=None, rules=None):
+        self.mesh, self.rules = mesh, rules
+        self.single = SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else None
+
+    def __call__(self, path: str, spec: P.ParamSpec, shape=None):
+        if self.mesh is None:
+            return self.single
+        from .sharding import spec_sharding
+        return spec_sharding(spec, self.mesh, self.rules, path, shape=shape)
+
+    def stacked(self, sharding):
+        """Sharding of per-layer arrays stacked on a new leading (replicated) scan axis."""
+        if self.mesh is None:
+            return None
+        spec = tuple(sharding.spec)
+        return NamedSharding(self.mesh, PartitionSpec(None, *spec) if spec else PartitionSpec())
+
+
+def _abstract(rec: dict, spec: P.ParamSpec, dtype, sharding, path: str = ""):
+    """sharding(path, spec, shape=None) -> Sharding of the leaf (or of one of its stored arrays)."""
     if rec["format"] == "dense":
-        return jax.ShapeDtypeStruct(tuple(rec["shape"]), _leaf_dtype(spec, dtype), sharding=sharding)
-    return {k: jax.ShapeDtypeStruct(tuple(a["shape"]), np.dtype(a["dtype"]), sharding=sharding)
+        return jax.ShapeDtypeStruct(tuple(rec["shape"]), _leaf_dtype(spec, dtype), sharding=sharding(path, spec))
+    return {k: jax.ShapeDtypeStruct(tuple(a["shape"]), np.dtype(a["dtype"]),
+                                    sharding=sharding(path, spec, tuple(a["shape"])))
             for k, a in rec["arrays"].items()}
 
 
@@ -74,17 +99,23 @@ def _materialize(rec: dict, stored, spec: P.ParamSpec, dtype, sharding):
         return stored
     target = _leaf_dtype(spec, dtype)
     if fmt in quant.DEVICE_FORMATS:
-        return quant.dequantize(fmt, stored, target)
+        out = quant.dequantize(fmt, stored, target)
+        return out if sharding is None else jax.device_put(out, sharding)
     if fmt.startswith("ggml_"):          # K- / IQ-quants: gguf-py's host dequantizer
         import gguf
         arr = gguf.quants.dequantize(np.asarray(stored["codes"]), gguf.GGMLQuantizationType[fmt[5:]])
-        return jax.device_put(np.asarray(arr, np.float32).reshape(rec["shape"]).astype(target), sharding)
+        return jax.device_put(np.asarray(arr, np.float32).reshape(rec["shape"]).astype(target),
+                              sharding or jax.local_devices()[0])
     raise ValueError(f"unknown stored format {fmt!r}")
 
 
 def _restore(item_path: str, leaves: dict[str, dict], specs: dict[str, P.ParamSpec], dtype, sharding) -> dict:
-    """Restore the given flat leaves of one item; returns {path: model array}."""
-    abstract = {p: _abstract(leaves[p], specs[p], dtype, sharding) for p in specs}
+    """Restore the given flat leaves of one item; returns {path: model array}.
+
+    sharding: a Sharding for every array, or a `_Placement` (per-leaf, rule-derived shardings).
+    """
+    place = sharding if callable(sharding) else (lambda s: lambda *_a, **_k: s)(sharding)
+    abstract = {p: _abstract(leaves[p], specs[p], dtype, place, p) for p in specs}
     ctx = ocp1.Context()
     ctx.pytree.loading.partial_load = True
     with ctx:
@@ -95,7 +126,7 @@ def _restore(item_path: str, leaves: dict[str, dict], specs: dict[str, P.ParamSp
         for k in p.split("."):
             node = node[k]
         flat_stored[p] = node
-    return {p: _materialize(leaves[p], flat_stored[p], specs[p], dtype, sharding) for p in specs}
+    return {p: _materialize(leaves[p], flat_stored[p], specs[p], dtype, place(p, specs[p])) for p in specs}
 
 
 def _flat_specs(tree) -> dict[str, P.ParamSpec]:
@@ -117,10 +148,21 @@ def _load_target(path: str, config: ModelConfig, leaves: dict, dtype, sharding) 
                 got = _restore(item, leaves, specs, dtype, sharding)
                 per_rep.append({p: got[f"{key}.{p}"] for p in layer_specs})
             for p in layer_specs:
-                flat[f"segments.{s}.{j}.{p}"] = jnp.stack([rep[p] for rep in per_rep])
+                flat[f"segments.{s}.{j}.{p}"] = _stack([rep[p] for rep in per_rep], sharding)
                 for rep in per_rep:
                     del rep[p]
     return P.unflatten(flat, config)
+
+
+def _stack(parts: list, sharding):
+    """Stack per-layer arrays on a new leading axis; with a mesh, straight into the stacked sharding."""
+    if not isinstance(sharding, _Placement) or sharding.mesh is None:
+        return jnp.stack(parts)
+    return jax.jit(_stack_arrays, out_shardings=sharding.stacked(parts[0].sharding))(parts)
+
+
+def _stack_arrays(xs):
+    return jnp.stack(xs)
 
 
 def _load_mtp(path: str, config: ModelConfig, item: dict, dtype, sharding) -> list:
@@ -150,14 +192,16 @@ def _load_dspark(path: str, config: ModelConfig, item: dict, dtype, sharding) ->
     return tree, meta
 
 
-def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None):
+def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=None):
     """(config, params) of a checkpoint written by `dsv4-convert`.
 
     dtype: compute dtype of the weight leaves (default: the dtype chosen at conversion, bfloat16 for
     kept codes). Norms, HC parameters, sinks, biases and `ape` stay float32, `tid2eid` int32. Kept
     FP8 / FP4 codes are dequantized exactly.
-    mesh: a `jax.sharding.Mesh`; every array is restored into a replicated NamedSharding on it
-    (per-axis sharding rules come with `dsv4_jax.sharding`). Default: the first local device.
+    mesh: a `jax.sharding.Mesh` (e.g. `dsv4_jax.sharding.make_mesh()`); every array is restored
+    straight into the NamedSharding derived from its logical axes by `dsv4_jax.sharding` (`rules`:
+    logical axis -> mesh axes, default `sharding.DEFAULT_RULES`), the same shardings as
+    `sharding.param_shardings(config, mesh)`. Default: the first local device.
 
     Returns (ModelConfig, params) for a target-only checkpoint. When the checkpoint holds drafters
     the config is a `CheckpointConfig(target, mtp_layers, dspark)` and params gain `params["mtp"]`
@@ -169,7 +213,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None):
         raise ValueError(f"{path}: unsupported checkpoint format_version {meta.get('format_version')}")
     config = ModelConfig.from_dict(meta["config"])
     dtype = jnp.dtype(dtype if dtype is not None else meta["conversion"].get("dtype", "bfloat16"))
-    sharding = NamedSharding(mesh, PartitionSpec()) if mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
+    sharding = _Placement(mesh, rules)
     items = meta["items"]
     params = _load_target(path, config, items["target"]["leaves"], dtype, sharding)
     mtp_layers, dspark = 0, None

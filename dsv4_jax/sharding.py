@@ -1,0 +1,314 @@
+"""Meshes, logical-axis sharding rules and multi-host set-up (GSPMD; see docs/sharding.md).
+
+Mesh: three named axes, `MESH_AXES = ("data", "expert", "model")`:
+
+    data    pure data parallelism: the batch of the decode state (and of the tokens) is split,
+            the weights are replicated.
+    expert  expert parallelism for the routed experts (the `experts` axis of w1/w2/w3) and data
+            parallelism of the batch for everything else ("DP attention": each expert-group
+            device attends its own sequences, then tokens meet their experts).
+    model   tensor parallelism: attention heads (`q_heads`, `heads`), O-LoRA groups (`o_groups`),
+            indexer heads (`index_heads`), the shared expert's `mlp` and the vocabulary (`vocab`:
+            embedding, head, hash table). The routed experts also use it (expert parallelism over
+            expert × model), so an 8-way `model` mesh still holds 1/8 of the experts per device.
+
+Rules map each logical axis name of `params.ParamSpec` (and of the decode state) to an ordered tuple
+of mesh axes. A leaf's PartitionSpec is built dimension by dimension, greedily: a mesh axis is used
+for a dimension when the dimension stays divisible by the product of the axes chosen so far and the
+axis is not already used by an earlier dimension of the same leaf. Anything not divisible falls back
+to replication, so every config (tiny test ones included) shards on every mesh. Mesh axes of size 1
+are skipped (specs stay short and readable). The stacking axis `layers` is never split.
+
+The model code is not changed: params and state are placed with `jax.device_put` onto the
+shardings returned here and the existing jitted functions (`forward`, `decode.process_block`, ...)
+run as GSPMD programs. Axis types must be `Auto` (jax 0.10's `jax.make_mesh` defaults to
+`Explicit`, which would demand sharding annotations inside the model), so use `make_mesh` below.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from . import params as P
+from .cache import DecodeState, state_shapes
+from .config import ModelConfig
+
+MESH_AXES = ("data", "expert", "model")
+
+# logical axis -> mesh axes, in order of use (see the module docstring)
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    # parameters
+    "experts": ("expert", "model"),
+    "mlp": ("model",),
+    "q_heads": ("model",),
+    "heads": ("model",),
+    "o_groups": ("model",),
+    "index_heads": ("model",),
+    "vocab": ("model",),
+    # decode state
+    "batch": ("data", "expert"),
+}
+
+# Flat parameter paths (regex, searched) kept replicated whatever their axes: the router is tiny and
+# its top-k wants every expert's score on every device.
+DEFAULT_REPLICATED: tuple[str, ...] = (r"(^|\.)ffn\.gate\.(weight|bias)$",)
+
+
+# ---- meshes --------------------------------------------------------------------------------------
+
+def default_mesh_shape(n_devices: int) -> tuple[int, int, int]:
+    """(data, expert, model) for n devices: all of them on `expert` (EP for experts, DP attention)."""
+    return (1, n_devices, 1)
+
+
+def make_mesh(shape: Sequence[int] | None = None, devices: Sequence[Any] | None = None,
+              axis_names: Sequence[str] = MESH_AXES) -> Mesh:
+    """A Mesh with `Auto` axis types over `devices` (default: all, `jax.devices()`, every host).
+
+    shape: sizes of (data, expert, model), product = number of devices; default `default_mesh_shape`.
+    One size may be -1 (inferred).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    shape = list(default_mesh_shape(n) if shape is None else shape)
+    if len(shape) != len(axis_names):
+        raise ValueError(f"mesh shape {tuple(shape)} does not match axes {tuple(axis_names)}")
+    if shape.count(-1) > 1:
+        raise ValueError("at most one mesh size may be -1")
+    if -1 in shape:
+        rest = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = n // rest if rest and n % rest == 0 else 0
+    if math.prod(shape) != n or min(shape) < 1:
+        raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, have {n}")
+    types = (AxisType.Auto,) * len(axis_names)
+    try:
+        return jax.make_mesh(tuple(shape), tuple(axis_names), axis_types=types, devices=devices)
+    except Exception:  # noqa: BLE001 - topology-aware placement unavailable: plain row-major order
+        return Mesh(np.asarray(devices, dtype=object).reshape(shape), tuple(axis_names), axis_types=types)
+
+
+def mesh_sizes(mesh) -> dict[str, int]:
+    """{axis name: size} of a Mesh, AbstractMesh or a plain mapping."""
+    return dict(mesh.shape) if hasattr(mesh, "shape") and not isinstance(mesh, Mapping) else dict(mesh)
+
+
+# ---- logical axes -> PartitionSpec ---------------------------------------------------------------
+
+def _rules(rules: Mapping[str, Sequence[str]] | None) -> dict[str, tuple[str, ...]]:
+    return dict(DEFAULT_RULES if rules is None else {k: tuple(v) for k, v in rules.items()})
+
+
+def partition_spec(shape: Sequence[int], axes: Sequence[str | None], sizes: Mapping[str, int],
+                   rules: Mapping[str, Sequence[str]] | None = None) -> PartitionSpec:
+    """PartitionSpec of one array from its logical axes (greedy, divisibility fallback, see module doc).
+
+    shape [d0, d1, ...], axes (name | None per dim), sizes {mesh axis: size}. Trailing replicated
+    dims are dropped (P("expert") rather than P("expert", None, None)).
+    """
+    rules = _rules(rules)
+    if len(axes) != len(shape):
+        raise ValueError(f"{len(axes)} logical axes {tuple(axes)} for shape {tuple(shape)}")
+    used: set[str] = set()
+    out: list = []
+    for dim, name in zip(shape, axes):
+        chosen: list[str] = []
+        prod = 1
+        for ax in rules.get(name, ()) if name is not None else ():
+            n = sizes.get(ax, 1)
+            if n == 1 or ax in used or dim % (prod * n):
+                continue
+            chosen.append(ax)
+            prod *= n
+        used.update(chosen)
+        out.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P.ParamSpec)
+
+
+def _replicated_path(path: str, replicated: Sequence[str]) -> bool:
+    return any(re.search(p, path) for p in replicated)
+
+
+def spec_tree_partition_specs(specs, sizes: Mapping[str, int], rules=None,
+                              replicated: Sequence[str] | None = None):
+    """Tree of PartitionSpec parallel to a tree of ParamSpec (target, MTP or DSpark specs)."""
+    replicated = DEFAULT_REPLICATED if replicated is None else tuple(replicated)
+
+    def one(path, s):
+        flat = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        if _replicated_path(flat, replicated):
+            return PartitionSpec()
+        return partition_spec(s.shape, s.axes, sizes, rules)
+
+    return jax.tree_util.tree_map_with_path(one, specs, is_leaf=_is_spec)
+
+
+def param_partition_specs(config: ModelConfig, mesh, rules=None, replicated=None):
+    """Tree of PartitionSpec parallel to the parameters of `config` (mesh: Mesh, AbstractMesh or sizes)."""
+    return spec_tree_partition_specs(P.param_specs(config), mesh_sizes(mesh), rules, replicated)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, rules=None, replicated=None):
+    """Tree of NamedSharding parallel to the parameters of `config`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_partition_specs(config, mesh, rules, replicated),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def spec_sharding(spec: P.ParamSpec, mesh: Mesh, rules=None, path: str = "", replicated=None,
+                  shape: Sequence[int] | None = None) -> NamedSharding:
+    """NamedSharding of one ParamSpec leaf at flat `path` (shape: override, e.g. a codes array of it)."""
+    replicated = DEFAULT_REPLICATED if replicated is None else tuple(replicated)
+    if _replicated_path(path, replicated):
+        return NamedSharding(mesh, PartitionSpec())
+    shape = tuple(spec.shape if shape is None else shape)
+    axes = spec.axes if len(shape) == len(spec.axes) else (None,) * len(shape)
+    return NamedSharding(mesh, partition_spec(shape, axes, mesh_sizes(mesh), rules))
+
+
+# ---- decode state ----------------------------------------------------------------------------------
+
+def state_partition_specs(state: DecodeState, mesh, rules=None) -> DecodeState:
+    """PartitionSpecs of a DecodeState (or its `state_shapes`): layer leaves [reps, B, ...] split on
+    the batch (`batch` rule), everything else replicated; `pos [B]` stays replicated so the host-side
+    capacity checks (`np.asarray(state.pos)`) work on every host."""
+    sizes = mesh_sizes(mesh)
+
+    def layer_leaf(x):
+        axes = ("layers", "batch") + (None,) * (len(x.shape) - 2)
+        return partition_spec(x.shape, axes, sizes, rules)
+
+    layers = jax.tree.map(layer_leaf, state.layers)
+    return state.replace(pos=PartitionSpec(), layers=layers)
+
+
+def state_shardings(config: ModelConfig, mesh: Mesh, batch: int, max_len: int, max_block: int = 8,
+                    dtype=jnp.float32, rules=None) -> DecodeState:
+    """DecodeState of NamedSharding for a state of the given size (parallel to `cache.init_state`)."""
+    specs = state_partition_specs(state_shapes(config, batch, max_len, max_block, dtype), mesh, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def shardings_like(state: DecodeState, mesh: Mesh, rules=None) -> DecodeState:
+    """NamedShardings for an existing DecodeState (any batch / sizes)."""
+    specs = state_partition_specs(state, mesh, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def init_state(config: ModelConfig, mesh: Mesh, batch: int, max_len: int, max_block: int = 8,
+               dtype=jnp.float32, rules=None) -> DecodeState:
+    """`cache.init_state` created directly in its shardings (never whole on one device)."""
+    from . import cache
+    if max_len <= 0 or max_block <= 0 or batch <= 0:
+        raise ValueError(f"batch, max_len and max_block must be positive (got {batch}, {max_len}, {max_block})")
+    shard = state_shardings(config, mesh, batch, max_len, max_block, dtype, rules)
+    make = jax.jit(lambda: cache.init_state(config, batch, max_len, max_block, dtype), out_shardings=shard)
+    return make()
+
+
+# ---- placing trees ---------------------------------------------------------------------------------
+
+def shard_params(params, config: ModelConfig, mesh: Mesh, rules=None, replicated=None):
+    """device_put a target parameter tree (optionally with "mtp" / "dspark" entries) onto its shardings."""
+    target = {k: v for k, v in params.items() if k not in ("mtp", "dspark")}
+    out = jax.device_put(target, param_shardings(config, mesh, rules, replicated))
+    if "mtp" in params:
+        sh = drafter_shardings(P.mtp_specs(config), mesh, rules, replicated)
+        out["mtp"] = [jax.device_put(m, sh) for m in params["mtp"]]
+    if "dspark" in params:
+        d = params["dspark"]
+        out["dspark"] = jax.device_put(d, _dspark_shardings_like(d, config, mesh, rules, replicated))
+    return out
+
+
+def drafter_shardings(specs, mesh: Mesh, rules=None, replicated=None):
+    """NamedShardings for a drafter ParamSpec tree (`params.mtp_specs`, `params.dspark_specs`)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s),
+                        spec_tree_partition_specs(specs, mesh_sizes(mesh), rules, replicated),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def _dspark_shardings_like(d: dict, config: ModelConfig, mesh: Mesh, rules, replicated):
+    n_taps = d["main_proj"].shape[1] // config.hidden_size
+    specs = P.dspark_specs(config, len(d["stages"]), n_taps, d["markov_w1"].shape[1], "bias" in d["conf_proj"])
+    return drafter_shardings(specs, mesh, rules, replicated)
+
+
+def shard_state(state: DecodeState, mesh: Mesh, rules=None) -> DecodeState:
+    """device_put a DecodeState onto its shardings."""
+    return jax.device_put(state, shardings_like(state, mesh, rules))
+
+
+def shard_batch(x, mesh: Mesh, rules=None):
+    """device_put a [B, ...] array (tokens, lengths) split on the batch like the decode state."""
+    x = jnp.asarray(x)
+    spec = partition_spec(x.shape, ("batch",) + (None,) * (x.ndim - 1), mesh_sizes(mesh), rules)
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def constrain(x, mesh: Mesh, axes: Sequence[str | None], rules=None):
+    """`with_sharding_constraint` of an activation by logical axes (inside jit; identity on 1 device)."""
+    spec = partition_spec(x.shape, axes, mesh_sizes(mesh), rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# ---- multi-host --------------------------------------------------------------------------------------
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
+                           **kwargs) -> bool:
+    """`jax.distributed.initialize` with environment defaults; call once per process, before any jax op.
+
+    Arguments default to DSV4_COORDINATOR (host:port of process 0), DSV4_NUM_PROCESSES, DSV4_PROCESS_ID
+    and DSV4_LOCAL_DEVICE_IDS (comma list). When none is given anywhere, jax's own auto-detection
+    runs (TPU pods, SLURM, Open MPI, ...). A single process with nothing configured is a no-op.
+    Returns True when jax.distributed was initialised.
+    """
+    env = os.environ
+    coordinator_address = coordinator_address or env.get("DSV4_COORDINATOR")
+    if num_processes is None and env.get("DSV4_NUM_PROCESSES"):
+        num_processes = int(env["DSV4_NUM_PROCESSES"])
+    if process_id is None and env.get("DSV4_PROCESS_ID"):
+        process_id = int(env["DSV4_PROCESS_ID"])
+    if local_device_ids is None and env.get("DSV4_LOCAL_DEVICE_IDS"):
+        local_device_ids = [int(i) for i in env["DSV4_LOCAL_DEVICE_IDS"].split(",")]
+    explicit = coordinator_address is not None or num_processes is not None
+    if not explicit and not _cluster_detected():
+        return False
+    if num_processes == 1 and coordinator_address is None:
+        return False
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, local_device_ids=local_device_ids, **kwargs)
+    return True
+
+
+def _cluster_detected() -> bool:
+    """A cluster environment jax.distributed can auto-detect (TPU pod, SLURM job step, Open MPI, Kubernetes)."""
+    env = os.environ
+    return any(k in env for k in ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_SIZE")) or \
+        ("SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1)
+
+
+def describe(shardings) -> dict[str, str]:
+    """{flat path: str(PartitionSpec)} of a sharding tree (for logs and docs)."""
+    flat = P.flatten(jax.tree.map(lambda s: str(s.spec), shardings,
+                                  is_leaf=lambda x: isinstance(x, NamedSharding)))
+    return dict(sorted(flat.items()))
+
+
+__all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "MESH_AXES", "constrain", "default_mesh_shape",
+           "describe", "drafter_shardings", "init_state", "initialize_distributed", "make_mesh", "mesh_sizes",
+           "param_partition_specs", "param_shardings", "partition_spec", "shard_batch", "shard_params",
+           "shard_state", "shardings_like", "spec_sharding", "spec_tree_partition_specs", "state_partition_specs",
+           "state_shardings"]
