@@ -1,6 +1,7 @@
 """`generate`: prompt tokens in, generated tokens and speculative-decoding statistics out."""
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Sequence
 
@@ -55,9 +56,10 @@ def _validate(config, tokens, drafter, draft_n_max, max_new_tokens, temperature,
         raise ValueError("drafter='dspark' needs DSpark weights in params['dspark']")
 
 
-def start(params: dict, config: ModelConfig, tokens: np.ndarray, lengths: np.ndarray, *, max_len: int,
-          opts: Options, knobs: Knobs, key, dspark_meta=None) -> Carry:
-    """Prefill the prompts, sample the first token, and prime the drafter: the loop's initial carry."""
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "opts"))
+def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, *, max_len: int,
+          opts: Options, knobs: Knobs, key) -> Carry:
+    """Prefill the prompts, sample the first token, and prime the drafter: the loop's initial carry (one jit)."""
     from ..drafters import mtp
     B = tokens.shape[0]
     k = opts.k
@@ -114,23 +116,16 @@ def summarize(c: Carry, opts: Options, wall_s: float) -> dict[str, Any]:
     }
 
 
-def generate(params: dict, config: ModelConfig, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, drafter: str | None = None, draft_n_max: int = 3, p_min: float = 0.0,
-             confidence_threshold: float = 0.0, eos_token_id: int | None = None, seed: int = 0,
-             max_len: int | None = None, host_loop: bool = False, dspark_meta=None):
-    """Generate up to max_new_tokens per prompt, optionally with speculative decoding.
-
-    prompt_tokens: list of token lists (ragged) or int array [B,S]. drafter: None | "mtp" | "dspark".
-    draft_n_max: drafts per round (for DSpark ≤ its block size). p_min: stop the MTP chain before a
-    draft whose top-1 probability is below it. confidence_threshold: DSpark confidence cut-off.
-    eos_token_id: stop a sequence after it (None: the config's eos; -1: never). host_loop: drive
-    rounds from Python (debugging twin; identical results). Greedy when temperature == 0; otherwise
-    lossless rejection sampling (the output distribution equals plain sampling at T and top_p).
-
-    Returns (tokens: list of int lists, stats dict: rounds, drafted, accepted, per-position
-    acceptance, mean accepted length incl. the bonus token, draft acceptance rate, wall time, tokens/s).
-    """
+def prepare(params: dict, config: ModelConfig, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.0,
+            top_p: float = 1.0, drafter: str | None = None, draft_n_max: int = 3, p_min: float = 0.0,
+            confidence_threshold: float = 0.0, eos_token_id: int | None = None, max_len: int | None = None,
+            pad_to: int | None = None, dspark_meta=None):
+    """Validate the options and build (tokens [B,S], lengths [B], Options, Knobs, max_len) for a run."""
     tokens, lengths = _pad_prompts(prompt_tokens)
+    if pad_to is not None:
+        if tokens.shape[1] > pad_to:
+            raise ValueError(f"a prompt has {tokens.shape[1]} tokens, more than pad_to={pad_to}")
+        tokens = np.pad(tokens, ((0, 0), (0, pad_to - tokens.shape[1])))
     _validate(config, tokens, drafter, draft_n_max, max_new_tokens, temperature, top_p, p_min, params,
               confidence_threshold)
     k = draft_n_max if drafter else 0
@@ -140,21 +135,50 @@ def generate(params: dict, config: ModelConfig, prompt_tokens, max_new_tokens: i
         dcfg = dspark.resolve(config, params["dspark"], dspark_meta)
         taps = dcfg.target_layer_ids
         k = min(k, dcfg.block_size)            # draft_n_max beyond the block size truncates to it
-    need = int(lengths.max()) + max_new_tokens + k + 1
+    need = tokens.shape[1] + max_new_tokens + k + 1
     max_len = max_len or need
     if need > max_len:
-        raise CapacityError(f"prompt ({int(lengths.max())}) + max_new_tokens ({max_new_tokens}) + a verify block "
+        raise CapacityError(f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) + a verify block "
                             f"({k + 1}) needs {need} positions, more than max_len={max_len}")
     eos = config.eos_token_id if eos_token_id is None else eos_token_id
     opts = Options(drafter=drafter or "none", k=k, greedy=temperature == 0, max_new_tokens=max_new_tokens,
                    eos_token_id=int(eos), taps=taps, dspark=dcfg)
     knobs = Knobs(temperature=jnp.float32(max(temperature, 1e-6)), top_p=jnp.float32(top_p),
                   p_min=jnp.float32(p_min), confidence=jnp.float32(confidence_threshold))
+    return tokens, lengths, opts, knobs, max_len
+
+
+def generate(params: dict, config: ModelConfig, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, drafter: str | None = None, draft_n_max: int = 3, p_min: float = 0.0,
+             confidence_threshold: float = 0.0, eos_token_id: int | None = None, seed: int = 0,
+             max_len: int | None = None, pad_to: int | None = None, host_loop: bool = False, dspark_meta=None):
+    """Generate up to max_new_tokens per prompt, optionally with speculative decoding.
+
+    prompt_tokens: list of token lists (ragged) or int array [B,S]. drafter: None | "mtp" | "dspark"
+    (| "oracle" for tests). draft_n_max: drafts per round (for DSpark ≤ its block size). p_min: stop
+    the MTP chain before a draft whose top-1 probability is below it. confidence_threshold: DSpark
+    confidence cut-off. eos_token_id: stop a sequence after it (None: the config's eos; -1: never).
+    max_len / pad_to: fix the cache capacity and the padded prompt length, so that runs with other
+    prompts reuse the compiled functions. host_loop: drive rounds from Python (debugging twin;
+    identical results). Greedy when temperature == 0; otherwise lossless rejection sampling (the
+    output distribution equals plain sampling at T and top_p).
+
+    Returns (tokens: list of int lists, stats dict: rounds, drafted, accepted, per-position
+    acceptance, mean accepted length incl. the bonus token, draft acceptance rate, wall time
+    (prefill_s + decode_s), tokens/s).
+    """
+    tokens, lengths, opts, knobs, max_len = prepare(
+        params, config, prompt_tokens, max_new_tokens, temperature=temperature, top_p=top_p, drafter=drafter,
+        draft_n_max=draft_n_max, p_min=p_min, confidence_threshold=confidence_threshold, eos_token_id=eos_token_id,
+        max_len=max_len, pad_to=pad_to, dspark_meta=dspark_meta)
     t0 = time.perf_counter()
-    carry = start(params, config, tokens, lengths, max_len=max_len, opts=opts, knobs=knobs,
-                  key=jax.random.PRNGKey(seed), dspark_meta=dspark_meta)
+    carry = jax.block_until_ready(start(params, config, jnp.asarray(tokens), jnp.asarray(lengths), max_len=max_len,
+                                        opts=opts, knobs=knobs, key=jax.random.PRNGKey(seed)))
+    t1 = time.perf_counter()
     run = run_rounds_python if host_loop else run_rounds
     carry = jax.block_until_ready(run(params, config, carry, knobs, opts))
-    wall = time.perf_counter() - t0
+    t2 = time.perf_counter()
     out, n = np.asarray(carry.out), np.asarray(carry.out_len)
-    return [out[b, :n[b]].tolist() for b in range(out.shape[0])], summarize(carry, opts, wall)
+    stats = summarize(carry, opts, t2 - t0)
+    stats.update(prefill_s=t1 - t0, decode_s=t2 - t1)   # the first token comes from the prefill
+    return [out[b, :n[b]].tolist() for b in range(out.shape[0])], stats

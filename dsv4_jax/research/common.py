@@ -1,0 +1,151 @@
+"""Argument parsing and pre-flight checks shared by `dsv4-sweep` and `dsv4-batch-eval`."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from . import prompts as P
+from .runner import SPEC_TYPES
+
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv4_jax", "xla")
+
+
+class OptionError(ValueError):
+    """An invalid command-line option (reported before any work starts)."""
+
+
+def int_list(text: str, name: str, minimum: int = 0) -> list[int]:
+    """'1,2,3' | '1-5' | '1..5' | '1,3-5' -> sorted unique ints >= minimum."""
+    out = set()
+    for part in filter(None, (s.strip() for s in text.split(","))):
+        m = re.fullmatch(r"(-?\d+)(?:\s*(?:-|\.\.)\s*(-?\d+))?", part)
+        if not m:
+            raise OptionError(f"{name}: {part!r} is not an integer or a range like 1-5")
+        lo, hi = int(m[1]), int(m[2]) if m[2] is not None else int(m[1])
+        if hi < lo:
+            raise OptionError(f"{name}: empty range {part!r}")
+        out.update(range(lo, hi + 1))
+    if not out:
+        raise OptionError(f"{name}: give at least one value")
+    if min(out) < minimum:
+        raise OptionError(f"{name}: values must be >= {minimum}, got {min(out)}")
+    return sorted(out)
+
+
+def float_list(text: str, name: str, lo: float = 0.0, hi: float | None = None) -> list[float]:
+    """'0,0.5,1' -> sorted unique floats in [lo, hi]."""
+    out = set()
+    for part in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            out.add(float(part))
+        except ValueError:
+            raise OptionError(f"{name}: {part!r} is not a number") from None
+    if not out:
+        raise OptionError(f"{name}: give at least one value")
+    bad = [v for v in out if v < lo or (hi is not None and v > hi)]
+    if bad:
+        rng = f"[{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
+        raise OptionError(f"{name}: values must be in {rng}, got {sorted(bad)}")
+    return sorted(out)
+
+
+def spec_list(text: str) -> list[str]:
+    specs = [s.strip().lower() for s in text.split(",") if s.strip()]
+    unknown = [s for s in specs if s not in SPEC_TYPES]
+    if unknown or not specs:
+        raise OptionError(f"--spec: unknown spec type(s) {unknown or [text]}; choose from {', '.join(SPEC_TYPES)}")
+    return list(dict.fromkeys(specs))
+
+
+def add_prompt_args(p: argparse.ArgumentParser, default_per_category: int | None) -> None:
+    g = p.add_argument_group("prompts")
+    g.add_argument("--suite", choices=sorted(P.SUITE_FILES),
+                   help="bundled prompt suite (default: 'tiny' for byte-level models, 'mtp-bench' otherwise)")
+    g.add_argument("--prompts-file", metavar="JSONL",
+                   help='prompts, one JSON object a line: {"id", "category", "tokens": [...]} (pre-tokenized) or '
+                        '{"id", "category", "text"} (through the model\'s tokenizer); replaces --suite')
+    g.add_argument("--categories", metavar="A,B", help="only these categories (comma-separated)")
+    default = "all" if default_per_category is None else str(default_per_category)
+    g.add_argument("--prompts-per-category", type=int, default=default_per_category, metavar="N",
+                   help=f"at most N prompts per category (default {default})")
+    g.add_argument("--full-suite", action="store_true", help="every prompt of the suite (overrides "
+                                                             "--prompts-per-category)")
+    g.add_argument("--limit", type=int, metavar="N", help="at most N prompts in all")
+    g.add_argument("--prompt-template", default="{prompt}", metavar="TPL",
+                   help="wrap text prompts, '{prompt}' is replaced (e.g. a chat template: "
+                        "'<｜User｜>{prompt}<｜Assistant｜>'); default: the raw text")
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation and measurement")
+    g.add_argument("--max-new-tokens", type=int, metavar="N",
+                   help="tokens to generate per prompt (default: the suite's, 64 for 'tiny', 192 for 'mtp-bench')")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for temperature > 0 (default 1)")
+    g.add_argument("--ignore-eos", action="store_true", help="never stop at EOS (every run generates exactly "
+                                                             "--max-new-tokens)")
+    g.add_argument("--seed", type=int, default=42, help="sampling seed, the same for every setting (default 42)")
+    g.add_argument("--repeats", type=int, default=1, help="timed repeats per batch; the median is reported "
+                                                          "(default 1; the warm-up run is never timed)")
+    g.add_argument("--compile-cache", default=DEFAULT_CACHE, metavar="DIR",
+                   help=f"JAX persistent compilation cache, speeds up reruns (default {DEFAULT_CACHE})")
+    g.add_argument("--no-compile-cache", action="store_true", help="do not use a persistent compilation cache")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
+    o.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
+    o.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
+    o.add_argument("--quiet", action="store_true", help="no per-prompt lines or progress bar")
+
+
+def check_common(a: argparse.Namespace) -> None:
+    """Model-independent checks of the shared options (raises OptionError)."""
+    for name in ("max_new_tokens", "prompts_per_category", "limit"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            raise OptionError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if a.repeats < 1:
+        raise OptionError(f"--repeats must be >= 1, got {a.repeats}")
+    if not 0 < a.top_p <= 1:
+        raise OptionError(f"--top-p must be in (0, 1], got {a.top_p}")
+    if a.seed < 0:
+        raise OptionError(f"--seed must be >= 0, got {a.seed}")
+    if "{prompt}" not in a.prompt_template:
+        raise OptionError("--prompt-template must contain '{prompt}'")
+    if a.prompts_file and a.suite:
+        raise OptionError("give --suite or --prompts-file, not both")
+
+
+def read_prompt_source(a: argparse.Namespace) -> list[dict] | None:
+    """The prompts file's records (checked now), or None when the suite is decided by the model."""
+    return P.read_prompts_file(a.prompts_file) if a.prompts_file else None
+
+
+def resolve_prompts(a: argparse.Namespace, model, file_prompts: list[dict] | None) -> tuple[str, list[dict], int]:
+    """(suite name, tokenized prompts, default max_new_tokens) for the loaded model."""
+    per_cat = None if a.full_suite else a.prompts_per_category
+    cats = [c.strip() for c in a.categories.split(",") if c.strip()] if a.categories else None
+    if file_prompts is not None:
+        suite, chosen, max_new = a.prompts_file, P.select(file_prompts, cats, per_cat, a.limit), 64
+    else:
+        data = P.load_suite(a.suite or model.default_suite)
+        suite, max_new = data["name"], data["max_new_tokens"]
+        chosen = P.select(data["prompts"], cats, per_cat, a.limit)
+    return suite, P.tokenize(chosen, model.encode, model.config.vocab_size, a.prompt_template), max_new
+
+
+def enable_compile_cache(a: argparse.Namespace) -> None:
+    if a.no_compile_cache:
+        return
+    import jax
+    os.makedirs(a.compile_cache, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", a.compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def eos_for(a: argparse.Namespace) -> int | None:
+    return -1 if a.ignore_eos else None
+
+
+def progress(total: int, quiet: bool, desc: str):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, disable=True if quiet else None, dynamic_ncols=True, leave=False)

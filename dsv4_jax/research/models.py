@@ -1,0 +1,194 @@
+"""Model selection shared by the research CLIs: the bundled tiny model, a bundle / checkpoint directory,
+or a random tiny model for smoke tests.
+
+    (default)       the bundled tiny model (`dsv4_jax.demo.tiny_demo()`)
+    --model DIR     a bundle written by `dsv4_jax.demo_io.save_bundle` (DIR/bundle.json) or a checkpoint
+                    written by `dsv4-convert` (DIR/dsv4.json, loaded with `load_checkpoint`)
+    --random-tiny   a random `dsv4_jax.config.tiny()` target (byte vocabulary) with random MTP and DSpark
+                    drafters, seeded by --model-seed
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any, Callable
+
+from ..config import ModelConfig
+
+BUNDLE_META = "bundle.json"
+CHECKPOINT_META = "dsv4.json"
+
+
+class ModelError(RuntimeError):
+    """The requested model cannot be loaded (missing files, wrong directory)."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """Everything a research run needs from a model."""
+
+    name: str                                  # shown in reports
+    source: str                                # "bundled" | "bundle:DIR" | "checkpoint:DIR" | "random-tiny"
+    config: ModelConfig
+    params: dict
+    encode: Callable[[str], list[int]] | None  # text -> token ids (None: pre-tokenized prompts only)
+    dspark_meta: Any                           # passed to generate(dspark_meta=...)
+    default_suite: str                         # "tiny" (byte-level models) | "mtp-bench"
+    info: dict = dataclasses.field(default_factory=dict)
+    decode: Callable[[list[int]], str] | None = None   # ids -> text, for samples in the reports
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.params.get("mtp"))
+
+    @property
+    def has_dspark(self) -> bool:
+        return "dspark" in self.params
+
+    def dspark_block_size(self) -> int | None:
+        """DSpark's block size (drafts per round at most), None without DSpark weights."""
+        if not self.has_dspark:
+            return None
+        from ..drafters import dspark
+        return dspark.resolve(self.config, self.params["dspark"], self.dspark_meta).block_size
+
+    def describe(self) -> dict:
+        c = self.config
+        return {"name": self.name, "source": self.source, "config_name": c.name, "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size, "num_layers": c.num_layers, "has_mtp": self.has_mtp,
+                "has_dspark": self.has_dspark, "dspark_block_size": self.dspark_block_size(),
+                "weight_dtype": str(self.params["embed"].dtype)}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (default: the bundled tiny model)")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--model", metavar="DIR", help="a bundle directory (bundle.json, written by save_bundle) or a "
+                                                  "converted checkpoint (dsv4.json, written by dsv4-convert)")
+    m.add_argument("--random-tiny", action="store_true",
+                   help="a random tiny model with random MTP and DSpark drafters (smoke tests; no quality)")
+    g.add_argument("--model-seed", type=int, default=0, help="seed of --random-tiny (default 0)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="compute dtype of the weights (default: as stored)")
+
+
+def load_model(args: argparse.Namespace) -> LoadedModel:
+    """The model selected by the parsed --model / --random-tiny options."""
+    import jax.numpy as jnp
+    dtype = None if args.dtype is None else jnp.dtype(args.dtype)
+    if args.random_tiny:
+        return random_tiny(args.model_seed, dtype)
+    if args.model:
+        return load_dir(args.model, dtype)
+    return bundled(dtype)
+
+
+def check_model_dir(path: str) -> str:
+    """'bundle' | 'checkpoint' for a model directory; ModelError otherwise (cheap: reads no weights)."""
+    if not os.path.isdir(path):
+        raise ModelError(f"--model {path!r} is not a directory")
+    if os.path.exists(os.path.join(path, BUNDLE_META)):
+        return "bundle"
+    if os.path.exists(os.path.join(path, CHECKPOINT_META)):
+        return "checkpoint"
+    raise ModelError(f"--model {path!r}: neither a bundle ({BUNDLE_META}) nor a dsv4-convert checkpoint "
+                     f"({CHECKPOINT_META})")
+
+
+def bundled(dtype=None) -> LoadedModel:
+    from ..demo import ASSET_DIR, tiny_demo
+    try:
+        demo = tiny_demo(dtype=dtype)
+    except FileNotFoundError:
+        raise ModelError(f"the bundled tiny model is not installed (no weights in {ASSET_DIR}). Train it with "
+                         "`python experiments/train_tiny.py`, or use --model DIR (a bundle or converted "
+                         "checkpoint) or --random-tiny (random weights, for a smoke test)") from None
+    return LoadedModel(name=demo.config.name, source="bundled", config=demo.config, params=demo.params,
+                       encode=demo.tokenizer.encode, dspark_meta=demo.dspark, default_suite="tiny", info=demo.info,
+                       decode=demo.tokenizer.decode)
+
+
+def _byte_level(config: ModelConfig) -> bool:
+    from ..demo import ByteTokenizer
+    return config.vocab_size == ByteTokenizer.vocab_size
+
+
+def _bundle_dspark_meta(config: ModelConfig, info: dict):
+    """DSpark settings of a bundle: info["dspark"] when written, the demo's for the demo config, else None
+    (defaults fitted to the weights)."""
+    from ..drafters.dspark import DSparkConfig
+    d = info.get("dspark")
+    if isinstance(d, dict):
+        fields = {f.name for f in dataclasses.fields(DSparkConfig)}
+        kw = {k: (tuple(v) if k == "target_layer_ids" else v) for k, v in d.items() if k in fields}
+        return DSparkConfig(**kw)
+    if config.name == "tiny_demo":
+        from ..demo import demo_dspark_config
+        return demo_dspark_config()
+    return None
+
+
+def load_dir(path: str, dtype=None) -> LoadedModel:
+    kind = check_model_dir(path)
+    name = os.path.basename(os.path.normpath(path))
+    if kind == "bundle":
+        from ..demo import ByteTokenizer
+        from ..demo_io import load_bundle
+        config, params, info = load_bundle(path, dtype)
+        tok = (ByteTokenizer().encode, ByteTokenizer().decode) if _byte_level(config) else _hf_codec(path, config)
+        return LoadedModel(name=name, source=f"bundle:{path}", config=config, params=params, encode=tok[0],
+                           dspark_meta=_bundle_dspark_meta(config, info),
+                           default_suite="tiny" if _byte_level(config) else "mtp-bench", info=info, decode=tok[1])
+    from ..checkpoint import CheckpointConfig, load_checkpoint
+    cfg, params = load_checkpoint(path, dtype=dtype)
+    config, meta = (cfg.target, cfg.dspark) if isinstance(cfg, CheckpointConfig) else (cfg, None)
+    encode, decode = _hf_codec(path, config)
+    return LoadedModel(name=name, source=f"checkpoint:{path}", config=config, params=params, encode=encode,
+                       dspark_meta=meta, default_suite="mtp-bench", decode=decode)
+
+
+def _hf_codec(path: str, config: ModelConfig):
+    """(encode, decode) via DIR/tokenizer.json (the `tokenizers` package), BOS prepended once; (None, None)
+    without a tokenizer.json."""
+    tj = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tj):
+        return None, None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ModelError(f"{tj} needs the `tokenizers` package: pip install 'dsv4_jax[tokenizers]'") from None
+    tok = Tokenizer.from_file(tj)
+    bos = config.bos_token_id
+
+    def encode(text: str) -> list[int]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        return ids if bos is None or (ids and ids[0] == bos) else [bos] + ids
+
+    return encode, lambda ids: tok.decode([int(i) for i in ids])
+
+
+def random_tiny_config() -> ModelConfig:
+    """dsv4_jax.config.tiny() with the byte vocabulary (ByteTokenizer: 256 bytes + BOS, EOS, PAD, NOISE)."""
+    from ..config import tiny
+    from ..demo import ByteTokenizer
+    return tiny().replace(name="random_tiny", vocab_size=ByteTokenizer.vocab_size, bos_token_id=ByteTokenizer.BOS,
+                          eos_token_id=ByteTokenizer.EOS)
+
+
+def random_tiny(seed: int = 0, dtype=None) -> LoadedModel:
+    """A random tiny target with random MTP (1 block) and DSpark (2 stages, 3 taps, block 5) drafters."""
+    import jax.numpy as jnp
+    from ..demo import ByteTokenizer
+    from ..drafters.dspark import DSparkConfig
+    from ..params import init_dspark, init_mtp, init_params
+    config = random_tiny_config()
+    dtype = dtype or jnp.float32
+    params = init_params(config, seed, dtype)
+    params["mtp"] = init_mtp(config, seed + 1, dtype)
+    params["dspark"] = init_dspark(config, seed + 2, dtype, n_stages=2, n_taps=3, markov_rank=8)
+    n = config.num_layers
+    meta = DSparkConfig(block_size=5, noise_token_id=ByteTokenizer.NOISE, target_layer_ids=(n - 3, n - 2, n - 1))
+    return LoadedModel(name=f"random_tiny(seed={seed})", source="random-tiny", config=config, params=params,
+                       encode=ByteTokenizer().encode, dspark_meta=meta, default_suite="tiny",
+                       decode=ByteTokenizer().decode)

@@ -1,0 +1,255 @@
+"""`dsv4-sweep`: speculative-decoding sweeps over a prompt suite, with tables and plots.
+
+Grid: spec type {none, mtp, dspark} × draft_n_max × p_min (MTP) / confidence threshold (DSpark) ×
+temperature × batch size. Every setting runs one untimed warm-up (compilation) and then every batch
+of prompts `--repeats` times with the same seed; speed-ups are against the no-speculation baseline
+measured in the same run with the same temperature and batch size.
+
+Output (--out DIR, written to a temporary directory and renamed when complete):
+    results.jsonl     one line per prompt × setting (pred, draft, acc, rate, tok/s, output tokens)
+    summary.json      {"meta": run facts, "settings": [aggregate per setting]} (see report.py)
+    summary.md        the same as a markdown table
+    tokens_per_s.png, acceptance.png, per_position.png
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from typing import Sequence
+
+from . import common, report
+from .common import OptionError
+from .models import ModelError, add_model_args, check_model_dir, load_model
+from .prompts import PromptError
+from .runner import RunPlan, Setting, batches, effective_draft_n_max, per_sequence, plan_shapes, run_batch, warm_up
+
+EXAMPLES = """examples:
+  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts
+  dsv4-sweep --out results/tiny-full --full-suite --draft-n-max 1-5 --repeats 3
+  dsv4-sweep --out results/pmin --spec mtp --draft-n-max 2,4 --p-min 0,0.3,0.6
+  dsv4-sweep --out results/conf --spec none,dspark --confidence 0,0.5,0.8 --temperature 0,1
+  dsv4-sweep --out results/batch --batch-size 1,4 --categories code_python,stepwise_math
+  dsv4-sweep --out results/ckpt --model /ckpt/dsv4-flash --prompt-template '<｜User｜>{prompt}<｜Assistant｜>'
+  dsv4-sweep --out results/smoke --random-tiny --max-new-tokens 16 --draft-n-max 1,2
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dsv4-sweep", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+        description="Sweep speculative decoding (none / MTP / DSpark) over draft_n_max, p_min, confidence "
+                    "threshold, temperature and batch size on a prompt suite; prints llama.cpp-MTP-bench-style "
+                    "per-prompt lines and writes results.jsonl, summary.json, summary.md and plots.")
+    add_model_args(p)
+    g = p.add_argument_group("sweep grid (comma-separated lists; integer ranges like 1-5 allowed)")
+    g.add_argument("--spec", default="none,mtp,dspark", help="spec types (default none,mtp,dspark)")
+    g.add_argument("--draft-n-max", default="1,2,3", metavar="K",
+                   help="drafts per round for mtp/dspark (default 1,2,3; DSpark truncates values above its block "
+                        "size)")
+    g.add_argument("--p-min", default="0", metavar="P", help="MTP: stop the draft chain below this top-1 probability "
+                                                             "(default 0)")
+    g.add_argument("--confidence", default="0", metavar="C", help="DSpark confidence thresholds (default 0)")
+    g.add_argument("--temperature", default="0", metavar="T", help="0 = greedy; > 0 = lossless rejection sampling "
+                                                                   "(default 0)")
+    g.add_argument("--batch-size", default="1", metavar="B", help="prompts decoded together (default 1)")
+    common.add_prompt_args(p, default_per_category=1)
+    common.add_run_args(p)
+    return p
+
+
+def parse_grid(a: argparse.Namespace) -> dict:
+    """The grid lists from the options (raises OptionError)."""
+    return {"specs": common.spec_list(a.spec), "ks": common.int_list(a.draft_n_max, "--draft-n-max", 1),
+            "p_mins": common.float_list(a.p_min, "--p-min", 0.0, 1.0),
+            "confs": common.float_list(a.confidence, "--confidence", 0.0, 1.0),
+            "temps": common.float_list(a.temperature, "--temperature", 0.0),
+            "batch_sizes": common.int_list(a.batch_size, "--batch-size", 1)}
+
+
+def build_settings(specs, ks, p_mins, confs, temps, batch_sizes) -> list[Setting]:
+    """The grid as a list: per (temperature, batch size) the baseline first, then MTP, then DSpark."""
+    out = []
+    for t, b in itertools.product(temps, batch_sizes):
+        if "none" in specs:
+            out.append(Setting("none", 0, temperature=t, batch_size=b))
+        if "mtp" in specs:
+            out += [Setting("mtp", k, p_min=p, temperature=t, batch_size=b) for k in ks for p in p_mins]
+        if "dspark" in specs:
+            out += [Setting("dspark", k, confidence_threshold=c, temperature=t, batch_size=b)
+                    for k in ks for c in confs]
+    return out
+
+
+def check_model_support(model, specs: Sequence[str], ks: Sequence[int]) -> list[str]:
+    """Errors for drafters the model lacks; returns notes (DSpark truncation)."""
+    if "mtp" in specs and not model.has_mtp:
+        raise OptionError(f"--spec mtp: model {model.name} has no MTP weights")
+    if "dspark" in specs and not model.has_dspark:
+        raise OptionError(f"--spec dspark: model {model.name} has no DSpark weights")
+    notes = []
+    block = model.dspark_block_size()
+    if "dspark" in specs and block is not None and max(ks) > block:
+        notes.append(f"note: DSpark block size is {block}: draft_n_max {[k for k in ks if k > block]} run with "
+                     f"{block} drafts per round")
+    return notes
+
+
+def prompt_line(p: dict, seq: dict, wall_s: float, decode_s: float) -> str:
+    """One llama.cpp-MTP-bench-style line (tok/s end to end; decode= the decode loop alone)."""
+    rate = seq["accepted"] / seq["draft"] if seq["draft"] else 0.0
+    tps = seq["predicted"] / wall_s if wall_s > 0 else 0.0
+    dps = (seq["predicted"] - 1) / decode_s if decode_s > 0 else 0.0
+    return (f"  {p['id'][:32]:<32} pred={seq['predicted']:4d} draft={seq['draft']:4d} acc={seq['accepted']:4d} "
+            f"rate={rate:.3f} tok/s={tps:8.1f} decode={dps:8.1f}")
+
+
+def aggregate_line(s: dict) -> str:
+    sp = f" speed-up={s['speedup']:.2f}x" if s.get("speedup") is not None else ""
+    return (f"  {'TOTAL':<32} pred={s['total_predicted']:4d} draft={s['total_draft']:4d} "
+            f"acc={s['total_draft_accepted']:4d} rate={s['aggregate_accept_rate']:.3f} "
+            f"tok/s={s['tokens_per_s']:8.1f} decode={s['decode_tokens_per_s']:8.1f} "
+            f"mean_acc_len={s['mean_accepted_length']:.2f}{sp}")
+
+
+def run_setting(model, prompts: list[dict], setting: Setting, plan: RunPlan, repeats: int, log, bar) -> tuple:
+    """Warm up every batch shape, then time each batch. -> (per-prompt records, batch records, warm-up seconds)."""
+    groups = batches(prompts, setting.batch_size)
+    warm = 0.0
+    for size in sorted({len(g) for g in groups}):
+        warm += warm_up(model, next(g for g in groups if len(g) == size), setting, plan)
+        bar.update(1)
+    log(f"== {setting.label}  (warm-up/compile {warm:.1f} s)")
+    records, batch_records = [], []
+    for group in groups:
+        r = run_batch(model, group, setting, plan, repeats)
+        st = r["stats"]
+        batch_records.append({"n": len(group), "predicted": st["generated"], "draft": st["drafted"],
+                              "accepted": st["accepted"], "rounds": st["rounds"], "wall_s": r["wall_s"],
+                              "decode_s": r["decode_s"],
+                              "per_position_accepted": st["per_position_accepted"],
+                              "per_position_proposed": st["per_position_proposed"]})
+        for b, p in enumerate(group):
+            seq = per_sequence(st, b)
+            log(prompt_line(p, seq, r["wall_s"], r["decode_s"]))
+            records.append(prompt_record(model, p, setting, seq, r, b))
+        bar.update(repeats)
+    return records, batch_records, warm
+
+
+def prompt_record(model, p: dict, setting: Setting, seq: dict, r: dict, b: int) -> dict:
+    """One results.jsonl line."""
+    rec = {**setting.as_dict(), "id": p["id"], "category": p["category"], "prompt_tokens": len(p["tokens"]),
+           "pred": seq["predicted"], "draft": seq["draft"], "acc": seq["accepted"], "rounds": seq["rounds"],
+           "rate": seq["accepted"] / seq["draft"] if seq["draft"] else 0.0,
+           "mean_accepted_length": (seq["accepted"] + seq["rounds"]) / seq["rounds"] if seq["rounds"] else 0.0,
+           "batch_wall_s": r["wall_s"], "batch_walls": r["walls"], "batch_decode_s": r["decode_s"],
+           "tok_s": seq["predicted"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
+           "decode_tok_s": (seq["predicted"] - 1) / r["decode_s"] if r["decode_s"] > 0 else 0.0,
+           "output_tokens": r["tokens"][b]}
+    if model.decode is not None:
+        rec["output_text"] = model.decode(r["tokens"][b])
+    return rec
+
+
+def per_category(records: list[dict]) -> dict:
+    out: dict[str, dict] = {}
+    for r in records:
+        c = out.setdefault(r["category"], {"n_requests": 0, "total_predicted": 0, "total_draft": 0,
+                                           "total_draft_accepted": 0, "rounds": 0})
+        c["n_requests"] += 1
+        c["total_predicted"] += r["pred"]
+        c["total_draft"] += r["draft"]
+        c["total_draft_accepted"] += r["acc"]
+        c["rounds"] += r["rounds"]
+    for c in out.values():
+        c["aggregate_accept_rate"] = c["total_draft_accepted"] / c["total_draft"] if c["total_draft"] else 0.0
+        c["mean_accepted_length"] = (c["total_draft_accepted"] + c["rounds"]) / c["rounds"] if c["rounds"] else 0.0
+    return out
+
+
+def match_baseline(records: list[dict], baseline: list[dict] | None) -> float | None:
+    """Greedy runs only: fraction of prompts whose output equals the baseline's (speculation is lossless: 1.0)."""
+    if baseline is None or not records or records[0]["temperature"] != 0:
+        return None
+    want = {r["id"]: r["output_tokens"] for r in baseline}
+    return sum(r["output_tokens"] == want.get(r["id"]) for r in records) / len(records)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:                                   # every check that needs no model, before anything is loaded
+        common.check_common(a)
+        grid = parse_grid(a)
+        report.check_out_dir(a.out, a.overwrite)
+        if a.model:
+            check_model_dir(a.model)
+        file_prompts = common.read_prompt_source(a)
+    except (OptionError, PromptError, ModelError, FileExistsError, FileNotFoundError) as e:
+        parser.error(str(e))
+    common.enable_compile_cache(a)
+    try:
+        model = load_model(a)
+        notes = check_model_support(model, grid["specs"], grid["ks"])
+        suite, prompts, suite_max_new = common.resolve_prompts(a, model, file_prompts)
+    except (OptionError, PromptError, ModelError) as e:
+        parser.error(str(e))
+    max_new = a.max_new_tokens or suite_max_new
+    settings = build_settings(**grid)
+    block = model.dspark_block_size()
+    max_draft = max(effective_draft_n_max(s, block) for s in settings)
+    pad_to, max_len = plan_shapes([len(p["tokens"]) for p in prompts], max_new, max_draft)
+    plan = RunPlan(max_new_tokens=max_new, pad_to=pad_to, max_len=max_len, seed=a.seed, top_p=a.top_p,
+                   eos_token_id=common.eos_for(a))
+    for n in notes:
+        print(n, file=sys.stderr)
+    total = sum(len({len(g) for g in batches(prompts, s.batch_size)}) + a.repeats * len(batches(prompts, s.batch_size))
+                for s in settings)
+    print(f"dsv4-sweep: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "
+          f"max_new_tokens {max_new}, repeats {a.repeats} -> {a.out}", file=sys.stderr)
+    with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "sweep") as bar:
+        log = (lambda s: None) if a.quiet else bar.write
+        all_records, rows, baselines = [], [], {}
+        for setting in settings:
+            records, batch_records, warm = run_setting(model, prompts, setting, plan, a.repeats, log, bar)
+            if setting.spec == "none":
+                baselines[setting.group] = records
+            row = {**setting.as_dict(), "effective_draft_n_max": effective_draft_n_max(setting, block),
+                   **report.aggregate(batch_records), "warmup_s": warm, "per_category": per_category(records),
+                   "outputs_match_baseline": match_baseline(records, baselines.get(setting.group))}
+            rows.append(row)
+            report.add_speedups(rows)
+            log(aggregate_line(row))
+            all_records += records
+        summary = {"meta": run_meta(a, argv, model, suite, prompts, plan), "settings": report.add_speedups(rows)}
+        report.write_jsonl(f"{tmp}/results.jsonl", all_records)
+        report.write_json(f"{tmp}/summary.json", summary)
+        with open(f"{tmp}/summary.md", "w", encoding="utf-8") as f:
+            f.write(report.sweep_markdown(summary))
+        if not a.no_plots:
+            summary["meta"]["plots"] = report.plot_sweep(rows, tmp, model.name)
+            report.write_json(f"{tmp}/summary.json", summary)
+    if not a.quiet:
+        print(report.sweep_markdown(summary))
+    print(f"dsv4-sweep: wrote {a.out}/summary.json, summary.md, results.jsonl"
+          + ("" if a.no_plots else ", " + ", ".join(summary["meta"]["plots"])), file=sys.stderr)
+    return 0
+
+
+def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> dict:
+    return {"tool": "dsv4-sweep", "env": report.environment("dsv4-sweep", argv), "model": model.describe(),
+            "suite": suite,
+            "categories": sorted({p["category"] for p in prompts}), "n_prompts": len(prompts),
+            "prompt_ids": [p["id"] for p in prompts], "max_new_tokens": plan.max_new_tokens,
+            "repeats": a.repeats, "seed": plan.seed, "top_p": plan.top_p, "ignore_eos": a.ignore_eos,
+            "pad_to": plan.pad_to, "max_len": plan.max_len, "prompt_template": a.prompt_template,
+            "timing": "wall time of generate (prefill + decode loop, each ended with jax.block_until_ready); "
+                      "decode_s: the decode loop alone; one untimed warm-up per setting and batch shape; median "
+                      "over repeats",
+            "speedup_baseline": "tokens_per_s (decode_tokens_per_s) / the same of spec 'none' with the same "
+                                "temperature and batch size"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

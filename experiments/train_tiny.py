@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Train the tiny demo model: target LM, then MTP and DSpark drafters against the frozen target.
+
+    python experiments/train_tiny.py all --out runs/tiny_demo            # every stage, then export + eval
+    python experiments/train_tiny.py target --out runs/tiny_demo --steps 600
+    python experiments/train_tiny.py mtp    --out runs/tiny_demo
+    python experiments/train_tiny.py dspark --out runs/tiny_demo
+    python experiments/train_tiny.py export --out runs/tiny_demo [--to dsv4_jax/assets/tiny_demo]
+    python experiments/train_tiny.py evaluate --out runs/tiny_demo
+
+Corpus: this interpreter's standard-library .py files (a fixed ~5 % of files held out), byte-level
+vocabulary (dsv4_jax.demo.ByteTokenizer). Each stage is seeded and resumable: it checkpoints with
+Orbax under OUT/ckpt_<stage> and continues from there when restarted with the same arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsv4_jax as d
+from dsv4_jax.demo import ByteTokenizer, demo_config, demo_dspark_config
+from dsv4_jax.demo_io import load_bundle, save_bundle
+from dsv4_jax.params import init_dspark, init_mtp
+from dsv4_jax.training import data, objectives
+from dsv4_jax.training.loop import train
+
+STAGES = ("target", "mtp", "dspark", "export", "evaluate", "all")
+
+
+def _bundle_dir(out, stage):
+    return os.path.join(out, f"stage_{stage}")
+
+
+def _logger(out, stage):
+    path = os.path.join(out, f"log_{stage}.jsonl")
+
+    def log(step, metrics):
+        if step % 10 == 0:
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+    return log
+
+
+def stage_target(args, config):
+    stream = data.corpus("train", ByteTokenizer.BOS)
+    params = d.init_params(config, args.seed)
+    batches = data.batches(stream, args.batch, args.length + 1, args.seed)
+    t0 = time.time()
+    params = train(lambda p, b: (objectives.target_loss(p, config, jnp.asarray(b)), {}), params, batches,
+                   steps=args.steps, lr=args.lr, ckpt_dir=os.path.join(args.out, "ckpt_target"), desc="target",
+                   log=_logger(args.out, "target"))
+    save_bundle(_bundle_dir(args.out, "target"), config, params, {"train_s": time.time() - t0, "steps": args.steps})
+
+
+def _frozen(args):
+    config, target, _ = load_bundle(_bundle_dir(args.out, "target"), jnp.float32)
+    return config, target
+
+
+def stage_mtp(args, config):
+    config, target = _frozen(args)
+    stream = data.corpus("train", ByteTokenizer.BOS)
+    batches = data.batches(stream, args.batch, args.length, args.seed + 1)
+    fz = jax.jit(lambda t: objectives.frozen_target(target, config, t))
+
+    def feed():
+        for b in batches:
+            b = jnp.asarray(b)
+            S, lg, _ = fz(b)
+            yield b, S, lg
+
+    t0 = time.time()
+    mtp = train(lambda m, b: objectives.mtp_loss(m, target, config, *b)[:1] + (
+                    {"acc": objectives.mtp_loss(m, target, config, *b)[1]},),
+                init_mtp(config, args.seed + 1)[0], feed(), steps=args.steps, lr=args.lr,
+                ckpt_dir=os.path.join(args.out, "ckpt_mtp"), desc="mtp", log=_logger(args.out, "mtp"))
+    save_bundle(_bundle_dir(args.out, "mtp"), config, mtp, {"train_s": time.time() - t0, "steps": args.steps})
+
+
+def stage_dspark(args, config):
+    config, target = _frozen(args)
+    dcfg = demo_dspark_config()
+    stream = data.corpus("train", ByteTokenizer.BOS)
+    batches = data.batches(stream, args.batch, args.length, args.seed + 2)
+    fz = jax.jit(lambda t: objectives.frozen_target(target, config, t, dcfg.target_layer_ids))
+    rng = np.random.default_rng(args.seed + 2)
+    L, g, A = args.length, dcfg.block_size, args.anchors
+
+    def feed():
+        for b in batches:
+            b = jnp.asarray(b)
+            _, lg, taps = fz(b)
+            anchors = rng.integers(8, L - g - 1, (b.shape[0], A)).astype(np.int32)
+            yield b, taps, lg, jnp.asarray(anchors)
+
+    def loss(dp, batch):
+        tokens, taps, lg, anchors = batch
+        return objectives.dspark_loss(dp, target, config, dcfg, tokens, taps, lg, anchors)
+
+    t0 = time.time()
+    dp = train(loss, init_dspark(config, args.seed + 2, n_stages=2, n_taps=3, markov_rank=32), feed(),
+               steps=args.steps, lr=args.lr, ckpt_dir=os.path.join(args.out, "ckpt_dspark"), desc="dspark",
+               log=_logger(args.out, "dspark"))
+    save_bundle(_bundle_dir(args.out, "dspark"), config, dp, {"train_s": time.time() - t0, "steps": args.steps})
+
+
+def stage_export(args, config):
+    config, target, ti = load_bundle(_bundle_dir(args.out, "target"))
+    _, mtp, mi = load_bundle(_bundle_dir(args.out, "mtp"))
+    _, dp, di = load_bundle(_bundle_dir(args.out, "dspark"))
+    params = dict(target, mtp=[mtp], dspark=dp)
+    info = {"train_s": {"target": ti.get("train_s"), "mtp": mi.get("train_s"), "dspark": di.get("train_s")},
+            "steps": {"target": ti.get("steps"), "mtp": mi.get("steps"), "dspark": di.get("steps")},
+            "seed": args.seed, "corpus": "python stdlib .py files (held-out: sha1(relpath) % 20 == 0)",
+            "python": sys.version.split()[0]}
+    dest = args.to or os.path.join(args.out, "bundle")
+    save_bundle(dest, config, params, info)
+    size = sum(os.path.getsize(os.path.join(dest, f)) for f in os.listdir(dest))
+    print(f"exported {dest} ({size / 1e6:.1f} MB)")
+
+
+def stage_evaluate(args, config):
+    from dsv4_jax.training.evaluate import evaluate_bundle
+    res = evaluate_bundle(args.to or os.path.join(args.out, "bundle"), n_prompts=args.eval_prompts,
+                          max_new=args.eval_new)
+    path = os.path.join(args.out, "eval.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res["summary"], indent=1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=STAGES)
+    ap.add_argument("--out", default="runs/tiny_demo", help="working directory (checkpoints, logs, bundles)")
+    ap.add_argument("--to", default=None, help="export / evaluate: bundle directory (default OUT/bundle)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 600 target, 300 drafters)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=256, help="training sequence length in bytes")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 target, 2e-3 drafters)")
+    ap.add_argument("--anchors", type=int, default=8, help="DSpark blocks per training sequence")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--eval-new", type=int, default=128)
+    args = ap.parse_args(argv)
+    for v, name in ((args.batch, "--batch"), (args.length, "--length"), (args.anchors, "--anchors")):
+        if v <= 0:
+            ap.error(f"{name} must be positive")
+    os.makedirs(args.out, exist_ok=True)
+    config = demo_config()
+    stages = ["target", "mtp", "dspark", "export", "evaluate"] if args.stage == "all" else [args.stage]
+    for st in stages:
+        a = argparse.Namespace(**vars(args))
+        a.steps = args.steps or (600 if st == "target" else 300)
+        a.lr = args.lr or (3e-3 if st == "target" else 2e-3)
+        globals()[f"stage_{st}"](a, config)
+
+
+if __name__ == "__main__":
+    main()

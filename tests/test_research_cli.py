@@ -1,0 +1,215 @@
+"""dsv4-sweep / dsv4-batch-eval on a tiny random model bundle: documented outputs, bad options.
+
+The two CLI runs use the same prompt, budget, batch size and draft widths, so the second reuses the
+first's compilations (in-process jit cache); a 2-layer SWA model keeps each compilation short.
+"""
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax as d
+from dsv4_jax.config import HASH_MOE, MOE, _schedule
+from dsv4_jax.demo_io import save_bundle
+from dsv4_jax.params import init_dspark, init_mtp
+from dsv4_jax.research import batch_eval, common, prompts as P, report, sweep
+from dsv4_jax.research.runner import Setting, generate_padded
+
+RUN = ["--limit", "1", "--max-new-tokens", "8", "--draft-n-max", "1", "--no-compile-cache", "--quiet"]
+
+
+def _config():
+    types, ratios = _schedule([0, 0])
+    return d.tiny().replace(name="test_tiny2", vocab_size=260, bos_token_id=256, eos_token_id=257, num_layers=2,
+                            layer_types=types, compress_ratios=ratios, mlp_layer_types=(HASH_MOE, MOE))
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    """A random 2-layer target with MTP and DSpark, saved like the demo bundle (DSpark settings in info)."""
+    config = _config()
+    params = d.init_params(config, 0)
+    params["mtp"] = init_mtp(config, 1)
+    params["dspark"] = init_dspark(config, 2, n_stages=1, n_taps=2, markov_rank=4)
+    path = str(tmp_path_factory.mktemp("model") / "bundle")
+    save_bundle(path, config, params, {"dspark": {"block_size": 3, "noise_token_id": 259,
+                                                  "target_layer_ids": [0, 1]}}, dtype=jnp.float32)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sweep_out(bundle, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sweep") / "res")
+    assert sweep.main(["--model", bundle, "--out", out, "--spec", "none,mtp,dspark", *RUN]) == 0
+    return out
+
+
+def test_sweep_writes_documented_outputs(sweep_out):
+    assert sorted(os.listdir(sweep_out)) == ["acceptance.png", "per_position.png", "results.jsonl", "summary.json",
+                                             "summary.md", "tokens_per_s.png"]
+    for png in ("acceptance.png", "per_position.png", "tokens_per_s.png"):
+        with open(os.path.join(sweep_out, png), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert os.path.getsize(os.path.join(sweep_out, png)) > 5000
+    summary = json.load(open(os.path.join(sweep_out, "summary.json")))
+    meta = summary["meta"]
+    for key in ("env", "model", "suite", "n_prompts", "max_new_tokens", "repeats", "seed", "pad_to", "max_len"):
+        assert key in meta
+    for key in ("date", "command", "jax_version", "backend", "devices", "platform"):
+        assert key in meta["env"]
+    assert meta["env"]["command"].startswith("dsv4-sweep --model")
+    assert meta["suite"] == "tiny" and meta["n_prompts"] == 1
+    rows = summary["settings"]
+    assert [r["spec_type"] for r in rows] == ["none", "mtp", "dspark"]
+    for r in rows:
+        for key in report.AGGREGATE_FIELDS + ("per_position_accepted", "per_position_proposed", "per_category",
+                                              "draft_n_max", "temperature", "batch_size"):
+            assert key in r, key
+        assert r["n_requests"] == 1 and 1 <= r["total_predicted"] <= 8
+        assert r["wall_s_total"] > 0 and r["tokens_per_s"] > 0
+    none, mtp, dspark = rows
+    assert none["speedup"] == pytest.approx(1.0) and none["decode_speedup"] == pytest.approx(1.0)
+    assert none["total_draft"] == 0
+    assert len(mtp["per_position_accept_rate"]) == 1 and mtp["total_draft"] > 0
+    assert mtp["outputs_match_baseline"] == 1.0 and dspark["outputs_match_baseline"] == 1.0   # greedy is lossless
+    lines = [json.loads(x) for x in open(os.path.join(sweep_out, "results.jsonl"))]
+    assert len(lines) == 3
+    for rec in lines:
+        for key in ("id", "category", "spec_type", "draft_n_max", "pred", "draft", "acc", "rate", "tok_s",
+                    "output_tokens"):
+            assert key in rec
+    md = open(os.path.join(sweep_out, "summary.md")).read()
+    assert "| spec | k | knob | T | B | n_requests | total_predicted | total_draft | total_draft_accepted |" in md
+
+
+def test_batch_eval_writes_documented_outputs(bundle, sweep_out, tmp_path):
+    out = str(tmp_path / "batch")
+    assert batch_eval.main(["--model", bundle, "--out", out, "--batch-size", "1", "--num-prompts", "2", *RUN]) == 0
+    assert sorted(os.listdir(out)) == ["batch_eval.json", "batch_eval.md", "latency.png", "results.jsonl",
+                                       "throughput.png"]
+    summary = json.load(open(os.path.join(out, "batch_eval.json")))
+    assert summary["meta"]["n_prompts"] == 2
+    rows = summary["settings"]
+    assert [r["spec_type"] for r in rows] == ["none", "mtp", "dspark"]
+    for r in rows:
+        for key in ("n_requests", "total_predicted", "tokens_per_s", "speedup", "decode_tokens_per_s",
+                    "latency_mean_s", "latency_p50_s", "latency_p90_s", "aggregate_accept_rate",
+                    "mean_accepted_length", "n_batches"):
+            assert key in r, key
+        assert r["n_requests"] == 2 and r["n_batches"] == 2 and r["latency_p90_s"] >= r["latency_p50_s"] > 0
+    assert len(open(os.path.join(out, "results.jsonl")).readlines()) == 6
+    assert "| spec | k | knob | T | B | sequences |" in open(os.path.join(out, "batch_eval.md")).read()
+
+
+def test_padded_generation_equals_generate(bundle, sweep_out):
+    """Right-padding the prompt to the run's length changes nothing (same shapes as the sweep: cached)."""
+    from dsv4_jax.research.models import load_dir
+    m = load_dir(bundle)
+    meta = json.load(open(os.path.join(sweep_out, "summary.json")))["meta"]
+    prompt = m.encode("def f(x):")
+    assert len(prompt) < meta["pad_to"]
+    for setting in (Setting("none"), Setting("dspark", 1)):
+        want, _ = d.generate(m.params, m.config, [prompt], 8, drafter=setting.drafter, draft_n_max=1,
+                             dspark_meta=m.dspark_meta, max_len=meta["max_len"])
+        got, stats = generate_padded(m.params, m.config, [prompt], 8, pad_to=meta["pad_to"], max_len=meta["max_len"],
+                                     setting=setting, dspark_meta=m.dspark_meta)
+        assert got == want and stats["generated"] == len(got[0])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--spec", "none,eagle"], "unknown spec type"),
+    (["--draft-n-max", "-1"], "must be >= 1"),
+    (["--draft-n-max", "0"], "must be >= 1"),
+    (["--p-min", "1.5"], "--p-min: values must be in [0, 1]"),
+    (["--temperature", "-0.5"], "--temperature: values must be in"),
+    (["--batch-size", "0"], "--batch-size: values must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--draft-n-max", "x"], "not an integer"),
+    (["--categories", "poetry"], "unknown category"),
+    (["--prompt-template", "no placeholder"], "{prompt}"),
+])
+def test_sweep_rejects_bad_options(args, message, tmp_path, capsys):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--random-tiny", "--out", str(out), "--no-compile-cache", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bad_prompt_files_and_dirs(tmp_path, capsys):
+    out = tmp_path / "never"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"id": "a", "tokens": [1, 2]}\n{"id": "b", "tokens": [1,\n')
+    neither = tmp_path / "neither.jsonl"
+    neither.write_text('{"id": "a"}\n')
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("keep me")
+    cases = [(["--prompts-file", str(empty)], "holds no prompts"),
+             (["--prompts-file", str(broken)], "broken.jsonl:2: not valid JSON"),
+             (["--prompts-file", str(neither)], "exactly one of 'tokens'"),
+             (["--prompts-file", str(tmp_path / "missing.jsonl")], "does not exist"),
+             (["--model", str(tmp_path)], "neither a bundle"),
+             (["--model", str(tmp_path / "nope")], "is not a directory")]
+    for args, message in cases:
+        for main in (sweep.main, batch_eval.main):
+            with pytest.raises(SystemExit):
+                main((["--random-tiny"] if "--model" not in args else []) + ["--out", str(out), *args])
+            assert message in capsys.readouterr().err
+            assert not out.exists()
+    with pytest.raises(SystemExit):
+        sweep.main(["--random-tiny", "--out", str(full)])
+    assert "not empty" in capsys.readouterr().err
+    assert os.listdir(full) == ["x"]
+
+
+def test_model_without_a_drafter_and_missing_default_model(tmp_path, capsys, monkeypatch):
+    config = _config()
+    path = str(tmp_path / "target_only")
+    save_bundle(path, config, d.init_params(config, 3), {}, dtype=jnp.float32)
+    with pytest.raises(SystemExit):
+        sweep.main(["--model", path, "--out", str(tmp_path / "o"), "--spec", "none,mtp", "--no-compile-cache"])
+    assert "has no MTP weights" in capsys.readouterr().err
+    import dsv4_jax.demo
+    monkeypatch.setattr(dsv4_jax.demo, "ASSET_DIR", str(tmp_path / "no_assets"))
+    with pytest.raises(SystemExit):
+        batch_eval.main(["--out", str(tmp_path / "o"), "--no-compile-cache"])
+    assert "bundled tiny model is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_lists_suites_and_prompt_files(tmp_path):
+    assert common.int_list("1-3,5", "k") == [1, 2, 3, 5] and common.int_list("2..4", "k") == [2, 3, 4]
+    assert common.float_list("0.5,0,0.5", "p", 0, 1) == [0.0, 0.5]
+    for name in P.SUITE_FILES:
+        suite = P.load_suite(name)
+        assert {p["category"] for p in suite["prompts"]} == set(P.CATEGORIES)
+    assert len(P.select(P.load_suite("tiny")["prompts"], per_category=1)) == len(P.CATEGORIES)
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "t", "category": "c", "tokens": [256, 65]}\n{"id": "x", "text": "hi"}\n')
+    recs = P.read_prompts_file(str(f))
+    assert recs[1]["category"] == "default"
+    from dsv4_jax.demo import ByteTokenizer
+    toks = P.tokenize(recs, ByteTokenizer().encode, 260, "<{prompt}>")
+    assert toks[0]["tokens"] == [256, 65] and toks[1]["tokens"] == [256, *b"<hi>"]
+    with pytest.raises(P.PromptError, match="no tokenizer"):
+        P.tokenize(recs, None, 260)
+    with pytest.raises(P.PromptError, match="outside"):
+        P.tokenize(recs, ByteTokenizer().encode, 100)
+    rows = report.add_speedups([{"spec_type": "none", "temperature": 0, "batch_size": 1, "tokens_per_s": 10.0},
+                                {"spec_type": "mtp", "temperature": 0, "batch_size": 1, "tokens_per_s": 15.0},
+                                {"spec_type": "mtp", "temperature": 0, "batch_size": 2, "tokens_per_s": 15.0}])
+    assert [r["speedup"] for r in rows] == [1.0, 1.5, None]
+    assert report.percentiles([1, 2, 3, 4])["p50"] == pytest.approx(2.5)
+    agg = report.aggregate([{"n": 1, "predicted": 8, "draft": 4, "accepted": 2, "rounds": 5, "wall_s": 2.0,
+                             "decode_s": 1.75, "per_position_accepted": [2, 0], "per_position_proposed": [3, 1]}])
+    assert agg["aggregate_accept_rate"] == 0.5 and agg["mean_accepted_length"] == pytest.approx(7 / 5)
+    assert agg["per_position_accept_rate"] == [pytest.approx(2 / 3), 0.0] and agg["tokens_per_s"] == 4.0
+    assert agg["decode_tokens_per_s"] == 4.0      # 7 tokens from the loop (the prefill sampled the first)
+    np.testing.assert_equal(agg["n_requests"], 1)
