@@ -21,7 +21,9 @@ from dsv4_jax.config import ConfigError, ModelConfig, from_hf_config, load_hf_co
 
 from . import gguf_io, plan as PL
 from .hf_source import SafetensorsSource
-from .writer import FORMAT_VERSION, META_FILE, AtomicDir, ItemWriter, read_meta, write_json_atomic
+from dsv4_jax.checkpoint import read_metadata as read_meta
+
+from .writer import FORMAT_VERSION, META_FILE, AtomicDir, ItemWriter, write_json_atomic
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "bf16": np.dtype(ml_dtypes.bfloat16),
           "float32": np.dtype(np.float32), "f32": np.dtype(np.float32),

@@ -110,9 +110,3 @@ def write_json_atomic(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def read_meta(ckpt: str | os.PathLike) -> dict:
-    p = os.path.join(os.fspath(ckpt), META_FILE)
-    if not os.path.exists(p):
-        raise FileNotFoundError(f"{ckpt}: not a dsv4 checkpoint (no {META_FILE})")
-    with open(p) as f:
-        return json.load(f)

@@ -5,6 +5,7 @@ from .model import forward
 from .params import abstract_params, init_params
 from . import sharding  # noqa: F401  (meshes, sharding rules, multi-host: docs/sharding.md)
 from .spec.generate import generate
+from .demo import tiny_demo
 
-__all__ = ["ConfigError", "ModelConfig", "abstract_params", "flash", "forward", "from_hf_config", "generate", "init_params",
+__all__ = ["ConfigError", "ModelConfig", "abstract_params", "flash", "forward", "from_hf_config", "generate", "init_params", "tiny_demo",
            "load_checkpoint", "pro", "tiny"]

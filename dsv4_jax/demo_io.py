@@ -35,6 +35,7 @@ def save_bundle(path: str, config: ModelConfig, params: dict, info: dict, dtype=
     fd, tmp = tempfile.mkstemp(dir=path, suffix=".npz.tmp")
     with os.fdopen(fd, "wb") as f:
         np.savez_compressed(f, **arrays)
+    os.chmod(tmp, 0o644)                      # mkstemp creates 0600; the bundle ships with the package
     os.replace(tmp, os.path.join(path, WEIGHTS))
     with open(os.path.join(path, META), "w") as f:
         json.dump({"config": config.to_dict(), "dtypes": dtypes, "info": info}, f, indent=1)

@@ -2,7 +2,7 @@
 """Train the tiny demo model: target LM, then MTP and DSpark drafters against the frozen target.
 
     python experiments/train_tiny.py all --out runs/tiny_demo            # every stage, then export + eval
-    python experiments/train_tiny.py target --out runs/tiny_demo --steps 600
+    python experiments/train_tiny.py target --out runs/tiny_demo --steps 400
     python experiments/train_tiny.py mtp    --out runs/tiny_demo
     python experiments/train_tiny.py dspark --out runs/tiny_demo
     python experiments/train_tiny.py export --out runs/tiny_demo [--to dsv4_jax/assets/tiny_demo]
@@ -32,6 +32,7 @@ from dsv4_jax.training import data, objectives
 from dsv4_jax.training.loop import train
 
 STAGES = ("target", "mtp", "dspark", "export", "evaluate", "all")
+DEFAULT_STEPS = {"target": 400, "mtp": 300, "dspark": 1000}
 
 
 def _bundle_dir(out, stage):
@@ -141,7 +142,8 @@ def main(argv=None):
     ap.add_argument("stage", choices=STAGES)
     ap.add_argument("--out", default="runs/tiny_demo", help="working directory (checkpoints, logs, bundles)")
     ap.add_argument("--to", default=None, help="export / evaluate: bundle directory (default OUT/bundle)")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 600 target, 300 drafters)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps (default: target 400, mtp 300, dspark 1000)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=256, help="training sequence length in bytes")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 target, 2e-3 drafters)")
@@ -158,7 +160,7 @@ def main(argv=None):
     stages = ["target", "mtp", "dspark", "export", "evaluate"] if args.stage == "all" else [args.stage]
     for st in stages:
         a = argparse.Namespace(**vars(args))
-        a.steps = args.steps or (600 if st == "target" else 300)
+        a.steps = args.steps or DEFAULT_STEPS.get(st, 0)
         a.lr = args.lr or (3e-3 if st == "target" else 2e-3)
         globals()[f"stage_{st}"](a, config)
 

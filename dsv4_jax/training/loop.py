@@ -61,14 +61,16 @@ def train(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: float
 
     bar = tqdm(range(start, steps), desc=desc, initial=start, total=steps, dynamic_ncols=True)
     ema = None
-    for i in bar:
-        state, loss, metrics = step(state, next(batches))
-        loss = float(loss)
-        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
-        bar.set_postfix(loss=f"{ema:.3f}")
-        if log is not None:
-            log(i + 1, {"loss": loss, **{k: np.asarray(v).tolist() for k, v in metrics.items()}})
-        if (i + 1) % save_every == 0 or i + 1 == steps:
-            mngr.save(i + 1, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
+    try:
+        for i in bar:
+            state, loss, metrics = step(state, next(batches))
+            loss = float(loss)
+            ema = loss if ema is None else 0.95 * ema + 0.05 * loss
+            bar.set_postfix(loss=f"{ema:.3f}")
+            if log is not None:
+                log(i + 1, {"loss": loss, **{k: np.asarray(v).tolist() for k, v in metrics.items()}})
+            if (i + 1) % save_every == 0 or i + 1 == steps:
+                mngr.save(i + 1, args=ocp.args.StandardSave(state))
+    finally:   # an interrupted run keeps its last checkpoint complete
+        mngr.wait_until_finished()
     return merge(state["params"], frozen)

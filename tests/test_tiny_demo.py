@@ -1,0 +1,81 @@
+"""The shipped tiny demo model: loads in one call, drafters are lossless and useful; training is resumable."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax as d
+from dsv4_jax.config import CSA, HCA, SLIDING
+from dsv4_jax.demo import ByteTokenizer, tiny_demo
+from dsv4_jax.training import objectives
+from dsv4_jax.training.evaluate import heldout_prompts
+from dsv4_jax.training.loop import train
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return tiny_demo()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return heldout_prompts(3, prompt_len=48, seed=1)
+
+
+def test_loads_in_one_call_with_every_layer_type(demo):
+    c = demo.config
+    assert {SLIDING, CSA, HCA} <= set(c.layer_types) and c.num_hash_layers > 0 and c.hc_mult == 4
+    assert c.vocab_size == ByteTokenizer.vocab_size and 128 <= c.hidden_size <= 256
+    assert "mtp" in demo.params and "dspark" in demo.params
+    assert demo.params["embed"].dtype == jnp.float32
+    text = demo.tokenizer.decode(demo.tokenizer.encode("def f(x):\n    return x\n"))
+    assert text == "def f(x):\n    return x\n"
+
+
+def test_the_target_has_learned_python(demo):
+    """Held-out bytes/nat: a trained byte model is far below the uniform log(260) = 5.56 nats."""
+    toks = jnp.asarray(heldout_prompts(4, prompt_len=128, seed=2))
+    loss = float(objectives.target_loss(demo.params, demo.config, toks))
+    print(f"held-out loss {loss:.3f} nats/byte")
+    assert loss < 2.5
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
+def test_greedy_speculative_equals_plain_on_the_shipped_model(demo, prompts, drafter):
+    kw = dict(eos_token_id=-1, max_len=128, pad_to=48)
+    plain, _ = d.generate(demo.params, demo.config, prompts, 64, **kw)
+    spec, stats = d.generate(demo.params, demo.config, prompts, 64, drafter=drafter, draft_n_max=5,
+                             dspark_meta=demo.dspark, **kw)
+    assert spec == plain
+    assert stats["mean_accepted_length"] > 1.5      # trained drafters are accepted
+
+
+def test_dspark_accepts_more_than_mtp_at_five(demo, prompts):
+    kw = dict(eos_token_id=-1, max_len=128, pad_to=48, draft_n_max=5, dspark_meta=demo.dspark)
+    _, m = d.generate(demo.params, demo.config, prompts, 64, drafter="mtp", **kw)
+    _, s = d.generate(demo.params, demo.config, prompts, 64, drafter="dspark", **kw)
+    print(f"mean accepted length at 5: MTP {m['mean_accepted_length']:.2f}, DSpark {s['mean_accepted_length']:.2f}")
+    assert s["mean_accepted_length"] > m["mean_accepted_length"]
+
+
+def test_training_resumes_to_the_same_result(tmp_path):
+    """4 steps in one go == 2 steps, stop, then resume to 4 (same seeds, same batches)."""
+    from dsv4_jax.config import _tiny_base
+    config = _tiny_base(name="tiny-2", ratios=[0, 4], n_hash=1)       # small: the grad compiles fast
+    params = d.init_params(config, 0)
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, config.vocab_size, (2, 17)).astype(np.int32) for _ in range(4)]
+    loss = lambda p, b: (objectives.target_loss(p, config, jnp.asarray(b)), {})
+    full = train(loss, params, iter(data), steps=4, lr=1e-3, ckpt_dir=str(tmp_path / "a"), save_every=2)
+
+    def interrupted():
+        yield from data[:2]
+        raise KeyboardInterrupt      # the run dies while fetching its third batch
+
+    with pytest.raises(KeyboardInterrupt):
+        train(loss, params, interrupted(), steps=4, lr=1e-3, ckpt_dir=str(tmp_path / "b"), save_every=2)
+    resumed = train(loss, params, iter(data), steps=4, lr=1e-3, ckpt_dir=str(tmp_path / "b"), save_every=2)
+    for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+    assert not all(np.array_equal(np.asarray(x), np.asarray(y))
+                   for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(params)))
