@@ -8,7 +8,6 @@ and docs/tiny_demo.md for the training commands and their run time.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 

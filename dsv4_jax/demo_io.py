@@ -9,7 +9,6 @@ import json
 import os
 import tempfile
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

@@ -18,10 +18,9 @@ from typing import Sequence
 
 from . import common, report
 from .common import OptionError
-from .models import ModelError, add_model_args, check_model_dir, load_model
-from .prompts import PromptError
+from .models import add_model_args
 from .runner import RunPlan, Setting, batches, effective_draft_n_max, plan_shapes, run_batch, warm_up
-from .sweep import check_model_support
+from .sweep import prepare_run
 
 EXAMPLES = """examples:
   dsv4-batch-eval --out results/batch                      # bundled tiny model, 16 prompts, B=1,4, none/mtp/dspark k=3
@@ -138,22 +137,8 @@ def markdown(summary: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    try:
-        common.check_common(a)
-        settings, ks = parse_settings(a)
-        report.check_out_dir(a.out, a.overwrite)
-        if a.model:
-            check_model_dir(a.model)
-        file_prompts = common.read_prompt_source(a)
-    except (OptionError, PromptError, ModelError, FileExistsError, FileNotFoundError) as e:
-        parser.error(str(e))
-    common.enable_compile_cache(a)
-    try:
-        model = load_model(a)
-        notes = check_model_support(model, sorted({s.spec for s in settings}), ks)
-        suite, prompts, suite_max_new = common.resolve_prompts(a, model, file_prompts)
-    except (OptionError, PromptError, ModelError) as e:
-        parser.error(str(e))
+    (settings, ks), model, notes, suite, prompts, suite_max_new = prepare_run(
+        parser, a, parse_settings, lambda g: (sorted({s.spec for s in g[0]}), g[1]))
     prompts = cycle_to(prompts, a.num_prompts)
     max_new = a.max_new_tokens or suite_max_new
     block = model.dspark_block_size()

@@ -134,7 +134,8 @@ def resolve_prompts(a: argparse.Namespace, model, file_prompts: list[dict] | Non
 
 
 def enable_compile_cache(a: argparse.Namespace) -> None:
-    if a.no_compile_cache:
+    """Turn on JAX's persistent compilation cache (process-wide) unless --no-compile-cache or DSV4_COMPILE_CACHE=0."""
+    if a.no_compile_cache or os.environ.get("DSV4_COMPILE_CACHE", "1") == "0":
         return
     import jax
     os.makedirs(a.compile_cache, exist_ok=True)

@@ -70,7 +70,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="a random tiny model with random MTP and DSpark drafters (smoke tests; no quality)")
     g.add_argument("--model-seed", type=int, default=0, help="seed of --random-tiny (default 0)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="compute dtype of the weights (default: as stored)")
+                   help="compute dtype of the weights (default: float32 for the bundled model, else as stored)")
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
@@ -99,7 +99,7 @@ def check_model_dir(path: str) -> str:
 def bundled(dtype=None) -> LoadedModel:
     from ..demo import ASSET_DIR, tiny_demo
     try:
-        demo = tiny_demo(dtype=dtype)
+        demo = tiny_demo(dtype=dtype or "float32")   # float32 compute: exact greedy losslessness
     except FileNotFoundError:
         raise ModelError(f"the bundled tiny model is not installed (no weights in {ASSET_DIR}). Train it with "
                          "`python experiments/train_tiny.py`, or use --model DIR (a bundle or converted "

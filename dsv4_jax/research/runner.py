@@ -13,9 +13,6 @@ import statistics
 import time
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 SPEC_TYPES = ("none", "mtp", "dspark")
 

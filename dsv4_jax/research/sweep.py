@@ -176,12 +176,15 @@ def match_baseline(records: list[dict], baseline: list[dict] | None) -> float | 
     return sum(r["output_tokens"] == want.get(r["id"]) for r in records) / len(records)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    try:                                   # every check that needs no model, before anything is loaded
+def prepare_run(parser: argparse.ArgumentParser, a: argparse.Namespace, parse_fn, specs_and_ks):
+    """Every check that needs no model first (exit 2, nothing written), then the model and the prompts.
+
+    parse_fn(a) -> the command's parsed grid; specs_and_ks(grid) -> (spec types, draft_n_max values).
+    Returns (grid, model, notes, suite, prompts, suite_max_new_tokens).
+    """
+    try:
         common.check_common(a)
-        grid = parse_grid(a)
+        grid = parse_fn(a)
         report.check_out_dir(a.out, a.overwrite)
         if a.model:
             check_model_dir(a.model)
@@ -191,10 +194,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.enable_compile_cache(a)
     try:
         model = load_model(a)
-        notes = check_model_support(model, grid["specs"], grid["ks"])
+        notes = check_model_support(model, *specs_and_ks(grid))
         suite, prompts, suite_max_new = common.resolve_prompts(a, model, file_prompts)
     except (OptionError, PromptError, ModelError) as e:
         parser.error(str(e))
+    return grid, model, notes, suite, prompts, suite_max_new
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    grid, model, notes, suite, prompts, suite_max_new = prepare_run(
+        parser, a, parse_grid, lambda g: (g["specs"], g["ks"]))
     max_new = a.max_new_tokens or suite_max_new
     settings = build_settings(**grid)
     block = model.dspark_block_size()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
