@@ -19,8 +19,8 @@ from typing import Sequence
 from . import common, report
 from .common import OptionError
 from .models import add_model_args
-from .runner import RunPlan, Setting, batches, effective_draft_n_max, plan_shapes, run_batch, warm_up
-from .sweep import prepare_run
+from .runner import RunPlan, Setting, batches, effective_draft_n_max, run_batch, warm_up
+from .sweep import plan_run, prepare_run
 
 EXAMPLES = """examples:
   dsv4-batch-eval --out results/batch                      # bundled tiny model, 16 prompts, B=1,4, none/mtp/dspark k=3
@@ -140,16 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (settings, ks), model, notes, suite, prompts, suite_max_new = prepare_run(
         parser, a, parse_settings, lambda g: (sorted({s.spec for s in g[0]}), g[1]))
     prompts = cycle_to(prompts, a.num_prompts)
-    max_new = a.max_new_tokens or suite_max_new
-    block = model.dspark_block_size()
-    pad_to, max_len = plan_shapes([len(p["tokens"]) for p in prompts], max_new,
-                                  max(effective_draft_n_max(s, block) for s in settings))
-    plan = RunPlan(max_new_tokens=max_new, pad_to=pad_to, max_len=max_len, seed=a.seed, top_p=a.top_p,
-                   eos_token_id=common.eos_for(a))
-    for n in notes:
-        print(n, file=sys.stderr)
-    total = sum(len({len(g) for g in batches(prompts, s.batch_size)}) + a.repeats * len(batches(prompts, s.batch_size))
-                for s in settings)
+    max_new, plan, total = plan_run(a, model, prompts, settings, suite_max_new, notes)
     print(f"dsv4-batch-eval: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "
           f"max_new_tokens {max_new} -> {a.out}", file=sys.stderr)
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "batch-eval") as bar:
@@ -166,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = {"meta": {"tool": "dsv4-batch-eval", "env": report.environment("dsv4-batch-eval", argv),
                             "model": model.describe(), "suite": suite, "n_prompts": len(prompts),
                             "max_new_tokens": max_new, "repeats": a.repeats, "seed": a.seed, "top_p": a.top_p,
-                            "ignore_eos": a.ignore_eos, "pad_to": pad_to, "max_len": max_len,
+                            "ignore_eos": a.ignore_eos, "pad_to": plan.pad_to, "max_len": plan.max_len,
                             "timing": "per batch: wall time of generate (prefill + decode, jax.block_until_ready), "
                                       "median over repeats, one untimed warm-up per setting and batch shape"},
                    "settings": rows}

@@ -201,13 +201,12 @@ def prepare_run(parser: argparse.ArgumentParser, a: argparse.Namespace, parse_fn
     return grid, model, notes, suite, prompts, suite_max_new
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    grid, model, notes, suite, prompts, suite_max_new = prepare_run(
-        parser, a, parse_grid, lambda g: (g["specs"], g["ks"]))
+def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int, notes):
+    """Shared shapes of every run (one compilation per setting), the progress total; prints the notes.
+
+    Returns (max_new_tokens, RunPlan, progress-bar total).
+    """
     max_new = a.max_new_tokens or suite_max_new
-    settings = build_settings(**grid)
     block = model.dspark_block_size()
     max_draft = max(effective_draft_n_max(s, block) for s in settings)
     pad_to, max_len = plan_shapes([len(p["tokens"]) for p in prompts], max_new, max_draft)
@@ -217,6 +216,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(n, file=sys.stderr)
     total = sum(len({len(g) for g in batches(prompts, s.batch_size)}) + a.repeats * len(batches(prompts, s.batch_size))
                 for s in settings)
+    return max_new, plan, total
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    grid, model, notes, suite, prompts, suite_max_new = prepare_run(
+        parser, a, parse_grid, lambda g: (g["specs"], g["ks"]))
+    settings = build_settings(**grid)
+    max_new, plan, total = plan_run(a, model, prompts, settings, suite_max_new, notes)
     print(f"dsv4-sweep: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "
           f"max_new_tokens {max_new}, repeats {a.repeats} -> {a.out}", file=sys.stderr)
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "sweep") as bar:
@@ -226,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             records, batch_records, warm = run_setting(model, prompts, setting, plan, a.repeats, log, bar)
             if setting.spec == "none":
                 baselines[setting.group] = records
-            row = {**setting.as_dict(), "effective_draft_n_max": effective_draft_n_max(setting, block),
+            row = {**setting.as_dict(), "effective_draft_n_max": effective_draft_n_max(setting, model.dspark_block_size()),
                    **report.aggregate(batch_records), "warmup_s": warm, "per_category": per_category(records),
                    "outputs_match_baseline": match_baseline(records, baselines.get(setting.group))}
             rows.append(row)
