@@ -17,6 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from . import quant_formats as qf
+from .safetensors_io import read_range
 
 _SPLIT = re.compile(r"^(?P<base>.*)-(?P<k>\d{5})-of-(?P<n>\d{5})\.gguf$")
 _DENSE = {T.F32: np.float32, T.F16: np.float16, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
@@ -74,11 +75,13 @@ class GGUFSource:
         self.readers = [_open(p) for p in self.paths]
         self.path = self.paths[0]
         self._tensors = {}
+        self._file = {}                  # tensor name -> shard path (data read with plain reads, not the mmap)
         for r, p in zip(self.readers, self.paths):
             for t in r.tensors:
                 if t.name in self._tensors:
                     raise GGUFError(f"{p}: tensor {t.name!r} appears in two shards")
                 self._tensors[t.name] = t
+                self._file[t.name] = p
         n = _field(self.readers[0], "split.count")
         if n is not None and int(n) != len(self.paths):
             raise GGUFError(f"{self.path}: split.count = {n} but {len(self.paths)} shard(s) found; "
@@ -112,7 +115,7 @@ class GGUFSource:
         """numpy array (dense types) or QTensor (quantized), in numpy dim order."""
         t = self._tensors[name]
         qt = t.tensor_type
-        data = t.data
+        data = read_range(self._file[name], int(t.data_offset), int(t.n_bytes)).view(t.data.dtype).reshape(t.data.shape)
         if qt in _DENSE:
             return data
         if qt == T.BF16:

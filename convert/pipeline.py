@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -228,21 +229,34 @@ def plan_gguf_dspark(path: str, config: ModelConfig) -> Job:
 
 # ---- running ---------------------------------------------------------------------------------------------------
 
+def _read_unit(job: Job, unit, dtype, keep: bool) -> tuple[dict, int]:
+    """Read and repack one unit: ({leaf path: array | QTensor}, source bytes read)."""
+    flat, seen = {}, set()
+    for leaf in unit.leaves:
+        tensors = PL.leaf_tensors(leaf, job.n_experts)
+        if leaf.optional and any(t not in job.src.names() for t in tensors):
+            continue
+        flat[leaf.path] = PL.convert_leaf(PL.read_leaf(job.src, leaf, job.n_experts), leaf.spec, dtype, keep)
+        seen.update(tensors)
+    return flat, sum(job.src.nbytes(t) for t in seen)
+
+
 def _run_job(job: Job, item_dir: str, dtype, keep: bool, bar) -> dict:
+    """Stream the job's units into one Orbax item.
+
+    Two-stage pipeline: a worker thread reads + repacks unit i+1 (file reads, numpy; both release the GIL)
+    while this thread writes unit i through Orbax, so host RAM holds at most two units plus Orbax's copy.
+    """
     w = ItemWriter(item_dir)
-    for unit in job.units:
-        flat, seen = {}, set()
-        for leaf in unit.leaves:
-            tensors = PL.leaf_tensors(leaf, job.n_experts)
-            if leaf.optional and any(t not in job.src.names() for t in tensors):
-                continue
-            x = PL.read_leaf(job.src, leaf, job.n_experts)
-            flat[leaf.path] = PL.convert_leaf(x, leaf.spec, dtype, keep)
-            new = [t for t in tensors if t not in seen]
-            seen.update(new)
-            bar.update(sum(job.src.nbytes(t) for t in new))
-        w.save(unit.key, flat)
-        del flat
+    with ThreadPoolExecutor(1, thread_name_prefix="dsv4-read") as pool:
+        units = list(job.units)
+        nxt = pool.submit(_read_unit, job, units[0], dtype, keep) if units else None
+        for i, unit in enumerate(units):
+            flat, nbytes = nxt.result()
+            nxt = pool.submit(_read_unit, job, units[i + 1], dtype, keep) if i + 1 < len(units) else None
+            w.save(unit.key, flat)
+            del flat
+            bar.update(nbytes)
     w.finalize()
     return dict(job.meta, leaves=w.leaves)
 

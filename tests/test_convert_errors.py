@@ -113,3 +113,20 @@ def test_existing_output_is_kept(tmp_path, capsys):
 def test_drafter_merge_needs_checkpoint(tmp_path, capsys):
     assert main(["drafter", str(tmp_path / "none"), "--mtp", str(tmp_path / "x.gguf")]) == 2
     assert "dsv4.json" in capsys.readouterr().err
+
+
+def test_failure_mid_stream_leaves_nothing(tmp_path, capsys, gguf_tensors, monkeypatch):
+    """An error in the reader thread while layers are already written: clear message, no output."""
+    from dsv4_jax.convert import plan as PL
+    real, calls = PL.read_leaf, []
+
+    def failing(src, leaf, n_experts):
+        calls.append(leaf.path)
+        if len(calls) == 60:
+            raise PL.ConvertError(f"simulated bad tensor at leaf {leaf.path!r}")
+        return real(src, leaf, n_experts)
+
+    monkeypatch.setattr(PL, "read_leaf", failing)
+    p = _gguf(tmp_path, gguf_tensors[0])
+    run_fails(tmp_path, capsys, ["gguf", str(p)], "simulated bad tensor")
+    assert len(calls) == 60          # stopped at the failure, after earlier units were saved
