@@ -130,7 +130,7 @@ def stage_export(args, config):
 def stage_evaluate(args, config):
     from dsv4_jax.training.evaluate import evaluate_bundle
     res = evaluate_bundle(args.to or os.path.join(args.out, "bundle"), n_prompts=args.eval_prompts,
-                          max_new=args.eval_new)
+                          max_new=args.eval_new, repeats=args.eval_repeats)
     path = os.path.join(args.out, "eval.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
@@ -151,8 +151,12 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--eval-new", type=int, default=128)
+    ap.add_argument("--eval-repeats", type=int, default=3,
+                    help="evaluate: timed calls per prompt (the fastest counts; timings on shared CPUs vary)")
     args = ap.parse_args(argv)
-    for v, name in ((args.batch, "--batch"), (args.length, "--length"), (args.anchors, "--anchors")):
+    for v, name in ((args.batch, "--batch"), (args.length, "--length"), (args.anchors, "--anchors"),
+                    (args.eval_prompts, "--eval-prompts"), (args.eval_new, "--eval-new"),
+                    (args.eval_repeats, "--eval-repeats")):
         if v <= 0:
             ap.error(f"{name} must be positive")
     os.makedirs(args.out, exist_ok=True)

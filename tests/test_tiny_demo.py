@@ -79,3 +79,31 @@ def test_training_resumes_to_the_same_result(tmp_path):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
     assert not all(np.array_equal(np.asarray(x), np.asarray(y))
                    for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(params)))
+
+
+def test_round_accounting_expresses_a_round_in_decode_steps():
+    from dsv4_jax.training.evaluate import round_accounting
+    acc = round_accounting({"decode_s": 0.3, "rounds": 10, "k": 3}, s_per_token_plain=0.01)
+    assert acc["ms_per_round"] == pytest.approx(30.0)
+    assert acc["round_cost_in_decode_steps"] == pytest.approx(3.0)
+    assert acc["speedup_bound_full_acceptance"] == pytest.approx(4 / 3)
+    # a batch of 2 counts each loop trip twice in `rounds`
+    assert round_accounting({"decode_s": 0.3, "rounds": 20, "k": 3}, 0.01, batch=2)["ms_per_round"] == \
+        pytest.approx(30.0)
+
+
+def test_evaluate_bundle_reports_speedups_and_where_they_are_bounded():
+    from dsv4_jax.training.evaluate import evaluate_bundle
+    res = evaluate_bundle(n_prompts=1, max_new=12, ks=(1,))
+    plain = res["runs"][0]
+    assert plain["drafter"] == "none" and plain["ms_per_decode_step"] > 0
+    for r in res["runs"][1:]:
+        assert r["lossless"] and r["rounds"] > 0
+        assert r["speedup"] == pytest.approx(plain["wall_s"] / r["wall_s"])
+        steps = (r["decode_s"] / r["rounds"]) / (plain["ms_per_decode_step"] / 1e3)
+        assert r["round_cost_in_decode_steps"] == pytest.approx(steps)
+        assert r["speedup_bound_full_acceptance"] == pytest.approx((r["k"] + 1) / steps)
+    s = res["summary"]
+    assert s["all_lossless"] and s["best_dspark"]["k"] == 1
+    assert set(res["block_ms"]) == {"1", "2"} and all(v > 0 for v in res["block_ms"].values())
+    assert s["verify_block_cost_in_decode_steps"]["1"] == pytest.approx(1.0)

@@ -1,9 +1,18 @@
 """Held-out evaluation of the tiny demo bundle: acceptance per position, mean accepted length,
-greedy losslessness and the wall-clock speed-up of speculative decoding, all in one run."""
+greedy losslessness and the wall-clock speed-up of speculative decoding, all in one run.
+
+Besides the end-to-end speed-up, each run reports where it is bounded (drafters.md §4.1 terms):
+a round costs `round_cost_in_decode_steps` = (decode time / rounds) / (plain decode time / token)
+and emits mean_accepted_length tokens, so speed-up = mean_accepted_length / round cost; with every
+draft accepted it could reach at most (k + 1) / round cost (`speedup_bound_full_acceptance`).
+`block_costs` times the target's verify block alone (S = 1..k+1 tokens, min of several chains).
+"""
 from __future__ import annotations
 
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax as d
@@ -27,53 +36,113 @@ def heldout_prompts(n: int, prompt_len: int = 64, seed: int = 0) -> list[list[in
     return out
 
 
-def _timed(params, config, prompts, max_new, max_len, **kw):
+def _timed(params, config, prompts, max_new, max_len, repeats: int = 1, **kw):
+    """Warm-up call, then the fastest of `repeats` timed calls: (tokens, stats, wall s, decode-loop s)."""
     d.generate(params, config, prompts, max_new, eos_token_id=-1, max_len=max_len, **kw)   # compile / warm up
-    t0 = time.perf_counter()
-    toks, stats = d.generate(params, config, prompts, max_new, eos_token_id=-1, max_len=max_len, **kw)
-    return toks, stats, time.perf_counter() - t0
+    best = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        toks, stats = d.generate(params, config, prompts, max_new, eos_token_id=-1, max_len=max_len, **kw)
+        wall = time.perf_counter() - t0
+        if best is None or wall < best[2]:
+            best = (toks, stats, wall, stats["decode_s"])
+    return best
+
+
+def block_costs(params, config, sizes, taps=(), prompt_len: int = 64, chain: int = 20, repeats: int = 7) -> dict:
+    """Seconds per target block of S tokens (S in `sizes`) after a prompt_len-token prefill, batch 1.
+
+    Each timing is the fastest of `repeats` chains of `chain` back-to-back `process_block` calls
+    (the state is threaded through, pos is not advanced: every call re-scores the same positions).
+    """
+    from dsv4_jax.decode import prefill, process_block
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, 256, (1, prompt_len)), jnp.int32)
+    out = {}
+    for S in sizes:
+        _, state, _ = prefill(params, config, prompt, max_len=prompt_len + max(sizes) + 1, max_block=max(sizes))
+        block, n = jnp.asarray(rng.integers(0, 256, (1, S)), jnp.int32), jnp.full((1,), S, jnp.int32)
+        logits, state, _ = process_block(params, config, state, block, n, taps)       # compile
+        best = float("inf")
+        for _ in range(repeats):
+            jax.block_until_ready(state)
+            t0 = time.perf_counter()
+            for _ in range(chain):
+                logits, state, _ = process_block(params, config, state, block, n, taps)
+            jax.block_until_ready(logits)
+            best = min(best, (time.perf_counter() - t0) / chain)
+        out[S] = best
+    return out
+
+
+def round_accounting(run: dict, s_per_token_plain: float, batch: int = 1) -> dict:
+    """Round cost in plain decode steps and the speed-up bound at full acceptance of one speculative run.
+
+    run: {"decode_s", "rounds" (summed over the batch's sequences), "k"}; s_per_token_plain: plain
+    decode seconds per token (per loop step). Exact for batch 1; for larger batches rounds/batch
+    approximates the loop's trip count.
+    """
+    per_round = run["decode_s"] / (run["rounds"] / batch)
+    steps = per_round / s_per_token_plain
+    return {"ms_per_round": 1e3 * per_round, "round_cost_in_decode_steps": steps,
+            "speedup_bound_full_acceptance": (run["k"] + 1) / steps}
 
 
 def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int = 128, batch: int = 1,
-                    ks=(1, 2, 3, 4, 5)) -> dict:
-    """Greedy runs on held-out prompts (batch `batch`): plain, MTP and DSpark at each draft_n_max."""
+                    ks=(1, 2, 3, 4, 5), repeats: int = 1) -> dict:
+    """Greedy runs on held-out prompts (batch `batch`): plain, MTP and DSpark at each draft_n_max.
+
+    repeats: timed calls per prompt group (the fastest counts). Also times the verify block alone
+    (`block_costs`, S = 1..max(ks)+1) in the same process.
+    """
     demo = tiny_demo(path)
     config, params = demo.config, demo.params
     prompts = heldout_prompts(n_prompts)
     max_len = max(len(p) for p in prompts) + max_new + 8
-    runs, plain_toks, plain_s = [], [], 0.0
+    runs, plain_toks, plain_s, plain_decode_s = [], [], 0.0, 0.0
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     for g in groups:
-        t, _, s = _timed(params, config, g, max_new, max_len)
+        t, _, s, dec = _timed(params, config, g, max_new, max_len, repeats)
         plain_toks += t
         plain_s += s
+        plain_decode_s += dec
     n_tokens = sum(len(t) for t in plain_toks)
-    runs.append({"drafter": "none", "k": 0, "wall_s": plain_s, "tokens_per_s": n_tokens / plain_s, "speedup": 1.0})
+    # the first token of each sequence comes from the prefill; the loop makes the rest
+    s_per_token = plain_decode_s / ((n_tokens - len(plain_toks)) / batch)
+    runs.append({"drafter": "none", "k": 0, "wall_s": plain_s, "decode_s": plain_decode_s,
+                 "tokens_per_s": n_tokens / plain_s, "speedup": 1.0, "ms_per_decode_step": 1e3 * s_per_token})
     for drafter in ("mtp", "dspark"):
         for k in ks:
-            toks, agg, wall = [], None, 0.0
+            toks, agg, wall, dec_s = [], None, 0.0, 0.0
             for g in groups:
-                t, st, s = _timed(params, config, g, max_new, max_len, drafter=drafter, draft_n_max=k,
-                                  dspark_meta=demo.dspark)
+                t, st, s, dec = _timed(params, config, g, max_new, max_len, repeats, drafter=drafter,
+                                       draft_n_max=k, dspark_meta=demo.dspark)
                 toks += t
                 wall += s
+                dec_s += dec
                 agg = st if agg is None else _add(agg, st)
             runs.append({"drafter": drafter, "k": k, "lossless": toks == plain_toks, "wall_s": wall,
-                         "tokens_per_s": n_tokens / wall, "speedup": plain_s / wall,
+                         "decode_s": dec_s, "tokens_per_s": n_tokens / wall, "speedup": plain_s / wall,
                          "mean_accepted_length": (agg["accepted"] + agg["rounds"]) / agg["rounds"],
                          "draft_acceptance_rate": agg["accepted"] / max(agg["drafted"], 1),
                          "per_position_accept_rate": [a / p if p else 0.0 for a, p in
                                                       zip(agg["per_position_accepted"], agg["per_position_proposed"])],
                          "rounds": agg["rounds"], "drafted": agg["drafted"], "accepted": agg["accepted"]})
+            runs[-1].update(round_accounting(runs[-1], s_per_token, batch))
+    blocks = block_costs(params, config, range(1, max(ks) + 2), taps=demo.dspark.target_layer_ids)
     best = max((r for r in runs if r["drafter"] == "dspark"), key=lambda r: r["speedup"])
     m5 = next(r for r in runs if r["drafter"] == "mtp" and r["k"] == max(ks))
     s5 = next(r for r in runs if r["drafter"] == "dspark" and r["k"] == max(ks))
     summary = {"all_lossless": all(r.get("lossless", True) for r in runs),
                "mtp_mean_accepted_length_k5": m5["mean_accepted_length"],
                "dspark_mean_accepted_length_k5": s5["mean_accepted_length"],
-               "best_dspark": {"k": best["k"], "speedup": best["speedup"]},
-               "n_prompts": n_prompts, "max_new_tokens": max_new, "batch": batch}
-    return {"summary": summary, "runs": runs}
+               "best_dspark": {"k": best["k"], "speedup": best["speedup"],
+                               "round_cost_in_decode_steps": best["round_cost_in_decode_steps"],
+                               "speedup_bound_full_acceptance": best["speedup_bound_full_acceptance"]},
+               "verify_block_cost_in_decode_steps": {str(S): t / blocks[1] for S, t in blocks.items()},
+               "n_prompts": n_prompts, "max_new_tokens": max_new, "batch": batch, "repeats": repeats}
+    return {"summary": summary, "runs": runs,
+            "block_ms": {str(S): 1e3 * t for S, t in blocks.items()}}
 
 
 def _add(a: dict, b: dict) -> dict:
