@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax as d
+from dsv4_jax.decode import prefill, process_block
 from dsv4_jax.demo import ByteTokenizer, tiny_demo
 
 from . import data
@@ -37,7 +38,7 @@ def heldout_prompts(n: int, prompt_len: int = 64, seed: int = 0) -> list[list[in
 
 
 def _timed(params, config, prompts, max_new, max_len, repeats: int = 1, **kw):
-    """Warm-up call, then the fastest of `repeats` timed calls: (tokens, stats, wall s, decode-loop s)."""
+    """Warm-up call, then the fastest of `repeats` timed calls: (tokens, stats, wall s)."""
     d.generate(params, config, prompts, max_new, eos_token_id=-1, max_len=max_len, **kw)   # compile / warm up
     best = None
     for _ in range(repeats):
@@ -45,7 +46,7 @@ def _timed(params, config, prompts, max_new, max_len, repeats: int = 1, **kw):
         toks, stats = d.generate(params, config, prompts, max_new, eos_token_id=-1, max_len=max_len, **kw)
         wall = time.perf_counter() - t0
         if best is None or wall < best[2]:
-            best = (toks, stats, wall, stats["decode_s"])
+            best = (toks, stats, wall)
     return best
 
 
@@ -55,12 +56,11 @@ def block_costs(params, config, sizes, taps=(), prompt_len: int = 64, chain: int
     Each timing is the fastest of `repeats` chains of `chain` back-to-back `process_block` calls
     (the state is threaded through, pos is not advanced: every call re-scores the same positions).
     """
-    from dsv4_jax.decode import prefill, process_block
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, 256, (1, prompt_len)), jnp.int32)
+    _, state, _ = prefill(params, config, prompt, max_len=prompt_len + max(sizes) + 1, max_block=max(sizes))
     out = {}
     for S in sizes:
-        _, state, _ = prefill(params, config, prompt, max_len=prompt_len + max(sizes) + 1, max_block=max(sizes))
         block, n = jnp.asarray(rng.integers(0, 256, (1, S)), jnp.int32), jnp.full((1,), S, jnp.int32)
         logits, state, _ = process_block(params, config, state, block, n, taps)       # compile
         best = float("inf")
@@ -102,10 +102,10 @@ def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int =
     runs, plain_toks, plain_s, plain_decode_s = [], [], 0.0, 0.0
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     for g in groups:
-        t, _, s, dec = _timed(params, config, g, max_new, max_len, repeats)
+        t, st, s = _timed(params, config, g, max_new, max_len, repeats)
         plain_toks += t
         plain_s += s
-        plain_decode_s += dec
+        plain_decode_s += st["decode_s"]
     n_tokens = sum(len(t) for t in plain_toks)
     # the first token of each sequence comes from the prefill; the loop makes the rest
     s_per_token = plain_decode_s / ((n_tokens - len(plain_toks)) / batch)
@@ -115,11 +115,11 @@ def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int =
         for k in ks:
             toks, agg, wall, dec_s = [], None, 0.0, 0.0
             for g in groups:
-                t, st, s, dec = _timed(params, config, g, max_new, max_len, repeats, drafter=drafter,
-                                       draft_n_max=k, dspark_meta=demo.dspark)
+                t, st, s = _timed(params, config, g, max_new, max_len, repeats, drafter=drafter,
+                                  draft_n_max=k, dspark_meta=demo.dspark)
                 toks += t
                 wall += s
-                dec_s += dec
+                dec_s += st["decode_s"]
                 agg = st if agg is None else _add(agg, st)
             runs.append({"drafter": drafter, "k": k, "lossless": toks == plain_toks, "wall_s": wall,
                          "decode_s": dec_s, "tokens_per_s": n_tokens / wall, "speedup": plain_s / wall,
