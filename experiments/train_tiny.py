@@ -128,12 +128,13 @@ def stage_export(args, config):
 
 
 def stage_evaluate(args, config):
-    from dsv4_jax.training.evaluate import evaluate_bundle
+    from dsv4_jax.training.evaluate import evaluate_bundle, format_table
     res = evaluate_bundle(args.to or os.path.join(args.out, "bundle"), n_prompts=args.eval_prompts,
                           max_new=args.eval_new, repeats=args.eval_repeats)
     path = os.path.join(args.out, "eval.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
+    print(format_table(res))
     print(json.dumps(res["summary"], indent=1))
 
 

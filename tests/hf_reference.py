@@ -23,8 +23,9 @@ BASE = dict(
     eos_token_id=1,
 )
 
-# Three configs that between them cover: sliding-only layers, CSA with a selecting indexer, HCA,
-# hash layers, hc_mult 4, sequences much longer than the window spanning many compression windows.
+# Configs that between them cover: sliding-only layers, CSA with a selecting indexer, HCA, hash
+# layers, hc_mult 4 and 2, top-1 routing, sequences much longer than the window spanning many
+# compression windows.
 CONFIGS = {
     # the shape of the spec's verified recipe (target_model.md §5): SWA, SWA, CSA, HCA(8), CSA
     "swa_csa_hca": dict(BASE, num_hidden_layers=5, compress_ratios=[0, 0, 4, 128, 4], num_hash_layers=2,
@@ -48,6 +49,11 @@ CONFIGS = {
                                       "beta_slow": 1, "original_max_position_embeddings": 32,
                                       "partial_rotary_factor": 0.25, "attention_factor": 1.0}},
         routed_scaling_factor=2.5),
+    # off Flash's values: 2 HC streams, fewer Sinkhorn iterations, top-1 of 4 experts, index_topk 1
+    "two_streams_top1": dict(BASE, num_hidden_layers=4, compress_ratios=[0, 4, 128, 4], num_hash_layers=1,
+                             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                             hc_mult=2, hc_sinkhorn_iters=7, n_routed_experts=4, num_experts_per_tok=1,
+                             index_topk=1, sliding_window=5),
 }
 
 

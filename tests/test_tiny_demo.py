@@ -92,8 +92,16 @@ def test_round_accounting_expresses_a_round_in_decode_steps():
         pytest.approx(30.0)
 
 
+def test_round_parts_split_a_round():
+    from dsv4_jax.training.evaluate import round_parts
+    run = {"k": 3, "decode_s": 0.3, "rounds": 100, "mean_accepted_length": 3.2}
+    parts = round_parts(run, {1: 0.001, 4: 0.0016}, {"propose": {3: 0.0004}, "observe": {3: 0.0001}})
+    assert parts["round_ms"] == pytest.approx({"verify": 1.6, "propose": 0.4, "observe": 0.1, "rest": 0.9})
+    assert parts["speedup_bound_free_drafter"] == pytest.approx(2.0)
+
+
 def test_evaluate_bundle_reports_speedups_and_where_they_are_bounded():
-    from dsv4_jax.training.evaluate import evaluate_bundle
+    from dsv4_jax.training.evaluate import evaluate_bundle, format_table
     res = evaluate_bundle(n_prompts=1, max_new=12, ks=(1,))
     plain = res["runs"][0]
     assert plain["drafter"] == "none" and plain["ms_per_decode_step"] > 0
@@ -107,3 +115,14 @@ def test_evaluate_bundle_reports_speedups_and_where_they_are_bounded():
     assert s["all_lossless"] and s["best_dspark"]["k"] == 1
     assert set(res["block_ms"]) == {"1", "2"} and all(v > 0 for v in res["block_ms"].values())
     assert s["verify_block_cost_in_decode_steps"]["1"] == pytest.approx(1.0)
+    assert set(res["dspark_ms"]) == {"propose", "observe"}
+    dspark = next(r for r in res["runs"] if r["drafter"] == "dspark")
+    assert dspark["round_ms"]["verify"] == pytest.approx(res["block_ms"]["2"])
+    assert dspark["round_ms"]["propose"] == pytest.approx(res["dspark_ms"]["propose"]["1"])
+    assert dspark["round_ms"]["propose"] > 0 and dspark["round_ms"]["observe"] > 0
+    assert sum(dspark["round_ms"].values()) == pytest.approx(1e3 * dspark["decode_s"] / dspark["rounds"])
+    assert s["best_dspark"]["speedup_bound_free_drafter"] == pytest.approx(
+        dspark["mean_accepted_length"] * res["block_ms"]["1"] / res["block_ms"]["2"])
+    table = format_table(res).splitlines()
+    assert len(table) == 2 + len(res["runs"]) and table[-1].startswith("| dspark | 1 |")
+    assert table[-1].count("|") == table[0].count("|") and table[1].count("|") == table[0].count("|")

@@ -5,10 +5,12 @@ Besides the end-to-end speed-up, each run reports where it is bounded (drafters.
 a round costs `round_cost_in_decode_steps` = (decode time / rounds) / (plain decode time / token)
 and emits mean_accepted_length tokens, so speed-up = mean_accepted_length / round cost; with every
 draft accepted it could reach at most (k + 1) / round cost (`speedup_bound_full_acceptance`).
-`block_costs` times the target's verify block alone (S = 1..k+1 tokens, min of several chains).
+`block_costs` times the target's verify block alone (S = 1..k+1 tokens, min of several chains) and
+`dspark_costs` the drafter's propose / observe calls; `round_parts` splits a DSpark round into them.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -18,6 +20,7 @@ import numpy as np
 import dsv4_jax as d
 from dsv4_jax.decode import prefill, process_block
 from dsv4_jax.demo import ByteTokenizer, tiny_demo
+from dsv4_jax.drafters import dspark
 
 from . import data
 
@@ -50,29 +53,94 @@ def _timed(params, config, prompts, max_new, max_len, repeats: int = 1, **kw):
     return best
 
 
+def _fastest(calls: dict, chain: int, repeats: int) -> dict:
+    """Seconds per call of each calls[name]() (which returns arrays to wait on): one warm-up call each,
+    then the fastest of `repeats` chains of `chain` back-to-back calls, the names taking turns (so
+    that a slow stretch of a shared machine does not fall on one of them only)."""
+    for call in calls.values():
+        jax.block_until_ready(call())
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeats):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(chain):
+                out = call()
+            jax.block_until_ready(out)
+            best[name] = min(best[name], (time.perf_counter() - t0) / chain)
+    return best
+
+
+def _primed(params, config, prompt_len: int, max_block: int, taps=()):
+    """A random prompt_len-token prompt prefilled at batch 1: (state, aux) with room for a max_block block."""
+    prompt = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, prompt_len)), jnp.int32)
+    _, state, aux = prefill(params, config, prompt, max_len=prompt_len + max_block + 1, max_block=max_block,
+                            taps=taps)
+    return state, aux
+
+
 def block_costs(params, config, sizes, taps=(), prompt_len: int = 64, chain: int = 20, repeats: int = 7) -> dict:
     """Seconds per target block of S tokens (S in `sizes`) after a prompt_len-token prefill, batch 1.
 
-    Each timing is the fastest of `repeats` chains of `chain` back-to-back `process_block` calls
-    (the state is threaded through, pos is not advanced: every call re-scores the same positions).
+    Each timing is the fastest of `repeats` chains of `chain` back-to-back `process_block` calls, the
+    sizes taking turns (the state is threaded through, pos is not advanced: every call re-scores the
+    same positions). Each call includes one host dispatch, which the on-device loop does not pay.
     """
-    rng = np.random.default_rng(0)
-    prompt = jnp.asarray(rng.integers(0, 256, (1, prompt_len)), jnp.int32)
-    _, state, _ = prefill(params, config, prompt, max_len=prompt_len + max(sizes) + 1, max_block=max(sizes))
-    out = {}
-    for S in sizes:
+    state = [_primed(params, config, prompt_len, max(sizes))[0]]     # process_block donates its state
+    rng = np.random.default_rng(1)
+
+    def block_call(S):
         block, n = jnp.asarray(rng.integers(0, 256, (1, S)), jnp.int32), jnp.full((1,), S, jnp.int32)
-        logits, state, _ = process_block(params, config, state, block, n, taps)       # compile
-        best = float("inf")
-        for _ in range(repeats):
-            jax.block_until_ready(state)
-            t0 = time.perf_counter()
-            for _ in range(chain):
-                logits, state, _ = process_block(params, config, state, block, n, taps)
-            jax.block_until_ready(logits)
-            best = min(best, (time.perf_counter() - t0) / chain)
-        out[S] = best
+
+        def call():
+            state[0] = process_block(params, config, state[0], block, n, taps)[1]
+            return state[0]
+        return call
+    return _fastest({S: block_call(S) for S in sizes}, chain, repeats)
+
+
+_propose = jax.jit(functools.partial(dspark.propose, temperature=1.0, top_p=1.0, threshold=0.0, greedy=True),
+                   static_argnames=("config", "dcfg", "k"))
+_observe = jax.jit(dspark.observe, static_argnames=("config",))
+
+
+def dspark_costs(params, config, dcfg, ks, prompt_len: int = 64, chain: int = 20, repeats: int = 7) -> dict:
+    """Seconds per DSpark call at batch 1, greedy: {"propose": {k: s}, "observe": {k: s}} for k in ks.
+
+    propose drafts k tokens from the block after a prompt_len-token context; observe stores the
+    context keys of a (k+1)-row verify block's taps (what a round feeds the drafter). Like
+    `block_costs`, each includes one host dispatch, which the on-device loop does not pay."""
+    taps = dcfg.target_layer_ids
+    _, aux = _primed(params, config, prompt_len, max(ks) + 1, taps)
+    dstate = dspark.init(params["dspark"], config, 1, jnp.float32)
+    zero, n = jnp.zeros((1,), jnp.int32), jnp.full((1,), prompt_len, jnp.int32)
+    dstate = dspark.observe(params["dspark"], params, config, dstate, aux["taps"], zero, n)
+    pos, last, key = n, jnp.asarray([ByteTokenizer.BOS], jnp.int32), jax.random.PRNGKey(0)
+    target = {"embed": params["embed"], "head": params["head"]}      # all the drafter reads of the target
+    calls = {}
+    for k in ks:
+        block_taps, n_block = aux["taps"][:, :k + 1], jnp.full((1,), k + 1, jnp.int32)
+        calls["propose", k] = lambda k=k: _propose(params["dspark"], target, config, dcfg, dstate, pos, last, key, k)[0]
+        calls["observe", k] = lambda t=block_taps, nb=n_block: _observe(params["dspark"], target, config, dstate, t,
+                                                                         pos, nb)
+    out = {"propose": {}, "observe": {}}
+    for (part, k), t in _fastest(calls, chain, repeats).items():
+        out[part][k] = t
     return out
+
+
+def round_parts(run: dict, block_s: dict, dspark_s: dict) -> dict:
+    """Split a batch-1 DSpark run's round (ms): verify block, propose, observe and the rest of the loop.
+
+    Also the speed-up its acceptance would give with a free drafter and free bookkeeping (only the
+    k+1-token verify block paid): mean_accepted_length × block(1) / block(k+1), both blocks timed the
+    same way (a generous bound: the one host dispatch in each timing narrows their ratio).
+    block_s needs sizes 1 and k+1."""
+    k = run["k"]
+    verify, propose, observe = block_s[k + 1], dspark_s["propose"][k], dspark_s["observe"][k]
+    per_round = run["decode_s"] / run["rounds"]
+    return {"round_ms": {"verify": 1e3 * verify, "propose": 1e3 * propose, "observe": 1e3 * observe,
+                         "rest": 1e3 * (per_round - verify - propose - observe)},
+            "speedup_bound_free_drafter": run["mean_accepted_length"] * block_s[1] / verify}
 
 
 def round_accounting(run: dict, s_per_token_plain: float, batch: int = 1) -> dict:
@@ -130,6 +198,11 @@ def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int =
                          "rounds": agg["rounds"], "drafted": agg["drafted"], "accepted": agg["accepted"]})
             runs[-1].update(round_accounting(runs[-1], s_per_token, batch))
     blocks = block_costs(params, config, range(1, max(ks) + 2), taps=demo.dspark.target_layer_ids)
+    drafter_s = dspark_costs(params, config, demo.dspark, ks)
+    if batch == 1:
+        for r in runs:
+            if r["drafter"] == "dspark":
+                r.update(round_parts(r, blocks, drafter_s))
     best = max((r for r in runs if r["drafter"] == "dspark"), key=lambda r: r["speedup"])
     m5 = next(r for r in runs if r["drafter"] == "mtp" and r["k"] == max(ks))
     s5 = next(r for r in runs if r["drafter"] == "dspark" and r["k"] == max(ks))
@@ -138,11 +211,28 @@ def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int =
                "dspark_mean_accepted_length_k5": s5["mean_accepted_length"],
                "best_dspark": {"k": best["k"], "speedup": best["speedup"],
                                "round_cost_in_decode_steps": best["round_cost_in_decode_steps"],
-                               "speedup_bound_full_acceptance": best["speedup_bound_full_acceptance"]},
+                               "speedup_bound_full_acceptance": best["speedup_bound_full_acceptance"],
+                               "speedup_bound_free_drafter": best.get("speedup_bound_free_drafter")},
                "verify_block_cost_in_decode_steps": {str(S): t / blocks[1] for S, t in blocks.items()},
                "n_prompts": n_prompts, "max_new_tokens": max_new, "batch": batch, "repeats": repeats}
     return {"summary": summary, "runs": runs,
-            "block_ms": {str(S): 1e3 * t for S, t in blocks.items()}}
+            "block_ms": {str(S): 1e3 * t for S, t in blocks.items()},
+            "dspark_ms": {part: {str(k): 1e3 * t for k, t in v.items()} for part, v in drafter_s.items()}}
+
+
+def format_table(res: dict) -> str:
+    """The runs of `evaluate_bundle` as a markdown table (ms columns: a DSpark round split by `round_parts`)."""
+    head = ["drafter", "k", "mean acc. len", "speed-up", "round (steps)", "bound full acc.",
+            "verify ms", "propose ms", "observe ms", "rest ms", "bound free drafter"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in res["runs"]:
+        parts = r.get("round_ms", {})
+        cells = [r["drafter"], str(r["k"])] + [f"{r.get(key, 1.0):.2f}" for key in (
+            "mean_accepted_length", "speedup", "round_cost_in_decode_steps", "speedup_bound_full_acceptance")]
+        cells += [f"{parts[p]:.2f}" if p in parts else "" for p in ("verify", "propose", "observe", "rest")]
+        cells.append(f"{r['speedup_bound_free_drafter']:.2f}" if "speedup_bound_free_drafter" in r else "")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def _add(a: dict, b: dict) -> dict:
