@@ -21,6 +21,7 @@ import dsv4_jax as d
 from dsv4_jax.decode import prefill, process_block
 from dsv4_jax.demo import ByteTokenizer, tiny_demo
 from dsv4_jax.drafters import dspark
+from dsv4_jax.research.report import markdown_table
 
 from . import data
 
@@ -224,15 +225,14 @@ def format_table(res: dict) -> str:
     """The runs of `evaluate_bundle` as a markdown table (ms columns: a DSpark round split by `round_parts`)."""
     head = ["drafter", "k", "mean acc. len", "speed-up", "round (steps)", "bound full acc.",
             "verify ms", "propose ms", "observe ms", "rest ms", "bound free drafter"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratios = ("mean_accepted_length", "speedup", "round_cost_in_decode_steps", "speedup_bound_full_acceptance")
+    rows = []
     for r in res["runs"]:
         parts = r.get("round_ms", {})
-        cells = [r["drafter"], str(r["k"])] + [f"{r.get(key, 1.0):.2f}" for key in (
-            "mean_accepted_length", "speedup", "round_cost_in_decode_steps", "speedup_bound_full_acceptance")]
-        cells += [f"{parts[p]:.2f}" if p in parts else "" for p in ("verify", "propose", "observe", "rest")]
-        cells.append(f"{r['speedup_bound_free_drafter']:.2f}" if "speedup_bound_free_drafter" in r else "")
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        rows.append([r["drafter"], r["k"]] + [f"{r.get(key, 1.0):.2f}" for key in ratios]
+                    + [f"{parts[p]:.2f}" if p in parts else "" for p in ("verify", "propose", "observe", "rest")]
+                    + [f"{r['speedup_bound_free_drafter']:.2f}" if "speedup_bound_free_drafter" in r else ""])
+    return markdown_table(head, rows)
 
 
 def _add(a: dict, b: dict) -> dict:
