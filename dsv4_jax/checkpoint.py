@@ -21,7 +21,8 @@ import orbax.checkpoint.experimental.v1 as ocp1
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from . import params as P, quant
+from . import params as P
+from .ops import quant
 from .config import ModelConfig
 from .schedule import segments
 

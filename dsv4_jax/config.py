@@ -13,6 +13,8 @@ import json
 import os
 from typing import Any, Mapping
 
+from .backends import REFERENCE, Backends
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -84,6 +86,9 @@ class ModelConfig:
     eos_token_id: int = 1
     num_nextn_predict_layers: int = 0
     name: str = "custom"
+    # Implementation of the hot ops (dsv4_jax.backends): a static execution choice, not a hyperparameter;
+    # never written to checkpoints. Part of the hash, so each choice gets its own jit cache entry.
+    backends: Backends = REFERENCE
 
     def __post_init__(self):
         validate(self)
@@ -104,8 +109,12 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def with_backends(self, backends: Backends) -> "ModelConfig":
+        return self if backends == self.backends else dataclasses.replace(self, backends=backends)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        del d["backends"]
         for k in ("layer_types", "compress_ratios", "mlp_layer_types"):
             d[k] = list(d[k])
         return d
@@ -113,6 +122,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         d = dict(d)
+        d.pop("backends", None)
         yarn = d.get("yarn")
         d["yarn"] = YarnScaling(**yarn) if isinstance(yarn, Mapping) else yarn
         for k in ("layer_types", "compress_ratios", "mlp_layer_types"):

@@ -3,9 +3,9 @@
 MoE experts (SwiGLU FFN of the routed experts: gate/up + down + weighted combine) at decode shapes
 (T tokens, k of E experts, D -> I), bf16 and weight-quantized (fp8 128x128 blocks, int8 per channel):
   kernel_decode (active experts only), kernel_prefill (grouped matmul), ref_gather (gathered einsum,
-  model.moe.experts_gather), ref_ragged (sort + lax.ragged_dot, model.moe.experts_sorted).
+  ops.moe.experts_gather), ref_ragged (sort + lax.ragged_dot, ops.moe.experts_sorted).
 Lightning indexer (scores + validity + top-k) over R compressed rows (context = 4R), H heads x dI:
-  kernel (Pallas scores + two-stage top-k), ref (model.indexer.index_scores + select_topk), and
+  kernel (Pallas scores + two-stage top-k), ref (ops.indexer.scores + validity + select_topk), and
   ref_topk_only (lax.top_k over R rows alone).
 
 Each case also checks the kernel against the reference (max abs error). The bandwidth bound is
@@ -29,16 +29,20 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.kernels import lightning_indexer as li
-from dsv4_jax.kernels import moe_decode, moe_prefill, quant
-from dsv4_jax.model import indexer as indexer_ref
-from dsv4_jax.model import moe as moe_ref
+from dsv4_jax.kernels import moe_decode, moe_prefill
+from dsv4_jax.ops import indexer as ops_indexer
+from dsv4_jax.ops import moe as ops_moe
+from dsv4_jax.ops import quant
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-class _Cfg:
-    def __init__(self, E, limit=10.0):
-        self.n_routed_experts, self.swiglu_limit = E, limit
+def _dense_experts(path, limit=10.0):
+    """A jitted reference expert path (ops.moe) on possibly quantized experts (dequantized in the jit)."""
+    def run(x, i, w, pp):
+        e = quant.dequantize_experts(pp, x.dtype)
+        return path(x, i, w, e["w1"], e["w2"], e["w3"], limit)
+    return jax.jit(run)
 
 
 def timeit(fn, *args, iters: int) -> float:
@@ -68,7 +72,6 @@ def moe_cases(a, bw):
     blk = (min(128, I), min(128, D))
     fmts = {"bf16": p, "fp8_blk128": quant.quantize_experts(p, "fp8", blk),
             "int8_chan": quant.quantize_experts(p, "int8", (1, None))}
-    cfg = _Cfg(E)
     interp = jax.default_backend() != "gpu"
     rows = []
     for T in a.tokens:
@@ -80,8 +83,8 @@ def moe_cases(a, bw):
             if name != "bf16" and T not in a.quant_tokens:
                 continue
             wbytes = sum(pp[n].dtype.itemsize for n in ("w1", "w2", "w3")) * I * D * n_active
-            ref_g = jax.jit(lambda x, i, w, pp: moe_ref.experts_gather(x, i, w, quant.dequantize_experts(pp, x.dtype), cfg))
-            ref_r = jax.jit(lambda x, i, w, pp: moe_ref.experts_sorted(x, i, w, quant.dequantize_experts(pp, x.dtype), cfg))
+            ref_g = _dense_experts(ops_moe.experts_gather)
+            ref_r = _dense_experts(ops_moe.experts_sorted)
             want = ref_g(x, idx, w, pp).astype(jnp.float32)
             res = {"bench": "moe", "T": T, "E": E, "k": k, "D": D, "I": I, "weights": name, "active_experts": n_active,
                    "weight_bytes": wbytes, "bound_us": wbytes / bw * 1e6}
@@ -126,18 +129,18 @@ def indexer_cases(a, bw):
             n_rows = jnp.array([R], jnp.int32)
 
             def ref(q, keys, om, pos):
-                sc = li.scores_reference(q, keys, om)
-                return indexer_ref.select_topk(sc, li.validity(sc.shape, pos, n_rows, 4), topk)
+                sc = ops_indexer.scores(q, keys, om)
+                return ops_indexer.select_topk(sc, ops_indexer.validity(sc.shape, pos, n_rows, 4), topk)
 
             def kern(q, keys, om, pos):
-                return li.topk_mask(li.scores(q, keys, om, pos, n_rows, ratio=4, interpret=interp,
+                return ops_indexer.topk_mask(li.scores(q, keys, om, pos, n_rows, ratio=4, interpret=interp,
                                               blocks=tuple(a.index_blocks)), topk, a.topk_chunk)
 
             def kern_scores(q, keys, om, pos):
                 return li.scores(q, keys, om, pos, n_rows, ratio=4, interpret=interp, blocks=tuple(a.index_blocks))
 
             topk_only = jax.jit(lambda s: jax.lax.top_k(s, topk))
-            two_stage = jax.jit(lambda s: li.topk(s, topk, a.topk_chunk))
+            two_stage = jax.jit(lambda s: ops_indexer.topk(s, topk, a.topk_chunk))
             kb = R * d * 2 + S * H * d * 2
             res = {"bench": "indexer", "rows": R, "context": 4 * R, "queries": S, "heads": H, "head_dim": d,
                    "topk": topk, "key_bytes": kb, "bound_us": kb / bw * 1e6}

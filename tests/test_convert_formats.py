@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from dsv4_jax import quant
+from dsv4_jax.ops import quant
 from dsv4_jax.convert import quant_formats as qf
 
 from . import convert_fixtures as fx

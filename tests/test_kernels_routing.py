@@ -1,12 +1,15 @@
-"""Routing kernel (interpret mode) == model.moe.route, bit for bit, ties included."""
+"""Routing kernel (interpret mode) == the reference routing (model.moe.route / ops.moe), bit for bit, ties included."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv4_jax.backends import Backends
 from dsv4_jax.config import HASH_MOE, MOE, tiny
 from dsv4_jax.kernels import routing
 from dsv4_jax.model import moe as moe_ref
+
+PALLAS = Backends(routing="pallas", interpret=True)
 
 
 def _gate(E, D, k, vocab, seed, dtype):
@@ -27,7 +30,7 @@ def test_route_matches_reference(T, E, k, dtype, mlp_type):
     p = _gate(E, 32, k, cfg.vocab_size, T + E, dtype)
     x = jax.random.normal(jax.random.key(T), (T, 32), dtype)
     tokens = jax.random.randint(jax.random.key(E), (T,), 0, cfg.vocab_size)
-    idx, w = routing.route(x, tokens, p, cfg, mlp_type, impl="pallas", interpret=True)
+    idx, w = moe_ref.route(x, tokens, p, cfg.with_backends(PALLAS), mlp_type)
     ridx, rw = moe_ref.route(x, tokens, p, cfg, mlp_type)
     np.testing.assert_array_equal(idx, ridx)
     np.testing.assert_array_equal(w, rw)
@@ -52,6 +55,6 @@ def test_route_in_jit_while_loop():
             return i + 1, x * 1.5 + 0.1, acc + jnp.sum(w * idx)
         return jax.jit(lambda x: jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x, 0.0))[2])(x0)
 
-    kern = run(lambda x: routing.route(x, tokens, p, cfg, MOE, impl="pallas", interpret=True))
+    kern = run(lambda x: moe_ref.route(x, tokens, p, cfg.with_backends(PALLAS), MOE))
     ref = run(lambda x: moe_ref.route(x, tokens, p, cfg, MOE))
     np.testing.assert_array_equal(kern, ref)

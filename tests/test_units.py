@@ -16,6 +16,8 @@ import pytest
 
 from dsv4_jax.config import HASH_MOE, MOE, flash, tiny
 from dsv4_jax.model import attention, compressor, hyper, indexer, moe, rope
+from dsv4_jax.ops import indexer as ops_indexer
+from dsv4_jax.ops import moe as ops_moe
 
 CFG = tiny()          # n = 4 streams, D = 64, H = 4, d = 32, r = 8, nI = 8, dI = 16, E = 8, k = 2, I = 32
 
@@ -348,7 +350,8 @@ def test_index_queries_and_scores():
     want_q = np.array([[[np_rope_vec(want_q[b, s, hh], s, freqs) for hh in range(nI)] for s in range(S)]
                        for b in range(B)])
     close(q, want_q, 1e-4)
-    sc = np.asarray(jit(indexer.index_scores, config=c)(f32(want_q), f32(keys), f32(h), pj))
+    scores = lambda q, k, h, p: ops_indexer.scores(q, k, ops_indexer.omega(h, p["weights_proj"], nI))
+    sc = np.asarray(jax.jit(scores)(f32(want_q), f32(keys), f32(h), pj))
     want = np.zeros((B, S, T))
     for b in range(B):
         for s in range(S):
@@ -375,7 +378,7 @@ def test_select_topk_validity_and_ties(k):
     scores = r_.integers(0, 3, size=(B, S, T)).astype(np.float32)      # many exact ties
     pos = np.tile(np.arange(S), (B, 1))
     valid = np.array([[[w < (p + 1) // m for w in range(T)] for p in row] for row in pos])
-    got = np.asarray(jit(indexer.select_topk, k=k)(jnp.asarray(scores), jnp.asarray(valid)))
+    got = np.asarray(jit(ops_indexer.select_topk, k=k)(jnp.asarray(scores), jnp.asarray(valid)))
     want = np_select(scores, valid, k)
     np.testing.assert_array_equal(got, want)
     assert not (got & ~valid).any()
@@ -384,9 +387,9 @@ def test_select_topk_validity_and_ties(k):
 
 def test_select_topk_prefers_lower_index_on_ties():
     scores = jnp.zeros((1, 1, 5))
-    got = np.asarray(jit(indexer.select_topk, k=2)(scores, jnp.array([[[False, True, True, True, True]]])))
+    got = np.asarray(jit(ops_indexer.select_topk, k=2)(scores, jnp.array([[[False, True, True, True, True]]])))
     np.testing.assert_array_equal(got[0, 0], [False, True, True, False, False])
-    got = np.asarray(jit(indexer.select_topk, k=3)(jnp.array([[[0.0, 1.0, 0.0, 1.0, 0.0]]]), jnp.ones((1, 1, 5), bool)))
+    got = np.asarray(jit(ops_indexer.select_topk, k=3)(jnp.array([[[0.0, 1.0, 0.0, 1.0, 0.0]]]), jnp.ones((1, 1, 5), bool)))
     np.testing.assert_array_equal(got[0, 0], [True, True, False, True, False])
 
 
@@ -454,7 +457,7 @@ def test_routing(mlp_type):
 def test_swiglu_clamps():
     g = np.linspace(-30, 30, 61)
     u = np.linspace(25, -25, 61)
-    got = np.asarray(moe.swiglu(f32(g), f32(u), 10.0))
+    got = np.asarray(ops_moe.swiglu(f32(g), f32(u), 10.0))
     close(got, np_swiglu(g, u, 10.0), 1e-4, 1e-6)
     # the gate has no lower clamp: silu(-30)·10 ≈ -3e-12, whereas a clamp at -10 would give silu(-10)·10 ≈ -4.5e-3
     assert abs(got[0]) < 1e-6
@@ -484,8 +487,8 @@ def test_expert_paths(T):
     w = np.array([list(r.values()) for r in routes])
     want = np_experts(x, routes, p["experts"], c.swiglu_limit)
     pe = _jtree(p)["experts"]
-    for fn in (moe.experts_gather, moe.experts_sorted):
-        got = np.asarray(jit(fn, config=c)(f32(x), jnp.asarray(idx), f32(w), pe))
+    for fn in (ops_moe.experts_gather, ops_moe.experts_sorted):
+        got = np.asarray(jit(fn, limit=c.swiglu_limit)(f32(x), jnp.asarray(idx), f32(w), pe["w1"], pe["w2"], pe["w3"]))
         close(got, want, 1e-4, 1e-5)
     if T == 3:
         assert len(set(idx.ravel())) < c.n_routed_experts     # some experts get no token (empty groups)
@@ -497,7 +500,7 @@ def test_moe_layer(mlp_type, B, S):
     c = CFG
     p = _moe_params(r_, c, amp=4.0)
     h, tokens = r_.normal(size=(B, S, c.hidden_size)), r_.integers(0, c.vocab_size, size=(B, S))
-    layer = jit(moe.moe, config=c, mlp_type=mlp_type, impl="reference")
+    layer = jit(moe.moe, config=c, mlp_type=mlp_type)
     got = np.asarray(layer(f32(h), jnp.asarray(tokens, jnp.int32), _jtree(p)))
     x = h.reshape(B * S, -1)
     routes = np_route(x, tokens.reshape(-1), p["gate"], c, mlp_type == HASH_MOE)

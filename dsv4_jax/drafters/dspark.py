@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ..cache import EMPTY
 from ..config import ModelConfig
 from ..model import hyper
 from ..model.attention import attend, grouped_output, project_kv, project_q
@@ -84,7 +85,6 @@ class DSparkState:
 
 
 def init(dparams: dict, config: ModelConfig, batch: int, dtype) -> DSparkState:
-    from ..cache import EMPTY
     S, W = len(dparams["stages"]), config.sliding_window
     return DSparkState(ctx_kv=jnp.zeros((S, batch, W, config.head_dim), dtype),
                        ctx_pos=jnp.full((S, batch, W), EMPTY, jnp.int32))

@@ -9,7 +9,7 @@ read refs in the Triton lowering.
 2. down + combine, grid (T, D/bD): y[t, tile] = Σ_j w[t,j] · h[t·k+j] W2[e_tj, tile]ᵀ
 
 Each program is a GEMV tile (broadcast-multiply + row sum in float32), the right shape for T·k ≤ a few
-dozen. Weights are bf16/f32 or quantized (codes + scales, see `quant.py`), dequantized per tile.
+dozen. Weights are bf16/f32 or quantized (codes + scales, see `ops/quant.py`), dequantized per tile.
 """
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ..config import ModelConfig
-from ..model import moe as moe_ref
-from . import quant
-from .dispatch import block, compiler_params, resolve, use_interpret
+from ..ops import quant
+from ..ops.moe import swiglu
+from .common import block, compiler_params
 
-# Token counts up to this use the decode kernel in `model.moe.moe(impl="pallas")`; more use moe_prefill.
+# Token counts up to this use the decode kernel under the "pallas" moe backend (`model.moe`); more use moe_prefill.
 DECODE_MAX_TOKENS = 8
 
 
@@ -59,7 +58,7 @@ def _gate_up_kernel(ids_ref, x_ref, w1_ref, w3_ref, *rest, bI, bD, nD, limit, sb
 
     zero = jnp.zeros((bI,), jnp.float32)
     g, u = jax.lax.fori_loop(0, nD, body, (zero, zero))
-    h_ref[0, :] = moe_ref.swiglu(g, u, limit).astype(h_ref.dtype)
+    h_ref[0, :] = swiglu(g, u, limit).astype(h_ref.dtype)
 
 
 def _down_kernel(ids_ref, wts_ref, h_ref, w2_ref, *rest, k, bD, bI, nI, sblock, quantized):
@@ -121,24 +120,3 @@ def experts_decode(x, idx, w, p: dict, *, limit: float, interpret: bool = True,
         out_specs=pl.BlockSpec((1, bD2), lambda t, d: (t, d)),
         out_shape=jax.ShapeDtypeStruct((T, D), x.dtype), compiler_params=cp, interpret=interpret)(*dn_args)
 
-
-def experts_decode_reference(x, idx, w, p: dict, *, limit: float):
-    """Plain-jnp twin: dequantize (if needed) and gather the selected experts (`model.moe.experts_gather`)."""
-    p = quant.dequantize_experts(p, x.dtype)
-    cfg = _LimitOnly(limit)
-    return moe_ref.experts_gather(x, idx, w, p, cfg)
-
-
-class _LimitOnly:
-    """The one config field the expert math reads."""
-
-    def __init__(self, swiglu_limit: float):
-        self.swiglu_limit = swiglu_limit
-
-
-def experts(x, idx, w, p: dict, config: ModelConfig, *, impl: str | None = "auto",
-            interpret: bool | None = None):
-    """Dispatch: x [T,D], idx [T,k], w [T,k] -> [T,D]."""
-    if resolve(impl) == "reference":
-        return experts_decode_reference(x, idx, w, p, limit=config.swiglu_limit)
-    return experts_decode(x, idx, w, p, limit=config.swiglu_limit, interpret=use_interpret(interpret))

@@ -18,11 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ..config import ModelConfig
-from ..model import moe as moe_ref
-from . import quant
-from .dispatch import block, compiler_params, resolve, use_interpret
-from .moe_decode import _LimitOnly, _row_scale, _tiles
+from ..ops import quant
+from ..ops.moe import swiglu
+from .common import block, compiler_params
+from .moe_decode import _row_scale, _tiles
 
 
 def padded_rows(n_assign: int, n_experts: int, bM: int) -> int:
@@ -86,7 +85,7 @@ def _gate_up_kernel(te_ref, nu_ref, x_ref, w1_ref, w3_ref, *rest, bM, bN, bD, nD
 
         zero = jnp.zeros((bM, bN), jnp.float32)
         g, u = jax.lax.fori_loop(0, nD, body, (zero, zero))
-        h_ref[...] = moe_ref.swiglu(g, u, limit).astype(h_ref.dtype)
+        h_ref[...] = swiglu(g, u, limit).astype(h_ref.dtype)
 
 
 def _down_kernel(te_ref, nu_ref, h_ref, w2_ref, *rest, bM, bN, bI, nI, sblock, quantized):
@@ -144,18 +143,3 @@ def experts_prefill(x, idx, w, p: dict, *, limit: float, interpret: bool = True,
     rows = ys[dest].reshape(T, k, D).astype(jnp.float32)
     return jnp.einsum("tkd,tk->td", rows, w.astype(jnp.float32)).astype(x.dtype)
 
-
-def experts_prefill_reference(x, idx, w, p: dict, *, limit: float, n_experts: int | None = None):
-    """Plain-jnp twin: dequantize (if needed), sort + `lax.ragged_dot` (`model.moe.experts_sorted`)."""
-    p = quant.dequantize_experts(p, x.dtype)
-    cfg = _LimitOnly(limit)
-    cfg.n_routed_experts = p["w1"].shape[0] if n_experts is None else n_experts
-    return moe_ref.experts_sorted(x, idx, w, p, cfg)
-
-
-def experts(x, idx, w, p: dict, config: ModelConfig, *, impl: str | None = "auto",
-            interpret: bool | None = None):
-    """Dispatch: x [T,D], idx [T,k], w [T,k] -> [T,D]."""
-    if resolve(impl) == "reference":
-        return experts_prefill_reference(x, idx, w, p, limit=config.swiglu_limit)
-    return experts_prefill(x, idx, w, p, limit=config.swiglu_limit, interpret=use_interpret(interpret))

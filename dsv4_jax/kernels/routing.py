@@ -1,7 +1,7 @@
-"""MoE routing kernel (target_model.md §2.8): s = sqrt(softplus(l)), top-k of s + bias (or hash ids),
+"""MoE routing kernel (target_model.md §2.8; math: `ops.moe.route_from_logits`): s = sqrt(softplus(l)), top-k of s + bias (or hash ids),
 w = s[idx] / (Σ s[idx] + eps) · routed_scaling_factor.
 
-The router matmul l = x·W_rᵀ stays in XLA (a [T,D]×[D,E] GEMV, exactly as in `model.moe.route`), so the
+The router matmul l = x·W_rᵀ stays in XLA (a [T,D]×[D,E] GEMV, exactly as in `ops.moe.route_from_logits`), so the
 kernel sees the same float32 logits. The kernel fuses sqrt-softplus, the bias, the selection (k rounds of
 (max, lowest index attaining it): `lax.top_k`'s order, ties included) and the gather s[idx]; the [T,k]
 normalisation stays in jnp so its reduction order is the reference's. In interpret mode the result equals
@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ..config import HASH_MOE, ModelConfig
-from ..model import moe as moe_ref
-from .dispatch import block, compiler_params, resolve, use_interpret
+from ..ops.moe import normalize_weights
+from .common import block, compiler_params
 
 
 def _route_kernel(*refs, k: int, hashed: bool):
@@ -76,20 +75,6 @@ def route_from_logits(logits, bias, hash_idx, *, k: int, norm: bool, eps: float,
         kern, grid=(T // bT,), in_specs=[rows(Ep), second_spec], out_specs=[rows(kp), rows(kp)],
         out_shape=[jax.ShapeDtypeStruct((T, kp), jnp.int32), jax.ShapeDtypeStruct((T, kp), jnp.float32)],
         compiler_params=compiler_params(), interpret=interpret)(logits, second)
-    idx, w = idx[:, :k], w[:, :k]
-    if norm:  # the same [T,k] jnp expression as model.moe.route, so the reduction order matches
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + eps)
-    return idx, w * scale
+    # the same [T,k] normalisation as the reference (ops.moe.normalize_weights): the reduction order matches
+    return idx[:, :k], normalize_weights(w[:, :k], norm=norm, eps=eps, scale=scale)
 
-
-def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str, *,
-          impl: str | None = "auto", interpret: bool | None = None):
-    """Same contract as `model.moe.route`: x [T,D], tokens int [T] -> (idx int32 [T,k], w f32 [T,k])."""
-    if resolve(impl) == "reference":
-        return moe_ref.route(x, tokens, p, config, mlp_type)
-    logits = (x @ p["weight"].T).astype(jnp.float32)
-    hashed = mlp_type == HASH_MOE
-    return route_from_logits(
-        logits, None if hashed else p["bias"], p["tid2eid"][tokens] if hashed else None,
-        k=config.num_experts_per_tok, norm=config.norm_topk_prob, eps=config.router_eps,
-        scale=config.routed_scaling_factor, interpret=use_interpret(interpret))

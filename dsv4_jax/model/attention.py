@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..cache import EMPTY
 from ..config import CSA, SLIDING, ModelConfig
 from . import compressor, indexer
 from .norms import rms_norm
@@ -92,8 +93,7 @@ def attention_sequence(h: jax.Array, p: dict, config: ModelConfig, layer_type: s
             idx_keys = compressor.compress_sequence(h, pi["compressor"], ratio, config.index_head_dim, True,
                                                     freqs, eps)
             qi = indexer.index_queries(qr, pi, config, positions, freqs)
-            scores = indexer.index_scores(qi, idx_keys, h, pi, config)
-            visible = indexer.select_topk(scores, visible, config.index_topk)
+            visible = indexer.select_mask(qi, idx_keys, h, pi, config, positions, ratio)
         keys = jnp.concatenate([kv, rows], axis=1)
         mask = jnp.concatenate([mask, visible], axis=2)
     o = attend(q, keys, mask, p["attn_sink"])
@@ -119,8 +119,6 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
     of the block's tokens are real (the rest, e.g. right padding, is never stored). Returns
     (y [B,S,D], new cache). Rows of every block token are written; only advancing pos commits them.
     """
-    from ..cache import EMPTY
-
     freqs = inv_freq(config, layer_rope_kind(layer_type))
     qr, q = project_q(h, p, config, positions, freqs)
     kv = project_kv(h, p, config, positions, freqs)
@@ -135,21 +133,17 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
         new["comp_kv"], new["comp_a"], new["comp_z"] = _compressed_block(
             h, p["compressor"], config, ratio, config.head_dim, layer_type == CSA, positions, pos, n_valid,
             cache["comp_kv"], cache["comp_a"], cache["comp_z"], freqs)
-        visible = compressed_visible(positions, new["comp_kv"].shape[1], ratio)
         if layer_type == CSA:
             pi = p["indexer"]
             new["idx_keys"], new["idx_a"], new["idx_z"] = _compressed_block(
                 h, pi["compressor"], config, ratio, config.index_head_dim, True, positions, pos, n_valid,
                 cache["idx_keys"], cache["idx_a"], cache["idx_z"], freqs)
             qi = indexer.index_queries(qr, pi, config, positions, freqs)
-            scores = indexer.index_scores(qi, new["idx_keys"], h, pi, config)
-            k = min(config.index_topk, scores.shape[-1])
-            _, sel = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)           # [B,S,k]
-            query_mask = jnp.take_along_axis(visible, sel, axis=-1)
+            sel, query_mask = indexer.select(qi, new["idx_keys"], h, pi, config, positions, ratio)  # [B,S,k]
             query_keys = jax.vmap(lambda rows, i: rows[i])(new["comp_kv"], sel)       # [B,S,k,d]
         else:
             keys = jnp.concatenate([keys, new["comp_kv"]], axis=1)
-            mask = jnp.concatenate([mask, visible], axis=2)
+            mask = jnp.concatenate([mask, compressed_visible(positions, new["comp_kv"].shape[1], ratio)], axis=2)
     o = attend(q, keys, mask, p["attn_sink"], query_keys, query_mask)
     o = apply_rope(o, positions, freqs, inverse=True)
     return grouped_output(o, p, config), new

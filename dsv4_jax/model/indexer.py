@@ -1,11 +1,19 @@
-"""Lightning indexer of CSA layers (target_model.md §2.7): score compressed rows, keep the top-k valid ones."""
+"""Lightning indexer of CSA layers (target_model.md §2.7); the math is `dsv4_jax.ops.indexer`.
+
+Scores of the compressed rows come from the config's indexer backend ("reference": `ops.indexer.scores`,
+"pallas": `kernels.lightning_indexer.scores`, the validity mask fused); the top-k selection is the exact
+`ops.indexer.topk` on both (lower row index first on ties).
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..backends import require
 from ..config import ModelConfig
+from ..kernels import lightning_indexer
+from ..ops import indexer as ops
 from .rope import apply_rope
 
 
@@ -16,47 +24,25 @@ def index_queries(qr: jax.Array, p: dict, config: ModelConfig, positions: jax.Ar
     return apply_rope(q, positions, freqs)
 
 
-def index_scores(q: jax.Array, keys: jax.Array, h: jax.Array, p: dict, config: ModelConfig,
-                 impl: str | None = None) -> jax.Array:
-    """score(p, w) = Σ_h ω_h · ReLU(q_h · K_w) · dI^-0.5 with ω = (W_ω h)·nI^-0.5, in float32.
+def masked_scores(q: jax.Array, keys: jax.Array, h: jax.Array, p: dict, config: ModelConfig, positions: jax.Array,
+                  ratio: int, n_rows: jax.Array | None = None) -> jax.Array:
+    """Index scores f32 [B,S,T], −inf where row w is not visible (w ≥ ⌊(p+1)/m⌋ or w ≥ n_rows[b]).
 
-    q [B,S,nI,dI], keys [B,T,dI], h [B,S,D] -> [B,S,T]. impl: see `dsv4_jax.kernels` (None = default).
+    q [B,S,nI,dI], keys [B,T,dI], h [B,S,D] (the normed layer input), positions int [B,S].
     """
-    from .. import kernels  # lazy: kernels import this module
-    if kernels.resolve(impl) == "pallas":
-        from ..kernels import lightning_indexer
-        return lightning_indexer.scores(q, keys, lightning_indexer.omega(h, p, config),
-                                        interpret=kernels.use_interpret(None))
-    dots = jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), keys.astype(jnp.float32))
-    dots = jax.nn.relu(dots) * config.index_head_dim ** -0.5
-    omega = (h @ p["weights_proj"].T).astype(jnp.float32) * config.index_n_heads ** -0.5
-    return jnp.einsum("bsht,bsh->bst", dots, omega)
+    om = ops.omega(h, p["weights_proj"], config.index_n_heads)
+    if require(config.backends.indexer, "indexer") == "pallas":
+        return lightning_indexer.scores(q, keys, om, positions, n_rows, ratio=ratio,
+                                        interpret=config.backends.interpret)
+    sc = ops.scores(q, keys, om)
+    return jnp.where(ops.validity(sc.shape, positions, n_rows, ratio), sc, -jnp.inf)
 
 
-def select_topk(scores: jax.Array, valid: jax.Array, k: int, impl: str | None = None) -> jax.Array:
-    """Boolean mask [B,S,T] of the top-k valid rows per query (ties: lower row index first).
-
-    Invalid rows never count: if fewer than k rows are valid, all valid rows are selected.
-    impl "pallas"/"auto"-on-GPU: the exact two-stage top-k of `kernels.lightning_indexer` (same result).
-    """
-    from .. import kernels
-    if kernels.resolve(impl) == "pallas":
-        from ..kernels import lightning_indexer
-        return lightning_indexer.topk_mask(jnp.where(valid, scores, -jnp.inf), k)
-    T = scores.shape[-1]
-    k = min(k, T)
-    masked = jnp.where(valid, scores, -jnp.inf)
-    _, idx = jax.lax.top_k(masked, k)                          # [B,S,k]
-    lead = jnp.indices(idx.shape[:-1], sparse=True)            # broadcastable batch/query indices
-    picked = jnp.zeros(scores.shape, bool).at[(*[i[..., None] for i in lead], idx)].set(True)
-    return picked & valid
+def select(q, keys, h, p: dict, config: ModelConfig, positions, ratio: int, n_rows=None):
+    """The top-k visible rows per query: (row ids int32 [B,S,k'], found bool [B,S,k']), k' = min(topk, T)."""
+    return ops.topk(masked_scores(q, keys, h, p, config, positions, ratio, n_rows), config.index_topk)
 
 
-def index_select(q: jax.Array, keys: jax.Array, h: jax.Array, p: dict, config: ModelConfig, positions: jax.Array,
-                 ratio: int, n_rows: jax.Array | None = None, impl: str | None = None) -> jax.Array:
-    """Fused scores + validity (w < ⌊(p+1)/m⌋, w < n_rows[b]) + top-k -> mask [B,S,T].
-
-    q [B,S,nI,dI], keys [B,T,dI], h [B,S,D], positions int [B,S], n_rows int [B] or None.
-    """
-    from ..kernels import lightning_indexer
-    return lightning_indexer.select(q, keys, h, p, config, positions, ratio, n_rows, impl=impl)
+def select_mask(q, keys, h, p: dict, config: ModelConfig, positions, ratio: int, n_rows=None) -> jax.Array:
+    """The same selection as a boolean mask [B,S,T]."""
+    return ops.topk_mask(masked_scores(q, keys, h, p, config, positions, ratio, n_rows), config.index_topk)
