@@ -9,7 +9,9 @@ with different kernels compile two programs, side by side in one process. Ops an
     indexer   lightning-indexer scores: "reference" (`ops.indexer`), "pallas" (`kernels.lightning_indexer`);
               the exact top-k selection is `ops.indexer.topk` on both
 
-`interpret` runs the Pallas kernels in interpret mode (CPU tests). "auto" is not an implementation: it is
+`interpret` runs the Pallas kernels in interpret mode (CPU tests). `unroll_layers` unrolls the scans over repeated
+layers (`model.target.run_segments`): the same program with every layer written out, for XLA's cost analysis,
+which counts a `while` body once (ahead-of-time traffic reports); slower to compile, same numbers. "auto" is not an implementation: it is
 resolved per platform by `resolve` at the API boundary (`forward`, `generate`, the decode entry points, the
 CLIs), never inside traced code: Pallas on GPU, the references elsewhere.
 """
@@ -42,6 +44,7 @@ class Backends:
     routing: str = "reference"
     indexer: str = "reference"
     interpret: bool = False
+    unroll_layers: bool = False
 
     def __post_init__(self):
         for op in OPS:
@@ -58,7 +61,8 @@ class Backends:
 
     def describe(self) -> str:
         parts = [f"{op}={getattr(self, op)}" for op in OPS]
-        return ", ".join(parts + (["interpret"] if self.interpret else []))
+        flags = [f for f in ("interpret", "unroll_layers") if getattr(self, f)]
+        return ", ".join(parts + flags)
 
 
 REFERENCE = Backends()

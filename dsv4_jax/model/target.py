@@ -51,7 +51,8 @@ def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: lis
             outs = jax.tree.map(lambda a: a[None], outs)
         else:
             carry, outs = jax.lax.scan(lambda c, xs: one_rep(c, *xs), carry,
-                                       (slots, cache_slots, jnp.arange(seg.reps)))
+                                       (slots, cache_slots, jnp.arange(seg.reps)),
+                                       unroll=config.backends.unroll_layers)
         new_states.append(outs)
     return carry, new_states
 
