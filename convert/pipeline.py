@@ -19,12 +19,13 @@ from tqdm import tqdm
 
 from dsv4_jax import names
 from dsv4_jax.config import ConfigError, ModelConfig, from_hf_config, load_hf_config
+from dsv4_jax.outdir import AtomicDir
 
 from . import gguf_io, plan as PL
 from .hf_source import SafetensorsSource
 from dsv4_jax.checkpoint import read_metadata as read_meta
 
-from .writer import FORMAT_VERSION, META_FILE, AtomicDir, ItemWriter, write_json_atomic
+from .writer import FORMAT_VERSION, META_FILE, ItemWriter, write_json_atomic
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "bf16": np.dtype(ml_dtypes.bfloat16),
           "float32": np.dtype(np.float32), "f32": np.dtype(np.float32),
@@ -282,7 +283,7 @@ def convert(out_dir: str, config: ModelConfig, jobs: list[Job], *, dtype="bfloat
         raise PL.ConvertError(f"two sources for the same item: {items}")
     meta = {"format_version": FORMAT_VERSION, "config": config.to_dict(),
             "source": jobs[0].meta["source"], "conversion": _conversion_meta(dtype, keep_quantized), "items": {}}
-    with AtomicDir(out_dir, overwrite) as d:
+    with AtomicDir(out_dir, overwrite, label="OUT_DIR") as d:
         with _progress(sum(j.total for j in jobs), "convert", quiet) as bar:
             for j in jobs:
                 meta["items"][j.item] = _run_job(j, os.path.join(d.tmp, j.item), dtype, keep_quantized, bar)
@@ -303,7 +304,7 @@ def add_drafters(ckpt_dir: str, jobs: list[Job], *, dtype=None, keep_quantized=N
         j.check()
     with _progress(sum(j.total for j in jobs), "drafters", quiet) as bar:
         for j in jobs:
-            with AtomicDir(os.path.join(ckpt_dir, j.item), overwrite, create=False) as d:
+            with AtomicDir(os.path.join(ckpt_dir, j.item), overwrite, create=False, label="drafter") as d:
                 item = _run_job(j, d.tmp, dtype, keep, bar)   # Orbax creates the directory itself
                 item["conversion"] = _conversion_meta(dtype, keep)
                 d.commit()

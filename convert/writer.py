@@ -9,13 +9,13 @@ Checkpoint directory layout (format_version 1):
 
 Quantized leaves are stored as {"codes", "scale"} (uint8 / int8 / float16 arrays, never float8_e8m0fnu
 or float4, weight_formats.md §4). Everything is written to a temporary directory `<OUT>.incomplete-<pid>` next to the
-target, which is renamed only when complete; on any error (or Ctrl-C) the temporary directory is removed.
+target, which is renamed only when complete; on any error (or Ctrl-C) the temporary directory is removed
+(`dsv4_jax.outdir.AtomicDir`, the rule shared with dsv4-sweep: OUT may be missing or empty).
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp1
@@ -68,39 +68,6 @@ class ItemWriter:
     def finalize(self) -> None:
         with self._ctx:
             ocp1.partial.finalize(self.path)
-
-
-class AtomicDir:
-    """Context manager: a temporary sibling of `final`, renamed to `final` by `commit()`, removed on failure."""
-
-    def __init__(self, final: str | os.PathLike, overwrite: bool = False, create: bool = True):
-        self.final = os.path.abspath(os.fspath(final))
-        if os.path.exists(self.final) and not overwrite:
-            raise FileExistsError(f"{self.final} already exists (use --overwrite to replace it)")
-        parent, name = os.path.split(self.final)
-        os.makedirs(parent, exist_ok=True)
-        # not a hidden name: Orbax's partial finalize silently fails on dot-prefixed paths
-        self.tmp = os.path.join(parent, f"{name}.incomplete-{os.getpid()}")
-        self.overwrite = overwrite
-        self.create = create
-        self.committed = False
-
-    def __enter__(self) -> "AtomicDir":
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        if self.create:
-            os.makedirs(self.tmp)
-        return self
-
-    def commit(self) -> None:
-        if os.path.exists(self.final) and self.overwrite:
-            shutil.rmtree(self.final)
-        os.rename(self.tmp, self.final)
-        self.committed = True
-
-    def __exit__(self, *exc) -> bool:
-        if not self.committed:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        return False
 
 
 def write_json_atomic(path: str, obj: dict) -> None:

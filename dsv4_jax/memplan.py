@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from . import params as P
 from .cache import layer_cache_shapes, state_shapes
 from .config import MOE, PRESETS, SLIDING, ModelConfig, preset
-from .sharding import (DEFAULT_REPLICATED, MESH_AXES, default_mesh_shape, partition_spec, state_partition_specs)
+from .sharding import (DEFAULT_REPLICATED, DEFAULT_RULES, MESH_AXES, default_mesh_shape, partition_spec,
+                       state_partition_specs)
 
 GIB = 1024 ** 3
 FORMATS = ("f32", "bf16", "quantized")
@@ -181,7 +182,26 @@ def plan(config: ModelConfig, *, devices: int = 1, mesh_shape: tuple[int, ...] |
     return {"model": config.name, "weights": weights, "devices": devices, "mesh": sizes, "batch": batch,
             "context": context, "max_block": max_block, "drafter": drafter, "parts": parts,
             "weights_total": weights_total, "total": sum(v["total"] for v in parts.values()),
-            "per_device": sum(v["per_device"] for v in parts.values())}
+            "per_device": sum(v["per_device"] for v in parts.values()),
+            "notes": batch_split_notes(batch, sizes, rules)}
+
+
+def batch_split_notes(batch: int, sizes: dict, rules=None) -> list[str]:
+    """Why the decode state is split fewer ways than the mesh allows: mesh axes of the `batch` rule
+    (size > 1) that the batch does not divide, so the state is replicated along them."""
+    mesh_axes = [ax for ax in (DEFAULT_RULES if rules is None else rules).get("batch", ()) if sizes.get(ax, 1) > 1]
+    spec = partition_spec((batch,), ("batch",), sizes, rules)
+    used = [ax for e in spec for ax in (e if isinstance(e, tuple) else (e,)) if ax is not None]
+    skipped = [ax for ax in mesh_axes if ax not in used]
+    if not skipped:
+        return []
+    split = math.prod(sizes[ax] for ax in used)
+    full = math.prod(sizes[ax] for ax in mesh_axes)
+    axes = " x ".join(f"{ax!r} ({sizes[ax]})" for ax in skipped)
+    return [f"decode state: batch {batch} does not divide over mesh {'axes' if len(skipped) > 1 else 'axis'} "
+            f"{axes}, so the state falls back to replication along {'them' if len(skipped) > 1 else 'it'} "
+            f"(split {split} way{'s' if split > 1 else ''} instead of {full}); a batch that is a multiple of "
+            f"{full} splits it {full} ways"]
 
 
 def _mesh_arg(text: str) -> tuple[int, ...]:
@@ -274,6 +294,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     for fmt, plans in out:
         print(f"\nweights: {fmt}")
         print(table(plans, a.hbm_gib))
+    notes = {f"{p['devices']} dev ({'x'.join(str(v) for v in p['mesh'].values())}): {n}": None
+             for p in out[0][1] for n in p["notes"]}
+    for n in notes:
+        print(f"\nnote: {n}")
     return 0
 
 

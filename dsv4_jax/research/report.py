@@ -16,12 +16,12 @@ import datetime
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from .. import outdir
 
 AGGREGATE_FIELDS = ("n_requests", "total_predicted", "total_draft", "total_draft_accepted", "aggregate_accept_rate",
                     "wall_s_total", "tokens_per_s", "speedup", "mean_accepted_length", "rounds",
@@ -224,7 +224,8 @@ def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
     for a in (a1, a2):
         a.set_xticks(ks)
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:        # a2 has no line in a run without drafters
+            a.legend(fontsize=8)
     a1.set_ylim(bottom=0)
     fig.suptitle(f"Acceptance vs draft_n_max — {title}")
     written.append(_save(fig, out_dir, "acceptance.png"))
@@ -283,33 +284,18 @@ def _save(fig, out_dir: str, name: str) -> str:
 # ---- output directories -----------------------------------------------------------------------
 
 def check_out_dir(path: str, overwrite: bool) -> None:
-    """Refuse an existing non-empty output directory unless overwrite (checked before any work)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise FileExistsError(f"--out {path!r} exists and is not a directory")
-    if os.path.isdir(path) and os.listdir(path) and not overwrite:
-        raise FileExistsError(f"--out {path!r} exists and is not empty (pass --overwrite to replace it)")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"--out {path!r}: parent directory {parent!r} does not exist")
+    """Refuse a file or an existing non-empty directory unless overwrite (checked before any work);
+    missing parents are fine, they are created (the rule of `dsv4_jax.outdir`, shared with dsv4-convert)."""
+    outdir.check_target(path, overwrite, "--out")
 
 
 @contextlib.contextmanager
 def atomic_dir(path: str):
-    """Yield a temporary sibling directory; on success it replaces `path`, on failure it is removed."""
-    path = os.path.abspath(path)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(path):
-        old = tmp + ".old"
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
+    """Yield a temporary sibling directory; on success it replaces `path`, on failure it is removed
+    (with the parent directories it created)."""
+    with outdir.AtomicDir(path, overwrite=True, label="--out") as d:
+        yield d.tmp
+        d.commit()
 
 
 def write_json(path: str, obj) -> None:

@@ -18,6 +18,7 @@ import itertools
 import sys
 from typing import Sequence
 
+from ..outdir import OutDirError
 from . import common, report
 from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
@@ -189,7 +190,7 @@ def prepare_run(parser: argparse.ArgumentParser, a: argparse.Namespace, parse_fn
         if a.model:
             check_model_dir(a.model)
         file_prompts = common.read_prompt_source(a)
-    except (OptionError, PromptError, ModelError, FileExistsError, FileNotFoundError) as e:
+    except (OptionError, PromptError, ModelError, OutDirError, FileNotFoundError) as e:
         parser.error(str(e))
     common.enable_compile_cache(a)
     try:
