@@ -337,8 +337,9 @@ def check_tiles(mf: MatFormat, tile_rows: int, tile_cols: int, what: str):
 class Operand:
     """One pallas_call operand: its BlockSpec (block shape, index map, memory space), also for `traffic`.
 
-    The index map takes (*grid indices, *scalar-prefetch refs) and must use only jnp arithmetic and
-    indexing, so that `traffic` can evaluate it on numpy arrays of every grid step at once.
+    The index map takes (*grid indices, *scalar-prefetch refs) and must use only integer operators
+    (`imin`, `imax`, `iwhere`) and indexing, so that `traffic` can evaluate it on numpy arrays of every grid
+    step at once.
     """
 
     name: str
@@ -357,11 +358,27 @@ class Operand:
         return int(np.prod([1 if d is None else d for d in self.block])) * jnp.dtype(self.dtype).itemsize
 
 
+def imin(a, b):
+    """min of ints with operators only: the same code on traced index-map scalars and numpy arrays."""
+    return b + (a - b) * (a < b)
+
+
+def imax(a, b):
+    return a + (b - a) * (b > a)
+
+
+def iwhere(c, a, b):
+    return b + (a - b) * c
+
+
 def traffic(grid: tuple[int, ...], operands: list[Operand], prefetch: list[np.ndarray]) -> dict[str, int]:
-    """Bytes moved per operand for concrete scalar-prefetch values (grid walked in row-major order)."""
+    """Bytes moved per operand for concrete scalar-prefetch values (grid walked in row-major order).
+
+    The index maps run on numpy arrays of all grid steps at once (they use `imin` / `imax` / `iwhere` and
+    indexing only), so this also works while a kernel is being traced (`cost_estimate`)."""
     idx = np.meshgrid(*[np.arange(g) for g in grid], indexing="ij")
     idx = [i.reshape(-1) for i in idx]
-    refs = [jnp.asarray(p) for p in prefetch]
+    refs = [np.asarray(p) for p in prefetch]
     out = {}
     for op in operands:
         blocks = np.stack([np.broadcast_to(np.asarray(b), idx[0].shape) for b in op.index_map(*idx, *refs)], -1)
@@ -369,3 +386,10 @@ def traffic(grid: tuple[int, ...], operands: list[Operand], prefetch: list[np.nd
         changed[1:] = np.any(blocks[1:] != blocks[:-1], axis=-1)
         out[op.name] = int(changed.sum()) * op.block_bytes
     return out
+
+
+def cost_estimate(grid, operands: list[Operand], prefetch: list[np.ndarray], flops: int,
+                  transcendentals: int = 0) -> pl.CostEstimate:
+    """XLA's cost model entry for a pallas_call: the BlockSpec bytes for the given (worst-case) prefetch."""
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals),
+                           bytes_accessed=int(sum(traffic(grid, operands, prefetch).values())))

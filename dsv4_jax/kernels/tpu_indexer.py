@@ -64,16 +64,34 @@ def _score_kernel(blim_ref, q_ref, k_ref, om_ref, lim_ref, o_ref, *, bT):
         o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, o_ref.dtype)
 
 
-def plan(B: int, S: int, T: int, H: int, dI: int, q_dtype, k_dtype, *, blocks: tuple[int, int] = (16, 1024)):
+QUERY_BLOCK = 16                       # queries per program (prefill chunks, verify blocks)
+SCORE_TILE_BYTES = 4 * 1024 * 1024     # f32 head scores [bS·H, bT] one program holds
+MAX_KEY_TILE = 8192
+
+
+def tiles(S: int, T: int, H: int, blocks: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(bS, bT): bS = S up to QUERY_BLOCK queries; bT the largest power of two (128 … MAX_KEY_TILE) whose
+    head scores fit SCORE_TILE_BYTES — long key tiles for decode, where the grid is T/bT steps per row."""
+    if blocks is not None:
+        bS, bT = blocks
+    else:
+        bS = min(S, QUERY_BLOCK)
+        bT = 128
+        while bT * 2 <= MAX_KEY_TILE and bS * H * bT * 2 * 4 <= SCORE_TILE_BYTES:
+            bT *= 2
+    bS = S if S <= bS else max(8, bS // 8 * 8)
+    return bS, (T if T <= bT else bT)
+
+
+def plan(B: int, S: int, T: int, H: int, dI: int, q_dtype, k_dtype, *, blocks: tuple[int, int] | None = None):
     """(grid, operands, output operand, bS, S_pad) of the scores kernel."""
-    bS = S if S <= blocks[0] else blocks[0] // 8 * 8 or 8
+    bS, bT = tiles(S, T, H, blocks)
     s_pad = tc.round_up(S, bS)
-    bT = T if T <= blocks[1] else blocks[1]
     nT = pl.cdiv(T, bT)
 
     def key_tile(b, s, t, blim):          # clamp to the last tile holding a visible row: no copy past it
-        last = jnp.maximum((blim[b, s] + bT - 1) // bT - 1, 0)
-        return b, jnp.minimum(t, last), 0
+        last = tc.imax((blim[b, s] + bT - 1) // bT - 1, 0)
+        return b, tc.imin(t, last), 0
 
     ins = [tc.Operand("q", (B, s_pad, H, dI), q_dtype, (None, bS, H, dI), lambda b, s, t, bl: (b, s, 0, 0)),
            tc.Operand("keys", (B, T, dI), k_dtype, (None, bT, dI), key_tile),
@@ -85,9 +103,10 @@ def plan(B: int, S: int, T: int, H: int, dI: int, q_dtype, k_dtype, *, blocks: t
 
 @functools.partial(jax.jit, static_argnames=("ratio", "interpret", "blocks"))
 def scores(q, keys, omega, positions=None, n_rows=None, *, ratio: int = 1, interpret: bool = False,
-           blocks: tuple[int, int] = (16, 1024)):
+           blocks: tuple[int, int] | None = None):
     """q [B,S,H,dI], keys [B,T,dI], omega f32 [B,S,H] (already × H^-0.5), positions int [B,S] | None,
-    n_rows int [B] | None -> f32 [B,S,T]: scores, −inf where invalid. blocks = (bS queries, bT key rows)."""
+    n_rows int [B] | None -> f32 [B,S,T]: scores, −inf where invalid. blocks = (bS queries, bT key rows),
+    default `tiles`."""
     B, S, H, dI = q.shape
     T = keys.shape[1]
     grid, ins, out, bS, s_pad = plan(B, S, T, H, dI, q.dtype, keys.dtype, blocks=blocks)
@@ -97,18 +116,20 @@ def scores(q, keys, omega, positions=None, n_rows=None, *, ratio: int = 1, inter
     blim = jnp.max(lim.reshape(B, s_pad // bS, bS), axis=-1)
     om = omega.astype(jnp.float32) * dI ** -0.5
     args = [jnp.pad(q, pad + ((0, 0), (0, 0))), keys, jnp.pad(om, pad + ((0, 0),))[..., None], lim[..., None]]
+    cost = tc.cost_estimate(grid, ins + [out], [np.full(grid[:2], T, np.int32)],          # every row visible
+                            flops=2 * B * s_pad * H * dI * T)
     sc = pl.pallas_call(
         functools.partial(_score_kernel, bT=out.block[2]),
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=[o.spec for o in ins],
                                                out_specs=out.spec),
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         compiler_params=tc.compiler_params(("parallel", "parallel", "arbitrary")),
-        interpret=tc.interpret_params(interpret), name="indexer_scores_tpu")(blim, *args)
+        interpret=tc.interpret_params(interpret), cost_estimate=cost, name="indexer_scores_tpu")(blim, *args)
     return sc[:, :S]
 
 
 def traffic(B: int, S: int, T: int, H: int, dI: int, q_dtype, k_dtype, positions=None, n_rows=None,
-            ratio: int = 1, blocks: tuple[int, int] = (16, 1024)) -> dict[str, int]:
+            ratio: int = 1, blocks: tuple[int, int] | None = None) -> dict[str, int]:
     """Bytes the kernel's BlockSpecs move for concrete positions / n_rows (see tpu_common.traffic)."""
     grid, ins, out, bS, s_pad = plan(B, S, T, H, dI, q_dtype, k_dtype, blocks=blocks)
     lim = jnp.pad(row_limits(B, S, T, positions, n_rows, ratio), ((0, 0), (0, s_pad - S)))

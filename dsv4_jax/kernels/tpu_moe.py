@@ -32,12 +32,13 @@ from jax.experimental.pallas import tpu as pltpu
 from ..ops import quant
 from ..ops.moe import swiglu
 from . import tpu_common as tc
-from .moe_prefill import align
+from .moe_prefill import align, padded_rows
 
 # Token counts up to this use the decode kernel under the "pallas_tpu" moe backend (`model.moe`): it computes
 # every token against every active expert (at most T·k of them), cheap while T is a verify block or less.
 DECODE_MAX_TOKENS = 16
 DOWN_ROW_CHUNK = 512     # rows of W2 dequantized at a time in the decode kernel
+PREFILL_BLOCK_N = (256, 512)   # output-column tiles of the grouped kernels: (I of gate/up, D of down)
 
 
 def prepare_experts(w1, w2, w3, scales=(None, None, None), fmt: str = "dense", block=None):
@@ -51,6 +52,17 @@ def prepare_experts(w1, w2, w3, scales=(None, None, None), fmt: str = "dense", b
     if w2.shape[0] != E or (down.rows, down.cols) != (D, I):
         raise tc.FormatError(f"w2 must be [E, D, I] = {(E, D, I)} (logical), got {w2.shape} for format {fmt}")
     return (c1, c3, c2), (s1, s3, s2), up, down
+
+
+def abstract_experts(w1, w2, w3, scales, fmt: str, block=None):
+    """`prepare_experts` on ShapeDtypeStructs (for plans and traffic without arrays)."""
+    box = {}
+
+    def f(*a):
+        weights, sc, box["up"], box["down"] = prepare_experts(*a[:3], a[3:], fmt, block)
+        return weights, sc
+    weights, sc = jax.eval_shape(f, w1, w2, w3, *scales)
+    return weights, sc, box["up"], box["down"]
 
 
 def _scaled_inputs(names, arrays, fmts, tile_rows, rows_index, expert_index):
@@ -124,13 +136,13 @@ def decode_plan(x_shape, x_dtype, idx_shape, weights, scales, up, down, *, block
     tc.check_tiles(down, D, bI, "decode w2")
 
     def slot(p, u, i, se, na):
-        return jnp.minimum(u, na[0] - 1)
+        return tc.imin(u, na[0] - 1)
 
     def expert(*a):
         return a[3][slot(*a)]
 
-    def i_tile(p, u, i, se, na):
-        return p * (nI // P) + i
+    def i_tile(p, u, i, se, na):          # past the active slots: stay on the last block read (no copy)
+        return p * (nI // P) + tc.iwhere(u < na[0], i, nI // P - 1)
 
     c1, c3, c2 = weights
     ins = [tc.Operand("x", (t_pad, D), x_dtype, (t_pad, D), lambda *a: (0, 0)),
@@ -164,13 +176,16 @@ def experts_decode(x, idx, w, w1, w2, w3, w1_scale=None, w2_scale=None, w3_scale
     xk = tc.split_pairs(x, tc.fp4_pair_block(D)) if up.kind == "fp4" else x
     xk = jnp.pad(xk, ((0, t_pad - T), (0, 0)))
     args = [xk, sw, *weights] + [s for s in scales if s is not None]
+    U = grid[1]
+    cost = tc.cost_estimate(grid, ins + [out], [np.arange(U), np.array([U])],      # every slot active
+                            flops=6 * U * t_pad * D * up.rows, transcendentals=U * t_pad * up.rows)
     y = pl.pallas_call(
         functools.partial(kernel, limit=limit),
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=[o.spec for o in ins],
                                                out_specs=out.spec),
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         compiler_params=tc.compiler_params(("parallel", "arbitrary", "arbitrary")),
-        interpret=tc.interpret_params(interpret), name="moe_decode_tpu")(experts, n_active, *args)
+        interpret=tc.interpret_params(interpret), cost_estimate=cost, name="moe_decode_tpu")(experts, n_active, *args)
     return jnp.sum(y, axis=0)[:T].astype(x.dtype)
 
 
@@ -218,13 +233,13 @@ def prefill_plans(n_rows: int, x_dtype, weights, scales, up, down, *, block_m: i
     tc.check_tiles(down, bN2, I, "prefill w2")
 
     def used(n, m, te, nu):
-        return jnp.minimum(m, nu[0] - 1)
+        return tc.imin(m, nu[0] - 1)
 
     def expert(*a):
         return a[2][used(*a)]
 
     def out_tile(n, m, te, nu):                      # unused tiles write to the spare tile nM
-        return jnp.where(m < nu[0], m, nM)
+        return tc.iwhere(m < nu[0], m, nM)
 
     def n_tile(n, m, te, nu):
         return n
@@ -254,21 +269,28 @@ def row_tile(n_assign: int, n_experts: int, dtype) -> int:
     return max(16, tc.sublanes(dtype)) if jnp.dtype(dtype).itemsize < 4 else 8
 
 
-def _grouped_call(plan, prefetch, args, name, interpret, **kw):
+def worst_tiles(n_tiles: int, n_experts: int) -> list[np.ndarray]:
+    """Scalar prefetch of the grouped kernels with every tile used and every expert present (cost bound)."""
+    return [np.minimum(np.arange(n_tiles) * n_experts // n_tiles, n_experts - 1), np.array([n_tiles])]
+
+
+def _grouped_call(plan, prefetch, args, name, interpret, flops, **kw):
     grid, ins, out, kernel = plan
+    n_experts = ins[1].shape[0]
+    cost = tc.cost_estimate(grid, ins + [out], worst_tiles(grid[1], n_experts), flops)
     return pl.pallas_call(
         functools.partial(kernel, **kw),
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(prefetch), grid=grid,
                                                in_specs=[o.spec for o in ins], out_specs=out.spec),
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         compiler_params=tc.compiler_params(("parallel", "arbitrary")),
-        interpret=tc.interpret_params(interpret), name=name)(*prefetch, *args)
+        interpret=tc.interpret_params(interpret), cost_estimate=cost, name=name)(*prefetch, *args)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "fmt", "block", "interpret", "block_m", "block_n"))
 def experts_prefill(x, idx, w, w1, w2, w3, w1_scale=None, w2_scale=None, w3_scale=None, *, limit: float,
                     fmt: str = "dense", block=None, interpret: bool = False, block_m: int | None = None,
-                    block_n: tuple[int, int] = (256, 512)):
+                    block_n: tuple[int, int] = PREFILL_BLOCK_N):
     """Routed experts for many tokens, grouped matmul over expert-sorted row tiles -> [T, D] in x.dtype.
 
     Arguments as `experts_decode`; block_m: rows per tile (bM; default `row_tile`), block_n: (I tile of
@@ -286,10 +308,11 @@ def experts_prefill(x, idx, w, w1, w2, w3, w1_scale=None, w2_scale=None, w3_scal
     xs = jnp.pad(xk[row_token], ((0, bM), (0, 0)))
     prefetch = (tile_expert, n_used)
     s1, s3, s2 = scales
+    I = up.rows
     h = _grouped_call(plan1, prefetch, [xs, *weights[:2]] + [s for s in (s1, s3) if s is not None],
-                      "moe_gate_up_tpu", interpret, limit=limit)
+                      "moe_gate_up_tpu", interpret, 4 * M * D * I, limit=limit)
     ys = _grouped_call(plan2, prefetch, [h, weights[2]] + ([s2] if s2 is not None else []), "moe_down_tpu",
-                       interpret)
+                       interpret, 2 * M * D * I)
     rows = ys[dest].reshape(T, k, D).astype(jnp.float32)
     return jnp.einsum("tkd,tk->td", rows, w.astype(jnp.float32)).astype(x.dtype)
 
