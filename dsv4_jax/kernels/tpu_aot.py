@@ -31,8 +31,8 @@ import numpy as np
 from ..ops import indexer as ops_indexer
 from ..ops import moe as ops_moe
 from ..ops import quant
+from . import moe_prefill, tpu_indexer, tpu_moe
 from . import tpu_common as tc
-from . import tpu_indexer, tpu_moe
 
 # libtpu must not look for a cloud metadata server or TPU workers, and may be loaded by several processes
 LIBTPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
@@ -251,7 +251,7 @@ def blockspec_bytes(case: Case, s: Shapes = FLASH) -> dict:
                 per_op = tpu_moe.decode_traffic(plan, idx)
             else:
                 bM = tpu_moe.row_tile(T * s.top_k, E, jnp.bfloat16)
-                M = tpu_moe.padded_rows(T * s.top_k, E, bM)
+                M = moe_prefill.padded_rows(T * s.top_k, E, bM)
                 plans = tpu_moe.prefill_plans(M, jnp.bfloat16, weights, scales, up, down, block_m=bM,
                                               block_n=tpu_moe.PREFILL_BLOCK_N)
                 per_op = tpu_moe.prefill_traffic(plans, idx, E, bM)

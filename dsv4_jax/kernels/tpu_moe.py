@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ..ops import quant
 from ..ops.moe import swiglu
 from . import tpu_common as tc
-from .moe_prefill import align, padded_rows
+from .moe_prefill import align
 
 # Token counts up to this use the decode kernel under the "pallas_tpu" moe backend (`model.moe`): it computes
 # every token against every active expert (at most T·k of them), cheap while T is a verify block or less.
@@ -313,8 +313,9 @@ def experts_prefill(x, idx, w, w1, w2, w3, w1_scale=None, w2_scale=None, w3_scal
                       "moe_gate_up_tpu", interpret, 4 * M * D * I, limit=limit)
     ys = _grouped_call(plan2, prefetch, [h, weights[2]] + ([s2] if s2 is not None else []), "moe_down_tpu",
                        interpret, 2 * M * D * I)
-    rows = ys[dest].reshape(T, k, D).astype(jnp.float32)
-    return jnp.einsum("tkd,tk->td", rows, w.astype(jnp.float32)).astype(x.dtype)
+    dest = dest.reshape(T, k)
+    y = sum(w[:, j, None].astype(jnp.float32) * ys[dest[:, j]].astype(jnp.float32) for j in range(k))
+    return y.astype(x.dtype)                                             # k gathers: no [T, k, D] temporary
 
 
 # ---- the model's expert dict ----
@@ -331,13 +332,12 @@ def routed(x, idx, w, p: dict, *, limit: float, interpret: bool = False):
                   limit=limit, fmt=fmt, interpret=interpret)
 
 
-def decode_traffic(plan, idx: np.ndarray, w: np.ndarray | None = None) -> dict[str, int]:
+def decode_traffic(plan, idx: np.ndarray) -> dict[str, int]:
     """Bytes the decode kernel's BlockSpecs move for a concrete routing idx [T, k] (see tpu_common.traffic)."""
     grid, ins, out, _ = plan
-    t_pad = out.shape[1]
-    w = np.ones(idx.shape, np.float32) if w is None else w
-    experts, n_active, _ = decode_slots(jnp.asarray(idx), jnp.asarray(w), ins[2].shape[0], t_pad)
-    return tc.traffic(grid, ins + [out], [np.asarray(experts), np.asarray(n_active)])
+    experts = np.unique(np.asarray(idx))                                # the slots of `decode_slots`
+    slots = np.concatenate([experts, np.full(grid[1] - experts.size, experts[-1])]).astype(np.int32)
+    return tc.traffic(grid, ins + [out], [slots, np.array([experts.size], np.int32)])
 
 
 def prefill_traffic(plans, idx: np.ndarray, n_experts: int, block_m: int) -> dict[str, int]:
