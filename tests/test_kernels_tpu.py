@@ -301,12 +301,13 @@ def test_bad_weight_formats_are_named():
 # ---- Mosaic: lowering here (no libtpu), compiling with libtpu (slow) ----
 
 
+@pytest.mark.parametrize("chip", [("TPU v5", 2), ("TPU v6 lite", 1)])
 @pytest.mark.parametrize("fmt", tpu_aot.MOE_FORMATS + ("fp8",))
-def test_kernels_lower_to_mosaic(fmt):
-    """Pallas -> Mosaic lowering for a TPU v5p chip: catches ops without a TPU lowering (Mosaic's own
+def test_kernels_lower_to_mosaic(fmt, chip):
+    """Pallas -> Mosaic lowering for v5p / v6e chips: catches ops without a TPU lowering (Mosaic's own
     layout / tiling checks run in libtpu's compiler: the slow AOT test below)."""
     s = tpu_aot.Shapes(n_experts=4, top_k=2, hidden=256, moe_inter=256)
-    dev = jax.sharding.AbstractDevice(device_kind="TPU v5", num_cores=2, platform="tpu")
+    dev = jax.sharding.AbstractDevice(device_kind=chip[0], num_cores=chip[1], platform="tpu")
     mesh = jax.sharding.AbstractMesh((1,), ("chip",), abstract_device=dev)
     for T, fn in ((3, tpu_moe.experts_decode), (40, tpu_moe.experts_prefill)):
         args = [jax.ShapeDtypeStruct((T, s.hidden), jnp.bfloat16), jax.ShapeDtypeStruct((T, 2), jnp.int32),
@@ -315,6 +316,12 @@ def test_kernels_lower_to_mosaic(fmt):
             text = jax.jit(lambda *a: fn(*a, limit=10.0, fmt=fmt)).trace(*args).lower(
                 lowering_platforms=("tpu",)).as_text()
         assert text.count("tpu_custom_call") >= (1 if T == 3 else 2)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(lambda q, k, om, p, n: tpu_indexer.scores(q, k, om, p, n, ratio=4)).trace(
+            jax.ShapeDtypeStruct((2, 3, 64, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 4096, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, 3, 64), jnp.float32), jax.ShapeDtypeStruct((2, 3), jnp.int32),
+            jax.ShapeDtypeStruct((2,), jnp.int32)).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
 
 
 needs_libtpu = pytest.mark.skipif(not tpu_aot.libtpu_available(), reason="libtpu is not installed")

@@ -64,19 +64,20 @@ def _score_kernel(blim_ref, q_ref, k_ref, om_ref, lim_ref, o_ref, *, bT):
         o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, o_ref.dtype)
 
 
-QUERY_BLOCK = 16                       # queries per program (prefill chunks, verify blocks)
+QUERY_BLOCK = 64                       # queries per program at most (a key tile is read once per block)
 SCORE_TILE_BYTES = 4 * 1024 * 1024     # f32 head scores [bS·H, bT] one program holds
-MAX_KEY_TILE = 8192
+MIN_KEY_TILE, MAX_KEY_TILE = 256, 8192
 
 
 def tiles(S: int, T: int, H: int, blocks: tuple[int, int] | None = None) -> tuple[int, int]:
-    """(bS, bT): bS = S up to QUERY_BLOCK queries; bT the largest power of two (128 … MAX_KEY_TILE) whose
-    head scores fit SCORE_TILE_BYTES — long key tiles for decode, where the grid is T/bT steps per row."""
+    """(bS, bT): as many queries as fit SCORE_TILE_BYTES with MIN_KEY_TILE keys (≤ QUERY_BLOCK; keys are
+    re-read once per query block), then the largest power-of-two key tile ≤ MAX_KEY_TILE that fits — long
+    key tiles for decode, where the grid is T/bT steps per batch row."""
     if blocks is not None:
         bS, bT = blocks
     else:
-        bS = min(S, QUERY_BLOCK)
-        bT = 128
+        bS = max(1, min(S, QUERY_BLOCK, SCORE_TILE_BYTES // (H * MIN_KEY_TILE * 4)))
+        bT = MIN_KEY_TILE
         while bT * 2 <= MAX_KEY_TILE and bS * H * bT * 2 * 4 <= SCORE_TILE_BYTES:
             bT *= 2
     bS = S if S <= bS else max(8, bS // 8 * 8)
