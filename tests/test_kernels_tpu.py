@@ -338,5 +338,5 @@ def test_aot_compiles_at_flash_shapes(topology, case):
     assert mem["temp_bytes"] < max(64 * 2 ** 20, 0.5 * mem["argument_bytes"])
     for scenario in rec["blockspec_bytes"].values():
         assert scenario["total"] >= scenario["ideal"] * 0.99
-        if case.kernel == "moe_decode" or case.queries == 1:
+        if case.kernel == "moe_decode" or (case.kernel.startswith("indexer") and case.queries == 1):
             assert scenario["total"] <= scenario["ideal"] * 1.05     # decode: the active experts / rows once
