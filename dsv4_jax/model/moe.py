@@ -2,9 +2,10 @@
 
 The config's static backends pick the implementation: routing "reference" (`ops.moe.route_from_logits`)
 or "pallas" (`kernels.routing`); routed experts "reference" (gather the active experts for few tokens,
-sorted `ragged_dot` for many) or "pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens,
-`kernels.moe_prefill` above). Quantized experts ("w1_scale", ... present) are dequantized on the
-reference path and tile by tile in the kernels.
+sorted `ragged_dot` for many), "pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens,
+`kernels.moe_prefill` above) or "pallas_tpu" (`kernels.tpu_moe.routed`: Mosaic decode / grouped matmul).
+Quantized experts ("w1_scale", ... present) are dequantized on the reference path and tile by tile in the
+kernels.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 
 from ..backends import require
 from ..config import HASH_MOE, ModelConfig
-from ..kernels import moe_decode, moe_prefill, routing
+from ..kernels import moe_decode, moe_prefill, routing, tpu_moe
 from ..ops import moe as ops
 from ..ops import quant
 
@@ -34,7 +35,10 @@ def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_typ
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
     """Σ_j w[t,j] · expert_{idx[t,j]}(x[t]): x [T,D], idx / w [T,k] -> [T,D]."""
     limit = config.swiglu_limit
-    if require(config.backends.moe, "moe") == "pallas":
+    impl = require(config.backends.moe, "moe")
+    if impl == "pallas_tpu":
+        return tpu_moe.routed(x, idx, w, p, limit=limit, interpret=config.backends.interpret)
+    if impl == "pallas":
         kernel = moe_decode.experts_decode if x.shape[0] <= moe_decode.DECODE_MAX_TOKENS else \
             moe_prefill.experts_prefill
         return kernel(x, idx, w, p, limit=limit, interpret=config.backends.interpret)
