@@ -1,5 +1,6 @@
 """Quant formats: host (numpy) decoders against gguf-py and direct formulas, device (jnp) twins against host."""
 import gguf
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -24,27 +25,28 @@ def test_fp8_block_dequant_matches_formula():
     w = rng.standard_normal((200, 300)).astype(np.float32)
     codes, scale, deq = fx.quant_fp8(w)
     assert scale.shape == (2, 3)
-    got = qf.dequantize(qf.check(qf.QTensor(qf.FP8, codes, scale, (200, 300))))
+    q = qf.check(qf.host(codes.view(ml_dtypes.float8_e4m3fn), scale, qf.FP8), shape=(200, 300))
+    got = qf.dequantize(q)
     np.testing.assert_array_equal(got, deq)
     direct = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.ldexp(
         1.0, scale.astype(int) - 127).repeat(128, 0)[:200].repeat(128, 1)[:, :300]
     np.testing.assert_array_equal(got, direct)
-    np.testing.assert_array_equal(np.asarray(quant.dequant_fp8(jnp.asarray(codes), jnp.asarray(scale), jnp.float32)), got)
+    dev = jax.device_put(q)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(dev, jnp.float32)), got)
     # exact in bf16 too (e4m3 × 2^k)
-    np.testing.assert_array_equal(np.asarray(quant.dequant_fp8(jnp.asarray(codes), jnp.asarray(scale), jnp.bfloat16),
-                                             np.float32), got)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(dev, jnp.bfloat16), np.float32), got)
 
 
 def test_fp4_nibble_order_low_first():
     codes = np.array([[0x21] + [0] * 15], np.uint8)            # element 0 = code 1 (0.5), element 1 = code 2 (1.0)
     scale = np.array([[127]], np.uint8)
-    got = qf.dequantize(qf.QTensor(qf.FP4, codes, scale, (1, 32)))
+    got = qf.dequantize(qf.host(codes, scale, qf.FP4))
     assert got[0, 0] == 0.5 and got[0, 1] == 1.0 and not got[0, 2:].any()
     w = rng.standard_normal((64, 128)).astype(np.float32)
     c, s, deq = fx.quant_fp4(w)
-    got = qf.dequantize(qf.QTensor(qf.FP4, c, s, (64, 128)))
+    got = qf.dequantize(qf.host(c, s, qf.FP4))
     np.testing.assert_array_equal(got, deq)
-    np.testing.assert_array_equal(np.asarray(quant.dequant_fp4(jnp.asarray(c), jnp.asarray(s), jnp.float32)), got)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(jax.device_put(qf.host(c, s, qf.FP4)))), got)
 
 
 def test_mxfp4_repack_is_lossless():
@@ -62,8 +64,7 @@ def test_q8_0_split():
     assert q.codes.dtype == np.int8 and q.scale.dtype == np.float16 and q.scale.shape == (5, 3)
     want = gguf.quants.dequantize(raw, T.Q8_0)
     np.testing.assert_array_equal(qf.dequantize(q), want)
-    np.testing.assert_array_equal(np.asarray(quant.dequant_q8_0(jnp.asarray(q.codes), jnp.asarray(q.scale),
-                                                                jnp.float32)), want)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(jax.device_put(q), jnp.float32)), want)
 
 
 @pytest.mark.parametrize("qtype", sorted(qf.GGML_RAW_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
