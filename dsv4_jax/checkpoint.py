@@ -210,7 +210,7 @@ def _stack(parts: list, sharding: _Placement):
     """Stack per-layer leaves (arrays or QArrays) on a new leading axis; with a mesh, straight into the
     stacked sharding."""
     if sharding.mesh is None:
-        return jax.jit(_stack_leaves)(parts)
+        return _stack_leaves(parts)
     out = jax.tree.map(lambda a: sharding.stacked(a.sharding), parts[0])
     return jax.jit(_stack_leaves, out_shardings=out)(parts)
 

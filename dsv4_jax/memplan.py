@@ -34,10 +34,11 @@ import jax.numpy as jnp
 
 from . import params as P
 from .cache import layer_cache_shapes, state_shapes
+from .checkpoint import load_checkpoint
 from .config import MOE, PRESETS, SLIDING, ModelConfig, preset
 from .ops import quant
-from .sharding import (DEFAULT_REPLICATED, MESH_AXES, default_mesh_shape, leaf_partition_spec, partition_spec,
-                       state_partition_specs)
+from .sharding import (DEFAULT_REPLICATED, MESH_AXES, default_mesh_shape, leaf_partition_spec, make_mesh,
+                       partition_spec, state_partition_specs)
 
 GIB = 1024 ** 3
 FORMATS = ("f32", "bf16", "quantized")
@@ -212,8 +213,6 @@ def measure_checkpoint(path, mesh_shape: tuple[int, ...] | None = None, rules=No
     """Load a converted checkpoint with keep_quantized=True on a mesh (default: one device) and return, per
     part, the plan's bytes for its stored formats ("estimate") next to the bytes of the arrays on the
     devices ("measured": total = logical bytes, per_device = the most any device holds)."""
-    from .checkpoint import load_checkpoint
-    from .sharding import make_mesh
     n = len(jax.devices())
     shape = tuple(mesh_shape or (1, 1, 1))
     if math.prod(shape) > n:
