@@ -251,12 +251,19 @@ def _bytes_in_use():
     return None if not stats else stats.get("bytes_in_use")
 
 
+def checkpoint_unit(m: dict) -> tuple[str, int]:
+    """GiB for real checkpoints, MiB below 1 GiB."""
+    return ("GiB", GIB) if m["measured"]["total"] >= GIB else ("MiB", 1024 ** 2)
+
+
 def checkpoint_table(m: dict) -> str:
+    """Text table of `measure_checkpoint`: per part, the plan next to the measured bytes (`checkpoint_unit`)."""
+    unit = checkpoint_unit(m)[1]
     head = ["part", "estimate total", "measured total", "estimate / device", "measured / device"]
     rows = [head]
     for name, p in list(m["parts"].items()) + [("total", {"estimate": m["estimate"], "measured": m["measured"]})]:
-        rows.append([name] + [f"{p[k][c] / GIB:.4f}" for c in ("total",) for k in ("estimate", "measured")]
-                    + [f"{p[k]['per_device'] / GIB:.4f}" for k in ("estimate", "measured")])
+        rows.append([name] + [f"{p[k]['total'] / unit:.2f}" for k in ("estimate", "measured")]
+                    + [f"{p[k]['per_device'] / unit:.2f}" for k in ("estimate", "measured")])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return "\n".join([fmt(rows[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]])
@@ -347,7 +354,8 @@ def main(argv: Iterable[str] | None = None) -> int:
             print(json.dumps(m, indent=1))
             return 0
         print(f"{m['checkpoint']}: {m['model']}, weights kept quantized ({', '.join(m['formats']) or 'none'}), "
-              f"compute dtype {m['dtype']}, mesh {'x'.join(str(v) for v in m['mesh'].values())}; GiB")
+              f"compute dtype {m['dtype']}, mesh {'x'.join(str(v) for v in m['mesh'].values())}; "
+              f"{checkpoint_unit(m)[0]}")
         print(checkpoint_table(m))
         return 0
     config = preset(a.preset)

@@ -256,14 +256,21 @@ def shard_params(params, config: ModelConfig, mesh: Mesh, rules=None, replicated
     """device_put a target parameter tree (optionally with "mtp" / "dspark" entries) onto its shardings;
     QArray leaves (quantized weights) are placed like their dense twins, scales following their codes."""
     target = {k: v for k, v in params.items() if k not in ("mtp", "dspark")}
-    out = jax.device_put(target, param_shardings(config, mesh, rules, replicated, P.formats_of(target)))
+    out = _put(target, param_shardings(config, mesh, rules, replicated, P.formats_of(target)))
     if "mtp" in params:
-        out["mtp"] = [jax.device_put(m, drafter_shardings(P.with_formats(P.mtp_specs(config), P.formats_of(m)),
-                                                          mesh, rules, replicated)) for m in params["mtp"]]
+        out["mtp"] = [_put(m, drafter_shardings(P.with_formats(P.mtp_specs(config), P.formats_of(m)), mesh, rules,
+                                                replicated)) for m in params["mtp"]]
     if "dspark" in params:
         d = params["dspark"]
-        out["dspark"] = jax.device_put(d, _dspark_shardings_like(d, config, mesh, rules, replicated))
+        out["dspark"] = _put(d, _dspark_shardings_like(d, config, mesh, rules, replicated))
     return out
+
+
+def _put(tree, shardings):
+    """device_put onto a sharding tree whose QArray nodes carry the leaves' own (static) dtype."""
+    like = jax.tree.map(lambda s, x: quant.QArray(s.codes, s.scale, x.fmt, x.dtype) if isinstance(s, quant.QArray)
+                        else s, shardings, tree, is_leaf=quant.is_qarray)
+    return jax.device_put(tree, like)
 
 
 def drafter_shardings(specs, mesh: Mesh, rules=None, replicated=None):
@@ -333,8 +340,14 @@ def _cluster_detected() -> bool:
 
 
 def describe(shardings) -> dict[str, str]:
-    """{flat path: str(PartitionSpec)} of a sharding tree (for logs and docs)."""
-    flat = P.flatten(jax.tree.map(lambda s: str(s.spec), shardings, is_leaf=lambda x: isinstance(x, NamedSharding)))
+    """{flat path: str(PartitionSpec)} of a sharding tree (for logs and docs); a quantized leaf gives
+    "path.codes" and "path.scale" entries."""
+    flat = {}
+    for path, s in P.flatten(shardings).items():
+        if isinstance(s, quant.QArray):
+            flat[path + ".codes"], flat[path + ".scale"] = str(s.codes.spec), str(s.scale.spec)
+        else:
+            flat[path] = str(s.spec)
     return dict(sorted(flat.items()))
 
 
