@@ -22,7 +22,8 @@ def linear(x: jax.Array, w) -> jax.Array:
 def grouped_linear(x: jax.Array, w, groups: int) -> jax.Array:
     """Per-group projections (grouped O-LoRA): x [..., G, K], W [G·R, K] -> [..., G, R] (u_g = W_g x_g)."""
     wd = dense(w)
-    return jnp.einsum("...gk,grk->...gr", x, wd.reshape(groups, wd.shape[0] // groups, wd.shape[1]))
+    lead = "abcdef"[:x.ndim - 2]
+    return jnp.einsum(f"{lead}gi,gri->{lead}gr", x, wd.reshape(groups, wd.shape[0] // groups, wd.shape[1]))
 
 
 def embed(w, ids: jax.Array) -> jax.Array:
