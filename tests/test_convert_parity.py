@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as T
 
 import dsv4_jax
 from dsv4_jax import decode as D, memplan, params as P
+from dsv4_jax.cache import init_state
 from dsv4_jax.checkpoint import CheckpointConfig
 from dsv4_jax.convert.cli import main
 from dsv4_jax.convert.pipeline import LossyConversionWarning
@@ -81,15 +82,21 @@ def _live_bytes() -> int:
 
 
 def _greedy(params, cfg, ids, steps: int = 5):
-    """Prefill ids [B,S] (logits [B,S,V]), then greedy decode steps: (logits, tokens [B,steps], hidden [B,S,n,D])."""
-    logits, state, aux = D.prefill(params, cfg, ids, max_len=ids.shape[1] + steps, max_block=2)
-    tok = jnp.argmax(logits[:, -1], -1)
+    """ids [B,S] fed one decode step at a time (one compiled step), then `steps` greedy tokens:
+    (logits [B,S,V], tokens [B,steps], hidden [B,S,n,D])."""
+    state = init_state(cfg, ids.shape[0], ids.shape[1] + steps, 2, jnp.float32)
+    logits, hidden = [], []
+    for i in range(ids.shape[1]):
+        lg, state, aux = D.decode_step(params, cfg, state, ids[:, i], check=False)
+        logits.append(lg)
+        hidden.append(aux["hidden"])
+    tok = jnp.argmax(logits[-1], -1)
     toks = [tok]
     for _ in range(steps - 1):
-        lg, state, _ = D.decode_step(params, cfg, state, tok)
+        lg, state, _ = D.decode_step(params, cfg, state, tok, check=False)
         tok = jnp.argmax(lg, -1)
         toks.append(tok)
-    return np.asarray(logits), np.asarray(jnp.stack(toks, 1)), aux["hidden"]
+    return np.asarray(jnp.stack(logits, 1)), np.asarray(jnp.stack(toks, 1)), jnp.concatenate(hidden, 1)
 
 
 def _drafter_logits(params, cfg, ids, hidden, meta) -> dict:

@@ -16,6 +16,9 @@ from dsv4_jax.cache import init_state
 from dsv4_jax.ops import linear as L, moe as ops_moe, quant as Q
 
 rng = np.random.default_rng(0)
+# two layers: SWA + hash-routed MoE, CSA (compressor + indexer) + score-routed MoE
+SMALL = C.tiny().replace(num_layers=2, layer_types=(C.SLIDING, C.CSA), compress_ratios=(0, 4),
+                         mlp_layer_types=(C.HASH_MOE, C.MOE), name="quant-small")
 GENERIC = Q.QFormat("e4m3", (8, 16), "f32")
 ALL = [Q.FP8, Q.FP4, Q.Q8_0, Q.INT8, GENERIC]
 
@@ -125,14 +128,11 @@ def test_expert_paths_on_qarrays(fmt):
     x = jax.random.normal(ks[3], (T, Dm))
     idx = jnp.argsort(jax.random.uniform(jax.random.key(1), (T, E)), -1)[:, :k].astype(jnp.int32)
     w = jax.random.uniform(jax.random.key(2), (T, k), minval=0.1)
-    args = lambda m: (m["w1"], m["w2"], m["w3"], 2.0)
-    want = ops_moe.experts_sorted(x, idx, w, *args(d))
-    np.testing.assert_allclose(np.asarray(ops_moe.experts_gather(x, idx, w, *args(q))), np.asarray(want),
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(ops_moe.experts_sorted(x, idx, w, *args(q))), np.asarray(want),
-                               rtol=1e-5, atol=1e-5)                       # the tiled path (QArrays)
-    np.testing.assert_allclose(np.asarray(ops_moe.experts_tiled(x, idx, w, *args(d), bM=4)), np.asarray(want),
-                               rtol=1e-5, atol=1e-5)
+    run = lambda path, **kw: jax.jit(lambda x, m: path(x, idx, w, m["w1"], m["w2"], m["w3"], 2.0, **kw))
+    want = run(ops_moe.experts_sorted)(x, d)
+    for got in (run(ops_moe.experts_gather)(x, q), run(ops_moe.experts_sorted)(x, q),    # sorted: tiles (QArrays)
+                run(ops_moe.experts_tiled, bM=4)(x, d)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def _quantized_model(config, formats=P.release_format):
@@ -149,7 +149,7 @@ def test_forward_every_weight_quantized(fmt):
     """Every weight matrix (embedding and head included) as a QArray: logits equal the dequantized model's and
     so does every greedy next-token choice. (Q8_0, FP8, FP4 and the K-quant repack are checked on converted
     checkpoints in test_convert_parity; int8 per channel has no checkpoint source, it is made here.)"""
-    config = C.tiny()
+    config = SMALL
     rule = lambda path, s: fmt if s.kind == "weight" and len(s.shape) >= 2 else None
     _, q = _quantized_model(config, rule)
     dq = jax.tree.map(lambda x: Q.dense(x), q, is_leaf=Q.is_qarray)
@@ -185,7 +185,7 @@ def test_abstract_trees_shardings_and_memplan_share_one_description():
 
 
 def test_shard_params_places_qarrays():
-    config = C.tiny()
+    config = SMALL
     _, q = _quantized_model(config)
     q = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if isinstance(x, Q.QArray) else x, q, is_leaf=Q.is_qarray)
     placed = S.shard_params(q, config, S.make_mesh())
@@ -196,7 +196,7 @@ def test_shard_params_places_qarrays():
 def test_decode_step_never_holds_a_dequantized_expert_stack():
     """The compiled decode step of a kept-quantized model has no f32 / bf16 buffer of shape [E, I, D] (or [E, D, I],
     or stacked [reps, E, ...]): the active experts' codes are gathered, then dequantized."""
-    config = C.tiny().replace(n_routed_experts=16, name="quant-hlo")
+    config = SMALL.replace(n_routed_experts=16, name="quant-hlo")
     E, I, Dm = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
     _, q = _quantized_model(config)
     assert isinstance(q["segments"][0][0]["ffn"]["experts"]["w1"], Q.QArray)
