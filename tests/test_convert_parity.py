@@ -24,8 +24,7 @@ from flax import traverse_util
 from gguf import GGMLQuantizationType as T
 
 import dsv4_jax
-from dsv4_jax import decode as D, memplan, params as P
-from dsv4_jax.cache import init_state
+from dsv4_jax import memplan, params as P
 from dsv4_jax.checkpoint import CheckpointConfig
 from dsv4_jax.convert.cli import main
 from dsv4_jax.convert.pipeline import LossyConversionWarning
@@ -82,26 +81,24 @@ def _live_bytes() -> int:
 
 
 def _greedy(params, cfg, ids, steps: int = 5):
-    """ids [B,S] fed one decode step at a time (one compiled step), then `steps` greedy tokens:
-    (logits [B,S,V], tokens [B,steps], hidden [B,S,n,D])."""
-    state = init_state(cfg, ids.shape[0], ids.shape[1] + steps, 2, jnp.float32)
-    logits, hidden = [], []
-    for i in range(ids.shape[1]):
-        lg, state, aux = D.decode_step(params, cfg, state, ids[:, i], check=False)
-        logits.append(lg)
-        hidden.append(aux["hidden"])
-    tok = jnp.argmax(logits[-1], -1)
-    toks = [tok]
-    for _ in range(steps - 1):
-        lg, state, _ = D.decode_step(params, cfg, state, tok, check=False)
-        tok = jnp.argmax(lg, -1)
-        toks.append(tok)
-    return np.asarray(jnp.stack(logits, 1)), np.asarray(jnp.stack(toks, 1)), jnp.concatenate(hidden, 1)
+    """(logits of ids [B,S,V], greedy continuation [B,steps] of the prompt ids[:, :S-steps]). The model is causal
+    (a position sees only earlier tokens, compressed rows and indexer choices included), so every call runs the
+    one compiled forward of shape [B,S]: the continuation's not-yet-generated tail is padding."""
+    S = ids.shape[1]
+    logits = np.asarray(dsv4_jax.forward(params, cfg, ids))
+    buf = np.asarray(ids).copy()
+    buf[:, S - steps:] = 0
+    for i in range(S - steps, S):
+        buf[:, i] = np.asarray(dsv4_jax.forward(params, cfg, buf))[:, i - 1].argmax(-1)
+    return logits, buf[:, S - steps:]
 
 
-def _drafter_logits(params, cfg, ids, hidden, meta) -> dict:
-    """MTP row logits (target hiddens + next tokens) and DSpark base logits + greedy drafts of the loaded drafters."""
+def _drafter_logits(params, cfg, ids, meta) -> dict:
+    """MTP row logits (random target hiddens + the next tokens) and DSpark base logits, confidences and greedy
+    drafts (random taps) of the loaded drafters."""
     out = {}
+    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((*ids.shape, cfg.hc_mult, cfg.hidden_size)),
+                         jnp.float32)
     target = {k: v for k, v in params.items() if k not in ("mtp", "dspark")}
     if "mtp" in params:
         out["mtp"] = np.asarray(jax.jit(lambda m, t, h, x: mtp_drafter.rows(
@@ -159,12 +156,12 @@ def check_kept(ckpt, ids, formats: set, steps: int = 5):
     assert {f.name for f in P.formats_of(kept).values()} == formats, P.formats_of(kept)
     assert not any(isinstance(x, quant.QArray) for x in jax.tree.leaves(dense, is_leaf=quant.is_qarray))
     cfg = _target(cfg_q).replace(name=NAME)
-    ld, td, hd = _greedy({k: v for k, v in dense.items() if k not in ("mtp", "dspark")}, cfg, ids, steps)
-    lq, tq, hq = _greedy({k: v for k, v in kept.items() if k not in ("mtp", "dspark")}, cfg, ids, steps)
+    ld, td = _greedy({k: v for k, v in dense.items() if k not in ("mtp", "dspark")}, cfg, ids, steps)
+    lq, tq = _greedy({k: v for k, v in kept.items() if k not in ("mtp", "dspark")}, cfg, ids, steps)
     assert float(np.abs(lq - ld).max()) <= KEEP_TOL * max(1.0, float(np.abs(ld).max()))
     np.testing.assert_array_equal(tq, td)
     dmeta = getattr(cfg_q, "dspark", None)
-    a, b = _drafter_logits(kept, cfg, ids, hq, dmeta), _drafter_logits(dense, cfg, ids, hd, dmeta)
+    a, b = _drafter_logits(kept, cfg, ids, dmeta), _drafter_logits(dense, cfg, ids, dmeta)
     assert set(a) == ({"mtp"} if "mtp" in kept else set()) | ({"dspark", "dspark_drafts", "dspark_conf"}
                                                               if "dspark" in kept else set())
     for k in a:

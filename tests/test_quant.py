@@ -137,11 +137,9 @@ def test_expert_paths_on_qarrays(fmt):
 
 def _quantized_model(config, formats=P.release_format):
     params = P.init_params(config, 0)
-    return params, Q.quantize_tree(params, lambda path, x: formats(path, _spec_at(config, path)))
+    specs = P.flatten(P.param_specs(config))
+    return params, jax.jit(lambda p: Q.quantize_tree(p, lambda path, x: formats(path, specs[path])))(params)
 
-
-def _spec_at(config, path):
-    return P.flatten(P.param_specs(config))[path]
 
 
 @pytest.mark.parametrize("fmt", [Q.INT8, pytest.param(Q.Q8_0, marks=pytest.mark.slow)], ids=lambda f: f.name)
