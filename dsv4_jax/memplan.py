@@ -22,7 +22,6 @@ Command: `dsv4-memplan --help` (also `python -m dsv4_jax.memplan`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import re
