@@ -1,6 +1,6 @@
 """`dsv4-convert`: DeepSeek-V4 safetensors / GGUF checkpoints -> Orbax checkpoints for dsv4_jax.
 
-    dsv4-convert hf SRC_DIR OUT_DIR [--dspark DSPARK_DIR] [--dtype bf16|f32] [--keep-quantized]
+    dsv4-convert hf SRC_DIR OUT_DIR [--dspark DSPARK_DIR] [--dtype bf16|f32|f16] [--keep-quantized]
     dsv4-convert gguf SRC.gguf OUT_DIR [--mtp FILE] [--dspark FILE] [--dtype ...] [--keep-quantized]
     dsv4-convert drafter CKPT_DIR [--mtp PATH] [--dspark PATH]
 
@@ -61,13 +61,15 @@ def _examples(*cmds: str) -> str:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f32", "f16"],
-                   help="dtype of dequantized weights (default bf16). With --keep-quantized: the dtype "
-                        "load_checkpoint dequantizes to by default. Norms/HC/sinks/biases stay f32.")
+    p.add_argument("--dtype", default=None, choices=["bf16", "f32", "f16"],
+                   help="dequantize every weight to DTYPE (f32: exact; bf16: exact for FP8 / FP4, rounds Q8_0 "
+                        "and K-quants; a rounding is reported as a warning). Default: keep the source's "
+                        "codes and dtypes. Norms/HC/sinks/biases are always f32.")
     p.add_argument("--keep-quantized", action="store_true",
-                   help="store FP8 / FP4 / Q8_0 / MXFP4 (-> FP4) / K- and IQ-quant tensors as codes + scales "
-                        "(a format tag per tensor in dsv4.json) instead of dequantizing; load_checkpoint "
-                        "dequantizes them. Much faster and 2-4x smaller.")
+                   help="keep FP8 / FP4 / Q8_0 / MXFP4 (-> FP4, lossless) codes + scales as stored, K- and "
+                        "IQ-quants requantized to Q8_0 (lossy, warned) -- the default; with --dtype, DTYPE is "
+                        "then only load_checkpoint's default compute dtype. load_checkpoint(..., "
+                        "keep_quantized=True) keeps them quantized on the device.")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
@@ -141,7 +143,8 @@ def run(args) -> dict:
             raise ConvertError("nothing to add: give --mtp and/or --dspark")
         config = pipeline.config_of(args.ckpt)
         jobs = [_drafter_job(p, k, config) for k, p in (("mtp", args.mtp), ("dspark", args.dspark)) if p]
-        return pipeline.add_drafters(args.ckpt, jobs, dtype=args.dtype, keep_quantized=args.keep_quantized,
+        keep = args.keep_quantized or (False if args.dtype else None)    # --dtype alone: dequantize
+        return pipeline.add_drafters(args.ckpt, jobs, dtype=args.dtype, keep_quantized=keep,
                                      overwrite=args.overwrite, quiet=args.quiet)
     check_target(args.out, args.overwrite, "OUT_DIR")     # before reading any source
     if args.cmd == "hf":
@@ -152,7 +155,8 @@ def run(args) -> dict:
         p = getattr(args, kind, None)
         if p:
             jobs = [j for j in jobs if j.item != kind] + [_drafter_job(p, kind, config)]
-    return pipeline.convert(args.out, config, jobs, dtype=args.dtype, keep_quantized=args.keep_quantized,
+    keep = args.keep_quantized or args.dtype is None                    # --dtype alone: dequantize to it
+    return pipeline.convert(args.out, config, jobs, dtype=args.dtype or "bf16", keep_quantized=keep,
                             overwrite=args.overwrite, quiet=args.quiet)
 
 

@@ -85,6 +85,7 @@ from dsv4_jax.model import hyper  # noqa: E402
 from dsv4_jax.model.attention import attention_step  # noqa: E402
 from dsv4_jax.model.block import ffn_sublayer  # noqa: E402
 from dsv4_jax.model.norms import rms_norm  # noqa: E402
+from dsv4_jax.ops import quant  # noqa: E402
 from dsv4_jax.model.target import embed, head  # noqa: E402
 from dsv4_jax.schedule import segments  # noqa: E402
 from dsv4_jax.spec import loop, sampling  # noqa: E402
@@ -251,15 +252,16 @@ def _random_leaf(key, shape, dtype, init, n_experts=0, top_k=0):
 
 
 def _quantized_experts(key, specs: dict, config: ModelConfig) -> dict:
-    """Routed experts in the kernels' FP8 storage (`kernels/quant.py`): codes float8_e4m3fn ~ N(0, 1) and a
-    float32 scale 1/sqrt(fan_in) per 128×128 block (smaller blocks when a dimension is below 128)."""
+    """Routed experts as `ops.quant.QArray`s: codes float8_e4m3fn ~ N(0, 1) and a float32 scale
+    1/sqrt(fan_in) per 128×128 block (smaller blocks when a dimension is below 128)."""
     out = {}
     for i, name in enumerate(("w1", "w2", "w3")):
         shape = tuple(specs[name].shape)
         *lead, N, K = shape
         br, bc = min(128, N), min(128, K)
-        out[name] = _random_leaf(jax.random.fold_in(key, i), shape, jnp.dtype(jnp.float8_e4m3fn), "codes")
-        out[name + "_scale"] = jnp.full((*lead, N // br, K // bc), 1.0 / math.sqrt(K), jnp.float32)
+        codes = _random_leaf(jax.random.fold_in(key, i), shape, jnp.dtype(jnp.float8_e4m3fn), "codes")
+        scale = jnp.full((*lead, N // br, K // bc), 1.0 / math.sqrt(K), jnp.float32)
+        out[name] = quant.QArray(codes, scale, quant.QFormat("e4m3", (br, bc), "f32"), jnp.bfloat16)
     return out
 
 

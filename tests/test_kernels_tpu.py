@@ -74,10 +74,10 @@ def make_experts(fmt, E, D, I, seed=0):
             codes.append(jnp.asarray(vals.view(np.uint8)))
             scales.append(jnp.asarray(rng.integers(121, 126, (E, N // 128, K // 128)), jnp.uint8))
         else:                                  # kernel formats: int8 per-channel, fp8 128-blocks
-            block = (1, None) if fmt == "int8" else (128, 128)
-            c, s = quant.quantize(jnp.asarray(rng.normal(0, 0.15, shapes[n]), jnp.float32), fmt, block)
-            codes.append(c)
-            scales.append(s)
+            qf = quant.QFormat("int8", (1, 0), "f32") if fmt == "int8" else quant.QFormat("e4m3", (128, 128), "f32")
+            q = quant.quantize(jnp.asarray(rng.normal(0, 0.15, shapes[n]), jnp.float32), qf)
+            codes.append(q.codes)
+            scales.append(q.scale)
     return codes + scales
 
 
@@ -262,6 +262,20 @@ def test_model_moe_pallas_tpu_equals_reference(S):
     layer = _moe_layer_params(cfg)
     h = jax.random.normal(jax.random.key(1), (1, S, cfg.hidden_size))
     tokens = jnp.arange(S)[None] % cfg.vocab_size
+    run = {impl: jax.jit(lambda h, impl=impl: moe_mod.moe(h, tokens, layer, cfg.with_backends(
+        Backends(moe=impl, interpret=True)), "moe"))(h) for impl in ("pallas_tpu", "reference")}
+    np.testing.assert_allclose(run["pallas_tpu"], run["reference"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["fp4_e2m1_b32", "q8_0"])   # QArray experts: the FP4 kernel / Q8_0 fallback
+def test_model_moe_pallas_tpu_takes_qarray_experts(name):
+    cfg = tiny()
+    from tests.test_kernels_moe import _moe_layer_params
+    layer = _moe_layer_params(cfg)
+    layer["experts"] = {n: quant.quantize(w, quant.qformat(name)) for n, w in layer["experts"].items()}
+    assert tpu_moe.supports(layer["experts"]) == (name != "q8_0")
+    h = jax.random.normal(jax.random.key(1), (1, 1, cfg.hidden_size))
+    tokens = jnp.zeros((1, 1), jnp.int32)
     run = {impl: jax.jit(lambda h, impl=impl: moe_mod.moe(h, tokens, layer, cfg.with_backends(
         Backends(moe=impl, interpret=True)), "moe"))(h) for impl in ("pallas_tpu", "reference")}
     np.testing.assert_allclose(run["pallas_tpu"], run["reference"], rtol=1e-4, atol=1e-4)

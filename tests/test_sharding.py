@@ -158,6 +158,11 @@ def _assert_restore(restore):
         assert r["split_leaves"] > 0 and r["shards_checked"] >= 8 * r["leaves"], (name, r)
         if "forward" in r:
             assert r["forward"] <= TOL, (name, r)
+        q = r["quantized"]                       # keep_quantized=True: QArrays sharded like their dense twins
+        assert q["bad"] == [] and q["split_codes"] > 0, (name, q)
+        assert q["formats"] == ["fp4_e2m1_b32", "fp8_e4m3_b128"] and q["quantized_leaves"] >= 10, (name, q)
+        if "forward" in q:
+            assert q["forward"] <= TOL, (name, q)
 
 
 def test_sharded_matches_single_device():

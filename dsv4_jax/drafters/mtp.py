@@ -21,6 +21,7 @@ from ..config import ModelConfig
 from ..model import hyper
 from ..model.block import layer_step
 from ..model.norms import rms_norm
+from ..ops.linear import embed, linear
 from .common import block_config, chain_length, draw
 
 
@@ -46,13 +47,13 @@ def rows(mtp: dict, target: dict, config: ModelConfig, cache: dict, hidden: jax.
     """
     eps = config.rms_norm_eps
     R = tokens.shape[1]
-    e = rms_norm(target["embed"][tokens], mtp["enorm"], eps) @ mtp["e_proj"].T            # [B,R,D]
-    h = rms_norm(hidden, mtp["hnorm"], eps) @ mtp["h_proj"].T                             # [B,R,n,D]
+    e = linear(rms_norm(embed(target["embed"], tokens), mtp["enorm"], eps), mtp["e_proj"])   # [B,R,D]
+    h = linear(rms_norm(hidden, mtp["hnorm"], eps), mtp["h_proj"])                          # [B,R,n,D]
     X0 = (h + e[:, :, None, :]).astype(hidden.dtype)
     positions = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
     X1, cache = layer_step(X0, mtp, cache, block_config(config), 0, tokens, positions, start, n_valid)
     y = rms_norm(hyper.hc_head(X1, mtp["hc_head"], config), mtp["norm"], eps)
-    return X1, (y @ target["head"].T).astype(jnp.float32), cache
+    return X1, linear(y, target["head"]).astype(jnp.float32), cache
 
 
 def _last(x: jax.Array, n: jax.Array) -> jax.Array:

@@ -155,13 +155,18 @@ def routing(kind: str, T: int, s: Shapes, seed: int = 0) -> np.ndarray:
 
 
 def _dequant(fmt: str, codes, scale):
+    """Stored kernel-format arrays -> bf16 through `ops.quant` (the XLA reference's dequantization)."""
     if fmt == "dense":
         return codes
     if fmt == "fp8_e4m3_b128":
-        return quant.dequant_fp8(codes, scale, jnp.bfloat16)
-    if fmt == "fp4_e2m1_b32":
-        return quant.dequant_fp4(codes, scale, jnp.bfloat16)
-    return quant.dequantize_blocks(codes, scale, jnp.bfloat16)
+        qf = quant.FP8
+        codes = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn) if codes.dtype == jnp.uint8 else codes
+    elif fmt == "fp4_e2m1_b32":
+        qf = quant.FP4
+    else:                                            # int8 / fp8 with float32 block scales
+        N, K = codes.shape[-2:]
+        qf = quant.QFormat("int8" if fmt == "int8" else "e4m3", (N // scale.shape[-2], K // scale.shape[-1]), "f32")
+    return quant.dequantize(quant.QArray(codes, scale, qf, jnp.bfloat16), jnp.bfloat16)
 
 
 def reference_decode(x, idx, w, w1, w2, w3, s1, s2, s3, *, fmt: str, limit: float):

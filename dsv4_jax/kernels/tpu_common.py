@@ -8,7 +8,7 @@ K contraction, the checkpoints' [out, in] layout):
     int8 | fp8      int8 | float8_e4m3fn        f32 [E, N/br, K/bc] (`ops.quant.quantize`)
                     [E, N, K]                     per-channel (br, bc) = (1, K)         on the dot output
                                                   blocks with br, bc multiples of 128   on the dot output
-    fp8_e4m3_b128   uint8 (e4m3fn bits)         uint8 e8m0 [E, N/128, K/128]          on the dot output
+    fp8_e4m3_b128   e4m3fn (or its uint8 bits)  uint8 e8m0 [E, N/128, K/128]          on the dot output
                     [E, N, K]                     (the release format of the dense / FP8 checkpoints)
     fp4_e2m1_b32    uint8 [E, N, K/2]           uint8 e8m0 [E, N, K/32]               on the weight tile
                     (low nibble = element 2k)     (the release format of routed experts)
@@ -147,8 +147,9 @@ def prepare(name: str, codes: jax.Array, scale: jax.Array | None, fmt: str, bloc
         return codes, scale, MatFormat(fmt, N, K, (1, 32), scale_t)
     K = Kc
     if fmt == "fp8_e4m3_b128":
-        if codes.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
-            _fail(name, f"fp8_e4m3_b128 codes and scales are uint8, got {codes.dtype} / {scale.dtype}")
+        if codes.dtype not in (jnp.uint8, jnp.float8_e4m3fn) or scale.dtype != jnp.uint8:
+            _fail(name, f"fp8_e4m3_b128 codes are float8_e4m3fn (QArray) or their uint8 bits, scales uint8; got "
+                        f"{codes.dtype} / {scale.dtype}")
         if N % 128 or K % 128:
             _fail(name, f"fp8_e4m3_b128 in the TPU kernels needs N, K multiples of 128, got {N} x {K}")
         if scale.shape != (E, N // 128, K // 128):

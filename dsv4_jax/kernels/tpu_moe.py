@@ -321,15 +321,33 @@ def experts_prefill(x, idx, w, w1, w2, w3, w1_scale=None, w2_scale=None, w3_scal
 # ---- the model's expert dict ----
 
 
+def kernel_format(w) -> tuple[str, jax.Array, jax.Array | None] | None:
+    """(format, codes, scale) of a dense array or `ops.quant.QArray` as the kernels take them, or None when
+    the TPU kernels have no such format (Q8_0's (1, 32) f16 blocks: the caller falls back to the reference)."""
+    if not isinstance(w, quant.QArray):
+        return "dense", w, None
+    f = w.fmt
+    if f == quant.FP8:
+        return "fp8_e4m3_b128", w.codes, w.scale
+    if f == quant.FP4:
+        return "fp4_e2m1_b32", w.codes, w.scale
+    if f.scale == "f32" and f.codes in ("int8", "e4m3"):
+        return ("int8" if f.codes == "int8" else "fp8"), w.codes, w.scale
+    return None
+
+
+def supports(p: dict) -> bool:
+    """Whether the TPU kernels take these experts (one format for w1, w2, w3 that `kernel_format` maps)."""
+    fmts = [kernel_format(p[n]) for n in ("w1", "w2", "w3")]
+    return all(f is not None for f in fmts) and len({f[0] for f in fmts}) == 1
+
+
 def routed(x, idx, w, p: dict, *, limit: float, interpret: bool = False):
-    """`model.moe.routed_experts` entry: p {"w1","w2","w3"} (+ "*_scale": the kernel formats int8 / fp8 of
-    `ops.quant.quantize_experts`) -> decode kernel for ≤ DECODE_MAX_TOKENS tokens, grouped matmul above."""
-    fmt = "dense"
-    if quant.is_quantized(p):
-        fmt = "int8" if p["w1"].dtype == jnp.int8 else "fp8"
+    """`model.moe.routed_experts` entry: p {"w1","w2","w3"} dense or QArray (`supports(p)`) -> the decode
+    kernel for ≤ DECODE_MAX_TOKENS tokens, the grouped matmul above."""
+    (fmt, c1, s1), (_, c2, s2), (_, c3, s3) = (kernel_format(p[n]) for n in ("w1", "w2", "w3"))
     kernel = experts_decode if x.shape[0] <= DECODE_MAX_TOKENS else experts_prefill
-    return kernel(x, idx, w, p["w1"], p["w2"], p["w3"], p.get("w1_scale"), p.get("w2_scale"), p.get("w3_scale"),
-                  limit=limit, fmt=fmt, interpret=interpret)
+    return kernel(x, idx, w, c1, c2, c3, s1, s2, s3, limit=limit, fmt=fmt, interpret=interpret)
 
 
 def decode_traffic(plan, idx: np.ndarray) -> dict[str, int]:

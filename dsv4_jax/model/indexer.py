@@ -15,13 +15,14 @@ from ..backends import require
 from ..config import ModelConfig
 from ..kernels import lightning_indexer, tpu_indexer
 from ..ops import indexer as ops
+from ..ops.linear import linear
 from .rope import apply_rope
 
 
 def index_queries(qr: jax.Array, p: dict, config: ModelConfig, positions: jax.Array, freqs: np.ndarray):
     """q^I = RoPE_compress((W_qb^I c_q).view(nI, dI)); no norm. qr [B,S,q_lora] -> [B,S,nI,dI]."""
     B, S, _ = qr.shape
-    q = (qr @ p["wq_b"].T).reshape(B, S, config.index_n_heads, config.index_head_dim)
+    q = linear(qr, p["wq_b"]).reshape(B, S, config.index_n_heads, config.index_head_dim)
     return apply_rope(q, positions, freqs)
 
 

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
+from ..ops.linear import embed as embed_rows
+from ..ops.linear import linear
 from ..schedule import segments
 from . import hyper
 from .block import layer_sequence
@@ -15,14 +17,14 @@ from .norms import rms_norm
 
 def embed(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
     """tokens int [B,S] -> X [B,S,n,D]: the embedding copied to every stream."""
-    e = params["embed"][tokens]
+    e = embed_rows(params["embed"], tokens)
     return jnp.broadcast_to(e[:, :, None, :], e.shape[:2] + (config.hc_mult, e.shape[-1]))
 
 
 def head(params: dict, config: ModelConfig, X: jax.Array) -> jax.Array:
     """X [B,S,n,D] -> logits [B,S,V] (hc_head collapse, final norm, untied head)."""
     h = rms_norm(hyper.hc_head(X, params["hc_head"], config), params["norm"], config.rms_norm_eps)
-    return h @ params["head"].T
+    return linear(h, params["head"])
 
 
 def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: list | None = None):
