@@ -269,7 +269,7 @@ def test_model_moe_pallas_tpu_equals_reference(S):
 
 @pytest.mark.parametrize("name", ["fp4_e2m1_b32", "q8_0"])   # QArray experts: the FP4 kernel / Q8_0 fallback
 def test_model_moe_pallas_tpu_takes_qarray_experts(name):
-    cfg = tiny()
+    cfg = tiny().replace(moe_intermediate_size=64)             # FP4 tiles need K multiples of 64
     from tests.test_kernels_moe import _moe_layer_params
     layer = _moe_layer_params(cfg)
     layer["experts"] = {n: quant.quantize(w, quant.qformat(name)) for n, w in layer["experts"].items()}
