@@ -26,7 +26,8 @@ import numpy as np
 from .. import params as P
 from ..checkpoint import META_FILE, read_metadata
 from ..config import ModelConfig
-from ..convert.writer import FORMAT_VERSION, AtomicDir, ItemWriter, write_json_atomic
+from ..convert.writer import FORMAT_VERSION, ItemWriter, write_json_atomic
+from ..outdir import AtomicDir
 from ..schedule import segments
 
 
