@@ -5,12 +5,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..cache import EMPTY, init_state
 from ..config import ModelConfig
+from ..decode import process_block
 from ..drafters import dspark
 from ..drafters.common import block_config
 from ..model import hyper
+from ..model.attention import project_kv
 from ..model.block import layer_sequence
 from ..model.norms import rms_norm
+from ..model.rope import inv_freq
 from ..model.target import head, hidden_states
 
 
@@ -22,8 +26,6 @@ def target_loss(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Arr
 
 def frozen_target(params: dict, config: ModelConfig, tokens: jax.Array, taps: tuple[int, ...] = ()):
     """(last-layer streams [B,L,n,D], logits [B,L,V], taps [B,L,len(taps),D]) of the frozen target."""
-    from ..cache import init_state
-    from ..decode import process_block
     B, L = tokens.shape
     st = init_state(config, B, L, 1, params["embed"].dtype)
     logits, _, aux = process_block(params, config, st, tokens, jnp.full((B,), L, jnp.int32), taps)
@@ -68,8 +70,6 @@ def dspark_loss(dp: dict, target: dict, config: ModelConfig, dcfg, tokens, taps,
     A = anchors.shape[1]
     g, W = dcfg.block_size, config.sliding_window
     c = dspark.context_features(dp, config, taps)                                       # [B,L,D]
-    from ..model.attention import project_kv
-    from ..model.rope import inv_freq
     pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     win = anchors[..., None] - W + jnp.arange(W, dtype=jnp.int32)                       # [B,A,W] positions
     safe = jnp.clip(win, 0, L - 1)
@@ -78,7 +78,6 @@ def dspark_loss(dp: dict, target: dict, config: ModelConfig, dcfg, tokens, taps,
     for stage in dp["stages"]:
         kv = project_kv(c, stage["attn"], config, pos, inv_freq(config, "main"))       # [B,L,d]
         kvs.append(take(kv, safe.reshape(B, -1)).reshape(B * A, W, -1))
-    from ..cache import EMPTY
     ctx_pos = jnp.where(win >= 0, win, EMPTY).reshape(B * A, W)
     st = dspark.DSparkState(ctx_kv=jnp.stack(kvs), ctx_pos=jnp.broadcast_to(ctx_pos, (len(kvs),) + ctx_pos.shape))
     a = anchors.reshape(-1)
