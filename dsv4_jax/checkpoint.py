@@ -10,7 +10,6 @@ own slice, and the per-layer slices are stacked shard by shard.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -22,33 +21,13 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from . import params as P
-from .ops import quant
+from .bundle import CheckpointConfig, DSparkMeta
 from .config import ModelConfig
+from .ops import quant
 from .schedule import segments
+from .sharding import spec_sharding
 
 META_FILE = "dsv4.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class DSparkMeta:
-    """Shape-defining DSpark values read from the checkpoint (drafters.md §2.1-2.2)."""
-
-    n_stages: int
-    n_taps: int
-    markov_rank: int
-    conf_bias: bool
-    block_size: int | None = None
-    noise_token_id: int | None = None
-    target_layer_ids: tuple[int, ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    """Config bundle of a checkpoint holding drafters: the target config plus drafter metadata."""
-
-    target: ModelConfig
-    mtp_layers: int = 0
-    dspark: DSparkMeta | None = None
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -73,7 +52,6 @@ class _Placement:
     def __call__(self, path: str, spec: P.ParamSpec, shape=None):
         if self.mesh is None:
             return self.single
-        from .sharding import spec_sharding
         return spec_sharding(spec, self.mesh, self.rules, path, shape=shape)
 
     def stacked(self, sharding):

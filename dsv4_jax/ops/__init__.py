@@ -8,4 +8,5 @@ compute the same formulas from one source:
               with clamps, the gather (few tokens) and sorted / grouped (many tokens) expert paths
 - `indexer`   lightning-indexer scores, validity, exact top-k selection (lower index first on ties)
 - `quant`     on-device dequantization of the stored weight formats
+- `sampling`  temperature / top-p distributions, greedy and lossless rejection-sampling verification
 """
