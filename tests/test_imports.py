@@ -34,8 +34,6 @@ def _modules() -> dict[str, str]:
             dirs[:] = sorted(x for x in dirs if os.path.exists(os.path.join(d, x, "__init__.py")))
             rel = os.path.relpath(d, base)
             prefix = pkg if rel == "." else pkg + "." + rel.replace(os.sep, ".")
-            if prefix.startswith("dsv4_jax.convert") and pkg == "dsv4_jax":
-                continue
             for f in sorted(files):
                 if f.endswith(".py"):
                     out[prefix if f == "__init__.py" else f"{prefix}.{f[:-3]}"] = os.path.join(d, f)
