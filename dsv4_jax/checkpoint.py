@@ -27,6 +27,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from . import params as P
+from .bundle import CheckpointConfig, DSparkMeta
 from .config import ModelConfig
 from .ops import quant
 from .schedule import segments
@@ -38,28 +39,6 @@ FORMAT_VERSIONS = (1, 2)
 
 class CheckpointFormatError(ValueError):
     """A checkpoint this version cannot read as asked (unknown format_version, leaf format or layout)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DSparkMeta:
-    """Shape-defining DSpark values read from the checkpoint (drafters.md §2.1-2.2)."""
-
-    n_stages: int
-    n_taps: int
-    markov_rank: int
-    conf_bias: bool
-    block_size: int | None = None
-    noise_token_id: int | None = None
-    target_layer_ids: tuple[int, ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    """Config bundle of a checkpoint holding drafters: the target config plus drafter metadata."""
-
-    target: ModelConfig
-    mtp_layers: int = 0
-    dspark: DSparkMeta | None = None
 
 
 def read_metadata(path: str | os.PathLike) -> dict:

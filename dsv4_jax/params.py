@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from .config import CSA, HASH_MOE, SLIDING, ModelConfig
+from .config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig
 from .ops import quant
 from .schedule import segments
 
@@ -251,7 +251,6 @@ def cast_params(params, c: ModelConfig, dtype):
 def drafter_block_specs(c: ModelConfig) -> dict[str, Any]:
     """One drafter block (MTP layer or DSpark stage): a full V4 block with ratio 0 (SWA) and a
     score-routed (non-hash) MoE (drafters.md §1.1, §2.1)."""
-    from .config import MOE
     one = c.replace(num_layers=1, layer_types=(SLIDING,), compress_ratios=(0,), mlp_layer_types=(MOE,))
     return layer_specs(one, 0)
 

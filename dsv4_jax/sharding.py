@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from . import cache
 from . import params as P
 from .cache import DecodeState, state_shapes
 from .config import ModelConfig
@@ -242,7 +243,6 @@ def shardings_like(state: DecodeState, mesh: Mesh, rules=None) -> DecodeState:
 def init_state(config: ModelConfig, mesh: Mesh, batch: int, max_len: int, max_block: int = 8,
                dtype=jnp.float32, rules=None) -> DecodeState:
     """`cache.init_state` created directly in its shardings (never whole on one device)."""
-    from . import cache
     if max_len <= 0 or max_block <= 0 or batch <= 0:
         raise ValueError(f"batch, max_len and max_block must be positive (got {batch}, {max_len}, {max_block})")
     shard = state_shardings(config, mesh, batch, max_len, max_block, dtype, rules)

@@ -26,10 +26,12 @@ import time
 import jax.numpy as jnp
 
 import dsv4_jax as d
+from dsv4_jax.backends import CHOICES
 from dsv4_jax.demo import ByteTokenizer, demo_config, demo_dspark_config
 from dsv4_jax.demo_io import load_bundle, save_bundle
 from dsv4_jax.params import init_dspark, init_mtp
 from dsv4_jax.training import data, drafter_tasks as T, drafter_train as DT, objectives, text_data as TD
+from dsv4_jax.training.evaluate import evaluate_bundle, format_table
 from dsv4_jax.training.loop import train
 
 STAGES = ("target", "mtp", "dspark", "export", "evaluate", "all")
@@ -114,9 +116,8 @@ def stage_export(args, config):
 
 
 def stage_evaluate(args, config):
-    from dsv4_jax.training.evaluate import evaluate_bundle, format_table
     res = evaluate_bundle(args.to or os.path.join(args.out, "bundle"), n_prompts=args.eval_prompts,
-                          max_new=args.eval_new, repeats=args.eval_repeats)
+                          max_new=args.eval_new, repeats=args.eval_repeats, backends=args.kernels)
     path = os.path.join(args.out, "eval.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
@@ -140,6 +141,8 @@ def main(argv=None):
     ap.add_argument("--eval-new", type=int, default=128)
     ap.add_argument("--eval-repeats", type=int, default=3,
                     help="evaluate: timed calls per prompt (the fastest counts; timings on shared CPUs vary)")
+    ap.add_argument("--kernels", choices=CHOICES, default="reference",
+                    help="evaluate: implementation of the hot ops (dsv4_jax.backends; default reference)")
     args = ap.parse_args(argv)
     for v, name in ((args.batch, "--batch"), (args.length, "--length"), (args.anchors, "--anchors"),
                     (args.eval_prompts, "--eval-prompts"), (args.eval_new, "--eval-new"),

@@ -76,6 +76,8 @@ def test_sweep_writes_documented_outputs(sweep_out):
         assert key in meta["env"]
     assert meta["env"]["command"].startswith("dsv4-sweep --model")
     assert meta["suite"] == "tiny" and meta["n_prompts"] == 1
+    assert meta["model"]["drafters"] == ["mtp", "dspark"]
+    assert meta["model"]["backends"] == "moe=reference, routing=reference, indexer=reference"   # --kernels default
     rows = summary["settings"]
     assert [r["spec_type"] for r in rows] == ["none", "mtp", "dspark"]
     for r in rows:
@@ -127,10 +129,10 @@ def test_padded_generation_equals_generate(bundle, sweep_out):
     prompt = m.encode("def f(x):")
     assert len(prompt) < meta["pad_to"]
     for setting in (Setting("none"), Setting("dspark", 1)):
-        want, _ = d.generate(m.params, m.config, [prompt], 8, drafter=setting.drafter, draft_n_max=1,
-                             dspark_meta=m.dspark_meta, max_len=meta["max_len"])
-        got, stats = generate_padded(m.params, m.config, [prompt], 8, pad_to=meta["pad_to"], max_len=meta["max_len"],
-                                     setting=setting, dspark_meta=m.dspark_meta)
+        want, _ = d.generate(m.params, m.bundle, [prompt], 8, drafter=setting.drafter, draft_n_max=1,
+                             max_len=meta["max_len"])
+        got, stats = generate_padded(m.params, m.bundle, [prompt], 8, pad_to=meta["pad_to"], max_len=meta["max_len"],
+                                     setting=setting)
         assert got == want and stats["generated"] == len(got[0])
 
 
@@ -146,6 +148,7 @@ def test_padded_generation_equals_generate(bundle, sweep_out):
     (["--draft-n-max", "x"], "not an integer"),
     (["--categories", "poetry"], "unknown category"),
     (["--prompt-template", "no placeholder"], "{prompt}"),
+    (["--kernels", "triton"], "invalid choice: 'triton'"),
 ])
 def test_sweep_rejects_bad_options(args, message, tmp_path, capsys):
     out = tmp_path / "never"

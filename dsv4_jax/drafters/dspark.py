@@ -35,6 +35,7 @@ from ..model.compressor import write_ring
 from ..model.norms import rms_norm
 from ..model.rope import apply_rope, inv_freq
 from ..ops.linear import embed, linear
+from .base import DraftSetup, Drafter
 from .common import block_config, draw
 
 RULES = ("per-position", "cumulative")
@@ -184,3 +185,35 @@ def propose(dparams: dict, target: dict, config: ModelConfig, dcfg: DSparkConfig
         prev = tok
     conf = jnp.stack(confs, axis=1)
     return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1), kept_drafts(conf, threshold, dcfg.confidence_rule), conf
+
+
+class DSparkDrafter(Drafter):
+    """DSpark behind the loop's drafter interface (`drafters.base`); settings: the run's DSparkConfig.
+
+    configure's meta: a DSparkConfig, the DSparkMeta of a checkpoint bundle, or None (defaults fitted to
+    the weights; `resolve`). Drafts per round are capped at the block size."""
+
+    name = "dspark"
+    weights = "dspark"
+    weights_help = "DSpark weights"
+    stop_knob = "confidence_threshold"
+
+    def configure(self, params, config, k, meta=None) -> DraftSetup:
+        self.require_weights(params)
+        dcfg = resolve(config, params["dspark"], meta)
+        return DraftSetup(k=min(k, dcfg.block_size), taps=dcfg.target_layer_ids, settings=dcfg)
+
+    def init(self, params, config, setup, batch, max_len, dtype):
+        return init(params["dspark"], config, batch, dtype)
+
+    def observe(self, params, config, setup, state, aux, tokens, start, n_valid):
+        return observe(params["dspark"], params, config, state, aux["taps"], start, n_valid)
+
+    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
+        drafts, q, n_draft, _ = propose(params["dspark"], params, config, setup.settings, state, pos, last, key,
+                                        setup.k, temperature=knobs.temperature, top_p=knobs.top_p,
+                                        threshold=knobs.confidence, greedy=greedy)
+        return drafts, q, n_draft
+
+
+DRAFTER = DSparkDrafter()

@@ -22,6 +22,7 @@ from ..model import hyper
 from ..model.block import layer_step
 from ..model.norms import rms_norm
 from ..ops.linear import embed, linear
+from .base import DraftSetup, Drafter
 from .common import block_config, chain_length, draw
 
 
@@ -90,3 +91,29 @@ def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax
         drafts.append(tok), probs.append(q), tops.append(top1)
     n = chain_length(jnp.stack(tops, axis=1), p_min)
     return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1), n
+
+
+class MTPDrafter(Drafter):
+    """MTP behind the loop's drafter interface (`drafters.base`); uses the first MTP block params["mtp"][0]."""
+
+    name = "mtp"
+    weights = "mtp"
+    weights_help = "MTP weights"
+    stop_knob = "p_min"
+
+    def configure(self, params, config, k, meta=None) -> DraftSetup:
+        self.require_weights(params)
+        return DraftSetup(k=k)
+
+    def init(self, params, config, setup, batch, max_len, dtype):
+        return init(config, batch, max_len, setup.k + 1, dtype)
+
+    def observe(self, params, config, setup, state, aux, tokens, start, n_valid):
+        return observe(params["mtp"][0], params, config, state, aux["hidden"], tokens, start, n_valid)
+
+    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
+        return propose(params["mtp"][0], params, config, state, pos, key, setup.k, temperature=knobs.temperature,
+                       top_p=knobs.top_p, p_min=knobs.p_min, greedy=greedy)
+
+
+DRAFTER = MTPDrafter()

@@ -20,23 +20,18 @@ ignores. Next to it:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import libtpu
 from ..ops import indexer as ops_indexer
 from ..ops import moe as ops_moe
 from ..ops import quant
 from . import moe_prefill, tpu_indexer, tpu_moe
 from . import tpu_common as tc
-
-# libtpu must not look for a cloud metadata server or TPU workers, and may be loaded by several processes
-LIBTPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-
 
 class AotUnavailable(RuntimeError):
     """libtpu is missing or cannot describe the topology."""
@@ -92,22 +87,15 @@ def default_cases(decode_tokens: int = 8, prefill_tokens: int = 2048) -> list[Ca
 
 
 def libtpu_available() -> bool:
-    return importlib.util.find_spec("libtpu") is not None
+    return libtpu.available()
 
 
 def topology_device(topology: str):
     """The first chip of a libtpu topology ("v5p:2x2x1", "v6e:2x2", ...)."""
-    if not libtpu_available():
-        raise AotUnavailable("libtpu is not installed (pip install libtpu, the version matching jax) — it is "
-                             "needed to compile for TPU topologies; no TPU is needed")
-    for k, v in LIBTPU_ENV.items():
-        os.environ.setdefault(k, v)
-    from jax.experimental import topologies
     try:
-        topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-    except Exception as e:  # noqa: BLE001 - libtpu's message names the problem
-        raise AotUnavailable(f"libtpu cannot describe topology {topology!r}: {e}") from e
-    return topo.devices[0]
+        return libtpu.topology_desc(topology).devices[0]
+    except libtpu.LibtpuMissing as e:
+        raise AotUnavailable(str(e)) from e
 
 
 # ---- inputs ----

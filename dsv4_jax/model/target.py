@@ -6,6 +6,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..backends import Backends
+from ..bundle import CheckpointConfig, target_config
 from ..config import ModelConfig
 from ..ops.linear import embed as embed_rows
 from ..ops.linear import linear
@@ -68,8 +70,18 @@ def hidden_states(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.A
     return run_segments(params, config, X, fn)[0]
 
 
+def forward(params: dict, config: ModelConfig | CheckpointConfig, tokens: jax.Array, *,
+            backends: Backends | str | None = None) -> jax.Array:
+    """Full-sequence logits, no cache. tokens int32 [B,S] -> logits [B,S,V] in the parameters' dtype.
+
+    config: a ModelConfig or the bundle `load_checkpoint` returns; backends: the kernels (a `Backends`,
+    or "auto" | "reference" | "pallas"; default: the config's own), resolved here, outside traced code.
+    """
+    return forward_jit(params, target_config(config, backends), tokens)
+
+
 @functools.partial(jax.jit, static_argnums=1)
-def forward(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Full-sequence logits, no cache. tokens int32 [B,S] -> logits [B,S,V] in the parameters' dtype."""
+def forward_jit(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """`forward` for a ModelConfig whose backends are concrete (the config is the static jit key)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     return head(params, config, hidden_states(params, config, tokens))

@@ -10,4 +10,5 @@ compute the same formulas from one source:
 - `quant`     the quantized weight leaf type `QArray` (codes + scales, static `QFormat`), its formats (FP8 e4m3
               128×128, FP4 e2m1 packed, Q8_0, int8 per channel), exact dequantization, quantization
 - `linear`    the weight entry y = x Wᵀ (grouped, embedding gather) for dense or QArray weights
+- `sampling`  temperature / top-p distributions, greedy and lossless rejection-sampling verification
 """

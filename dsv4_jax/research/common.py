@@ -5,6 +5,9 @@ import argparse
 import os
 import re
 
+import jax
+from tqdm.auto import tqdm
+
 from . import prompts as P
 from .runner import SPEC_TYPES
 
@@ -139,7 +142,6 @@ def enable_compile_cache(a: argparse.Namespace) -> None:
     """Turn on JAX's persistent compilation cache (process-wide) unless --no-compile-cache or DSV4_COMPILE_CACHE=0."""
     if a.no_compile_cache or os.environ.get("DSV4_COMPILE_CACHE", "1") == "0":
         return
-    import jax
     os.makedirs(a.compile_cache, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", a.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -150,5 +152,4 @@ def eos_for(a: argparse.Namespace) -> int | None:
 
 
 def progress(total: int, quiet: bool, desc: str):
-    from tqdm.auto import tqdm
     return tqdm(total=total, desc=desc, disable=True if quiet else None, dynamic_ncols=True, leave=False)
