@@ -4,12 +4,16 @@
 with different kernels compile two programs, side by side in one process. Ops and their implementations:
 
     moe       routed-expert matmuls: "reference" (gather / sorted `ragged_dot`, `ops.moe`), "pallas" (the GPU
-              Triton kernels `kernels.moe_decode` / `kernels.moe_prefill`)
+              Triton kernels `kernels.moe_decode` / `kernels.moe_prefill`), "ep" (explicit expert parallelism
+              under `shard_map`, `model.moe_ep`; needs `ep`, an `ExpertParallel`: the mesh and the local
+              grouped-matmul implementation)
     routing   sqrt-softplus + top-k routing: "reference" (`ops.moe`), "pallas" (`kernels.routing`)
     indexer   lightning-indexer scores: "reference" (`ops.indexer`), "pallas" (`kernels.lightning_indexer`);
               the exact top-k selection is `ops.indexer.topk` on both
 
-`interpret` runs the Pallas kernels in interpret mode (CPU tests). "auto" is not an implementation: it is
+`interpret` runs the Pallas kernels in interpret mode (CPU tests). `unroll_layers` unrolls the layer scans
+(`model.target.run_segments`): one HLO copy per layer, for ahead-of-time cost analysis, which counts a
+`while` body once. "auto" is not an implementation: it is
 resolved per platform by `resolve` at the API boundary (`forward`, `generate`, the decode entry points, the
 CLIs), never inside traced code: Pallas on GPU, the references elsewhere.
 """
@@ -18,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.sharding import Mesh
 
 OPS = ("moe", "routing", "indexer")
 IMPLS: dict[str, tuple[str, ...]] = {
-    "moe": ("reference", "pallas"),
+    "moe": ("reference", "pallas", "ep"),
     "routing": ("reference", "pallas"),
     "indexer": ("reference", "pallas"),
 }
@@ -30,8 +35,52 @@ CHOICES = ("auto", "reference", "pallas")   # what `--kernels` and `named` accep
 AUTO = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas"}
 
 
+# local grouped matmul of the expert-parallel MoE (ExpertParallel.local), per device on its own experts:
+#   reference  few assignments: per-assignment expert slices; many: sorted `ragged_dot` over the local groups
+#   dense      few: the same slices; many: every local expert once over all tokens (XLA:TPU expands
+#              `ragged_dot` densely anyway, after a relayout copy of the weights; this skips the copy)
+#   pallas     the `kernels.moe_decode` / `kernels.moe_prefill` kernels on the local experts
+EP_LOCAL = ("reference", "dense", "pallas")
+EP_LOCAL_AUTO = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "dense"}
+
+
 class BackendError(ValueError):
     """An unknown op or implementation name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Static set-up of the expert-parallel MoE (`Backends(moe="ep", ep=...)`, see `model.moe_ep`).
+
+    mesh: the device mesh the parameters and the decode state are placed on (hashable);
+    rules: the logical-axis rules of that placement as ((logical axis, (mesh axes...)), ...) — None for
+    `sharding.DEFAULT_RULES`; the shard_map in/out specs are derived from them, so they must be the
+    rules the parameters were placed with; local: the per-device grouped matmul (EP_LOCAL or "auto").
+    """
+
+    mesh: Mesh
+    rules: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    local: str = "reference"
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise BackendError(f"ExpertParallel.mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+        if self.local != "auto" and self.local not in EP_LOCAL:
+            raise BackendError(f"unknown expert-parallel local implementation {self.local!r}; choose from "
+                               f"{('auto',) + EP_LOCAL}")
+
+    @staticmethod
+    def freeze_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
+        """A rules mapping {logical axis: mesh axes} as the hashable tuple form (None stays None)."""
+        return None if rules is None else tuple(sorted((str(k), tuple(v)) for k, v in dict(rules).items()))
+
+    @property
+    def rules_dict(self) -> dict[str, tuple[str, ...]] | None:
+        return None if self.rules is None else dict(self.rules)
+
+    def describe(self) -> str:
+        shape = "x".join(str(n) for n in self.mesh.devices.shape)
+        return f"ep(mesh {shape} {'/'.join(self.mesh.axis_names)}, local={self.local})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,23 +91,33 @@ class Backends:
     routing: str = "reference"
     indexer: str = "reference"
     interpret: bool = False
+    ep: ExpertParallel | None = None
+    unroll_layers: bool = False
 
     def __post_init__(self):
         for op in OPS:
             impl = getattr(self, op)
             if impl != "auto" and impl not in IMPLS[op]:
                 raise BackendError(f"unknown {op} implementation {impl!r}; choose from {('auto',) + IMPLS[op]}")
+        if self.moe == "ep" and self.ep is None:
+            raise BackendError('moe="ep" needs ep=ExpertParallel(mesh, ...) (or a sharding preset: '
+                               'dsv4_jax.sharding.preset(name).backends(mesh))')
+        if self.ep is not None and not isinstance(self.ep, ExpertParallel):
+            raise BackendError(f"Backends.ep must be an ExpertParallel, got {type(self.ep).__name__}")
 
     @property
     def resolved(self) -> bool:
-        return all(getattr(self, op) != "auto" for op in OPS)
+        return all(getattr(self, op) != "auto" for op in OPS) and (self.ep is None or self.ep.local != "auto")
 
     def replace(self, **changes) -> "Backends":
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
         parts = [f"{op}={getattr(self, op)}" for op in OPS]
-        return ", ".join(parts + (["interpret"] if self.interpret else []))
+        if self.moe == "ep":
+            parts[0] = f"moe={self.ep.describe()}"
+        return ", ".join(parts + (["interpret"] if self.interpret else []) +
+                         (["unrolled layers"] if self.unroll_layers else []))
 
 
 REFERENCE = Backends()
@@ -84,7 +143,10 @@ def resolve(backends: str | Backends | None, platform: str | None = None) -> Bac
     b = named(backends)
     platform = platform or jax.default_backend()
     b = dataclasses.replace(b, **{op: AUTO.get(platform, "reference") for op in OPS if getattr(b, op) == "auto"})
-    if platform not in AUTO and any(getattr(b, op) == "pallas" for op in OPS):
+    if b.ep is not None and b.ep.local == "auto":
+        b = dataclasses.replace(b, ep=dataclasses.replace(b.ep, local=EP_LOCAL_AUTO.get(platform, "reference")))
+    uses_pallas = any(getattr(b, op) == "pallas" for op in OPS) or (b.moe == "ep" and b.ep.local == "pallas")
+    if platform not in AUTO and uses_pallas:
         b = dataclasses.replace(b, interpret=True)
     return b
 

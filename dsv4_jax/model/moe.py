@@ -3,8 +3,9 @@
 The config's static backends pick the implementation: routing "reference" (`ops.moe.route_from_logits`)
 or "pallas" (`kernels.routing`); routed experts "reference" (gather the active experts for few tokens,
 sorted `ragged_dot` for many) or "pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens,
-`kernels.moe_prefill` above). Quantized experts ("w1_scale", ... present) are dequantized on the
-reference path and tile by tile in the kernels.
+`kernels.moe_prefill` above), or "ep": routed and shared experts under an explicit `shard_map`
+(`model.moe_ep`, expert parallelism on `config.backends.ep.mesh`). Quantized experts ("w1_scale", ...
+present) are dequantized on the reference path and tile by tile in the kernels.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..config import HASH_MOE, ModelConfig
 from ..kernels import moe_decode, moe_prefill, routing
 from ..ops import moe as ops
 from ..ops import quant
+from . import moe_ep
 
 
 def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str):
@@ -52,6 +54,8 @@ def moe(h: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type:
     B, S, D = h.shape
     x = h.reshape(B * S, D)
     idx, w = route(x, tokens.reshape(-1), p["gate"], config, mlp_type)
+    if require(config.backends.moe, "moe") == "ep":
+        return moe_ep.moe_block(x, idx, w, p, config, batch=B).reshape(B, S, D)
     y = routed_experts(x, idx, w, p["experts"], config)
     if "shared_experts" in p:
         y = y + shared_expert(x, p["shared_experts"], config)

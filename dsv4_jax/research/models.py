@@ -6,6 +6,8 @@ or a random tiny model for smoke tests.
                     written by `dsv4-convert` (DIR/dsv4.json, loaded with `load_checkpoint`)
     --random-tiny   a random `dsv4_jax.config.tiny()` target (byte vocabulary) with random MTP and DSpark
                     drafters, seeded by --model-seed
+    --sharding P    place it on all devices with a sharding preset (`dsv4_jax.sharding.PRESETS`: "latency",
+                    "throughput"): the preset's mesh and rules, the expert-parallel MoE in the config
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 from typing import Any, Callable
 
 from ..config import ModelConfig
+from ..sharding import PRESETS as SHARDING_PRESETS
 
 BUNDLE_META = "bundle.json"
 CHECKPOINT_META = "dsv4.json"
@@ -37,6 +40,7 @@ class LoadedModel:
     default_suite: str                         # "tiny" (byte-level models) | "mtp-bench"
     info: dict = dataclasses.field(default_factory=dict)
     decode: Callable[[list[int]], str] | None = None   # ids -> text, for samples in the reports
+    sharding: str | None = None                # the sharding preset it is placed with (None: one device)
 
     @property
     def has_mtp(self) -> bool:
@@ -58,7 +62,8 @@ class LoadedModel:
         return {"name": self.name, "source": self.source, "config_name": c.name, "vocab_size": c.vocab_size,
                 "hidden_size": c.hidden_size, "num_layers": c.num_layers, "has_mtp": self.has_mtp,
                 "has_dspark": self.has_dspark, "dspark_block_size": self.dspark_block_size(),
-                "weight_dtype": str(self.params["embed"].dtype)}
+                "weight_dtype": str(self.params["embed"].dtype), "sharding": self.sharding,
+                "backends": c.backends.describe()}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -71,17 +76,35 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-seed", type=int, default=0, help="seed of --random-tiny (default 0)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype of the weights (default: float32 for the bundled model, else as stored)")
+    g.add_argument("--sharding", choices=("none",) + tuple(SHARDING_PRESETS), default="none",
+                   help="place the model on all devices with a sharding preset: 'latency' (tensor-parallel "
+                        "attention + expert-tensor-parallel experts; batches up to ~32) or 'throughput' "
+                        "(data-parallel attention + expert-parallel experts; large batches); default none "
+                        "(one device). See docs/sharding.md")
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
-    """The model selected by the parsed --model / --random-tiny options."""
+    """The model selected by the parsed --model / --random-tiny / --sharding options."""
     import jax.numpy as jnp
     dtype = None if args.dtype is None else jnp.dtype(args.dtype)
+    sharding = getattr(args, "sharding", "none")
+    sharding = None if sharding in (None, "none") else sharding
     if args.random_tiny:
-        return random_tiny(args.model_seed, dtype)
-    if args.model:
-        return load_dir(args.model, dtype)
-    return bundled(dtype)
+        model = random_tiny(args.model_seed, dtype)
+    elif args.model:
+        model = load_dir(args.model, dtype, sharding)
+    else:
+        model = bundled(dtype)
+    return model if sharding is None or model.sharding == sharding else place(model, sharding)
+
+
+def place(model: LoadedModel, sharding: str) -> LoadedModel:
+    """The model's parameters on a sharding preset's mesh (all devices), its config with the preset's backends."""
+    from .. import sharding as S
+    pre = S.preset(sharding)
+    mesh = pre.make_mesh()
+    params = S.shard_params(model.params, model.config, mesh, pre.rules_dict)
+    return dataclasses.replace(model, config=pre.apply(model.config, mesh), params=params, sharding=pre.name)
 
 
 def check_model_dir(path: str) -> str:
@@ -129,7 +152,9 @@ def _bundle_dspark_meta(config: ModelConfig, info: dict):
     return None
 
 
-def load_dir(path: str, dtype=None) -> LoadedModel:
+def load_dir(path: str, dtype=None, sharding: str | None = None) -> LoadedModel:
+    """A bundle or checkpoint directory; a checkpoint is restored straight into the `sharding` preset's
+    placement (a bundle is placed after loading, by `load_model`)."""
     kind = check_model_dir(path)
     name = os.path.basename(os.path.normpath(path))
     if kind == "bundle":
@@ -141,11 +166,11 @@ def load_dir(path: str, dtype=None) -> LoadedModel:
                            dspark_meta=_bundle_dspark_meta(config, info),
                            default_suite="tiny" if _byte_level(config) else "mtp-bench", info=info, decode=tok[1])
     from ..checkpoint import CheckpointConfig, load_checkpoint
-    cfg, params = load_checkpoint(path, dtype=dtype)
+    cfg, params = load_checkpoint(path, dtype=dtype, sharding=sharding)
     config, meta = (cfg.target, cfg.dspark) if isinstance(cfg, CheckpointConfig) else (cfg, None)
     encode, decode = _hf_codec(path, config)
     return LoadedModel(name=name, source=f"checkpoint:{path}", config=config, params=params, encode=encode,
-                       dspark_meta=meta, default_suite="mtp-bench", decode=decode)
+                       dspark_meta=meta, default_suite="mtp-bench", decode=decode, sharding=sharding)
 
 
 def _hf_codec(path: str, config: ModelConfig):

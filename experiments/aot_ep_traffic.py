@@ -1,0 +1,275 @@
+"""Per-chip memory traffic of Flash decode / verify on an 8-chip TPU slice, GSPMD vs explicit expert parallelism.
+
+Compiled ahead of time on this CPU machine for `--topology` (default v5p:2x2x2) with libtpu; nothing runs.
+For each placement variant and each program (decode at B = 1 and 8, a verify block of 6 tokens at B = 8, all
+at `--context` committed tokens), `decode.process_block` of full `flash()` in bf16 is lowered with abstract
+sharded parameters and decode state, the layer scans unrolled (`Backends.unroll_layers`: XLA's cost
+analysis counts a `while` body once), and compiled. Reported per chip:
+
+    xla_bytes    `cost_analysis()["bytes accessed"]` of the per-device SPMD program
+    bound        the ideal split: what the step must read (experiments/bench_decode.py `bytes_bound`:
+                 weights with E·(1 − (1 − k/E)^T) distinct active experts per layer under uniform routing,
+                 the head whole, embedding rows, + the cache rows of every sequence) / chips
+    bound_bal    the same with min(E, T·k) active experts (balanced routing: the most a dropless static
+                 program can be asked to skip; the two agree at B = 1)
+    ratio        xla_bytes / bound (and / bound_bal)
+    collectives  every all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute of the
+                 compiled HLO with its result bytes, grouped by (op, shape), and per layer
+    memory       argument / temp / output bytes per chip (fits: ≤ the chip's HBM)
+
+Variants (`--variants`, comma list):
+    gspmd-ep        mesh 1x8x1, default rules, moe=reference: GSPMD partitions the `w[idx]` gathers (before)
+    gspmd-tp        mesh 1x1x8, default rules, moe=reference (before)
+    latency         the "latency" preset: 1x1x8, TP attention + expert-TP experts, moe=ep (after)
+    latency-ep      1x1x8, TP attention + whole experts split 8 ways (default rules), moe=ep
+    throughput      the "throughput" preset: 1x8x1, DP attention + EP experts, moe=ep (after)
+
+    JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost ALLOW_MULTIPLE_LIBTPU_LOAD=1 \\
+        .venv/bin/python experiments/aot_ep_traffic.py --out experiments/results/aot_ep_traffic_DATE
+
+writes OUT.json (every number) and OUT.md (the tables); each compile is also appended to OUT.partial.jsonl
+as it finishes, so a long run can be resumed (`--resume`) or read while it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+
+for _k, _v in (("JAX_PLATFORMS", "cpu"), ("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+               ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+    os.environ.setdefault(_k, _v)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from bench_decode import bytes_bound, reduced_flash  # noqa: E402
+from dsv4_jax import params as P, sharding as S  # noqa: E402
+from dsv4_jax.backends import REFERENCE  # noqa: E402
+from dsv4_jax.cache import state_shapes  # noqa: E402
+from dsv4_jax.config import flash  # noqa: E402
+from dsv4_jax.decode import process_block  # noqa: E402
+
+GIB = 1024 ** 3
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "ragged-all-to-all")
+VARIANTS = {
+    # name: (mesh shape, rules (None: defaults), moe backend)
+    "gspmd-ep": ((1, 8, 1), None, "reference"),
+    "gspmd-tp": ((1, 1, 8), None, "reference"),
+    "latency": ("latency", None, "ep"),
+    "latency-ep": ((1, 1, 8), None, "ep"),
+    "throughput": ("throughput", None, "ep"),
+}
+PROGRAMS = {"decode_b1": (1, 1), "decode_b8": (8, 1), "verify6_b8": (8, 6)}   # name: (batch, block tokens)
+_DTYPE_BYTES = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "s64": 8,
+                "u64": 8, "f64": 8, "f8e4m3fn": 1}
+
+
+def topology_devices(name: str):
+    from jax.experimental import topologies
+    try:
+        return topologies.get_topology_desc(topology_name=name, platform="tpu").devices
+    except Exception as e:  # noqa: BLE001 - libtpu missing or unknown topology: say which
+        raise SystemExit(f"cannot get TPU topology {name!r} (is libtpu installed? pip install libtpu): {e}")
+
+
+def variant_setup(name: str, config, devices):
+    """(config with backends, mesh, rules dict or None) of a placement variant."""
+    shape, rules, moe = VARIANTS[name]
+    base = REFERENCE.replace(unroll_layers=True)
+    if isinstance(shape, str):
+        pre = S.preset(shape)
+        mesh = pre.make_mesh(devices)
+        return config.with_backends(pre.backends(mesh, base)), mesh, pre.rules_dict
+    mesh = S.make_mesh(shape, devices)
+    if moe == "ep":
+        from dsv4_jax.backends import ExpertParallel, resolve
+        b = resolve(base.replace(moe="ep", ep=ExpertParallel(mesh, ExpertParallel.freeze_rules(rules), "auto")),
+                    "tpu")
+        return config.with_backends(b), mesh, rules
+    return config.with_backends(base), mesh, rules
+
+
+def abstract_inputs(config, mesh, rules, batch: int, block: int, context: int, dtype):
+    """ShapeDtypeStructs with shardings: params, state (max_len = context + block), tokens, n_valid."""
+    specs = S.param_partition_specs(config, mesh, rules)
+    shapes = P.abstract_params(config, dtype)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                          shapes, specs)
+    st = state_shapes(config, batch, context + block, block, dtype)
+    st_specs = S.state_partition_specs(st, mesh, rules)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                         st, st_specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    tok_spec = S.partition_spec((batch, block), ("batch", None), S.mesh_sizes(mesh), rules)
+    tokens = jax.ShapeDtypeStruct((batch, block), jnp.int32, sharding=NamedSharding(mesh, tok_spec))
+    n_valid = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+    return params, state, tokens, n_valid
+
+
+def _shape_bytes(text: str) -> int:
+    """Bytes of an HLO result type such as 'bf16[8,4096]{1,0}' or a tuple of them."""
+    total = 0
+    for dt, dims in re.findall(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]", text):
+        if dt in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def collectives(hlo: str) -> list[dict]:
+    """[{op, shape, bytes, count}] of the collectives in compiled HLO text (async pairs counted once)."""
+    found = collections.Counter()
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\(", line)
+        if not m:
+            continue
+        rtype, op = m.group(1), m.group(2)
+        base = op.removesuffix("-start")
+        if base not in COLLECTIVES or op.endswith("-done"):
+            continue
+        if op.endswith("-start") and rtype.startswith("("):     # async: (operands..., results...) — keep results
+            parts = re.findall(r"[a-z0-9]+\[[0-9,]*\]", rtype)
+            rtype = " ".join(parts[len(parts) // 2:]) if len(parts) > 1 else rtype
+        shape = " ".join(re.findall(r"[a-z0-9]+\[[0-9,]*\]", rtype))
+        found[(base, shape)] += 1
+    return [{"op": op, "shape": shape, "bytes": _shape_bytes(shape), "count": n}
+            for (op, shape), n in sorted(found.items(), key=lambda kv: -_shape_bytes(kv[0][1]) * kv[1])]
+
+
+def compile_one(config, mesh, rules, batch, block, context, dtype) -> dict:
+    args = abstract_inputs(config, mesh, rules, batch, block, context, dtype)
+    t0 = time.perf_counter()
+    lowered = process_block.lower(args[0], config, *args[1:])
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    mem = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    coll = collectives(hlo)
+    return {"lower_s": round(t1 - t0, 1), "compile_s": round(t2 - t1, 1),
+            "xla_bytes": float(cost.get("bytes accessed", float("nan"))), "flops": float(cost.get("flops", 0.0)),
+            "argument_bytes": int(mem.argument_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
+            "output_bytes": int(mem.output_size_in_bytes), "collectives": coll,
+            "collective_bytes": sum(c["bytes"] * c["count"] for c in coll), "hlo_lines": hlo.count("\n"),
+            "while_loops": len(re.findall(r"\swhile\(", hlo))}
+
+
+def bounds(config, batch: int, block: int, context: int, chips: int) -> dict:
+    b = bytes_bound(config, "bf16", batch, context, block)
+    E, k = config.n_routed_experts, config.num_experts_per_tok
+    bal = min(E, batch * block * k)
+    experts = b["weight_parts"]["routed_experts"]
+    balanced = b["total"] - experts + experts * bal / b["active_experts_per_layer"]
+    return {"bound": b["total"] / chips, "bound_bal": balanced / chips, "active_experts": b["active_experts_per_layer"],
+            "active_experts_bal": bal, "bound_weights": b["weights"] / chips, "bound_cache": b["cache"] / chips}
+
+
+def per_layer(coll: list[dict], n_layers: int) -> list[dict]:
+    """Collectives that occur a multiple of n_layers times, as (op, shape, bytes, per layer)."""
+    return [dict(c, per_layer=c["count"] / n_layers) for c in coll if c["count"] >= n_layers]
+
+
+def markdown(out: dict) -> str:
+    L = [f"# Per-chip traffic, GSPMD vs explicit expert parallelism ({out['topology']}, {out['model']}, bf16, "
+         f"context {out['context']})", "",
+         f"{out['date']}, {out['machine']}; `{out['command']}`", "",
+         "XLA bytes = `cost_analysis()['bytes accessed']` of the per-chip program (layer scans unrolled); "
+         "bound = what the step must read / chips (uniform routing: E(1-(1-k/E)^T) active experts); "
+         "bound_bal = with min(E, T·k) active experts (balanced routing).", "",
+         "| variant | program | mesh | XLA GiB/chip | bound GiB | ratio | bound_bal GiB | ratio_bal | "
+         "collective MiB | args GiB | temp GiB | compile s |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        if "error" in r:
+            L.append(f"| {r['variant']} | {r['program']} | {r.get('mesh', '')} | error: {r['error'][:80]} |"
+                     + " |" * 8)
+            continue
+        L.append(f"| {r['variant']} | {r['program']} | {r['mesh']} | {r['xla_bytes'] / GIB:.2f} | "
+                 f"{r['bound'] / GIB:.3f} | {r['xla_bytes'] / r['bound']:.2f} | {r['bound_bal'] / GIB:.3f} | "
+                 f"{r['xla_bytes'] / r['bound_bal']:.2f} | {r['collective_bytes'] / 2 ** 20:.1f} | "
+                 f"{r['argument_bytes'] / GIB:.1f} | {r['temp_bytes'] / GIB:.2f} | {r['compile_s']:.0f} |")
+    L += ["", "## Collectives per layer (ops occurring at least once per layer)", ""]
+    for r in out["rows"]:
+        if "error" in r:
+            continue
+        L.append(f"**{r['variant']} / {r['program']}** ({r['n_layers']} layers): " + (", ".join(
+            f"{c['op']} {c['shape']} {c['bytes'] / 1024:.1f} KiB ×{c['per_layer']:g}/layer"
+            for c in r["per_layer"]) or "none"))
+        L.append("")
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--topology", default="v5p:2x2x2")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--programs", default=",".join(PROGRAMS))
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="Flash with 3 + 2·PAIRS layers instead of all 43 (quick checks)")
+    ap.add_argument("--out", required=True, help="output path prefix (writes PREFIX.json, PREFIX.md)")
+    ap.add_argument("--resume", action="store_true", help="skip (variant, program) pairs in PREFIX.partial.jsonl")
+    a = ap.parse_args(argv)
+    devices = topology_devices(a.topology)
+    chips = len(devices)
+    config = flash() if a.pairs is None else reduced_flash(a.pairs)
+    partial = a.out + ".partial.jsonl"
+    done = {}
+    if a.resume and os.path.exists(partial):
+        for line in open(partial):
+            r = json.loads(line)
+            done[(r["variant"], r["program"])] = r
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    rows = []
+    for vname in a.variants.split(","):
+        cfg, mesh, rules = variant_setup(vname, config, devices)
+        for pname in a.programs.split(","):
+            if (vname, pname) in done:
+                rows.append(done[(vname, pname)])
+                continue
+            batch, block = PROGRAMS[pname]
+            row = {"variant": vname, "program": pname, "batch": batch, "block": block,
+                   "mesh": "x".join(str(n) for n in mesh.devices.shape), "backends": cfg.backends.describe(),
+                   "n_layers": config.num_layers}
+            print(f"[{time.strftime('%H:%M:%S')}] {vname} {pname} ...", flush=True)
+            try:
+                row.update(compile_one(cfg, mesh, rules, batch, block, a.context, jnp.bfloat16))
+                row.update(bounds(config, batch, block, a.context, chips))
+                row["per_layer"] = per_layer(row["collectives"], config.num_layers)
+                print(f"    {row['xla_bytes'] / GIB:.2f} GiB/chip vs bound {row['bound'] / GIB:.3f} "
+                      f"({row['xla_bytes'] / row['bound']:.2f}x; balanced {row['xla_bytes'] / row['bound_bal']:.2f}x)"
+                      f", compile {row['compile_s']} s", flush=True)
+            except Exception as e:  # noqa: BLE001 - record and continue with the next program
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                print("    ERROR", row["error"][:500], flush=True)
+            rows.append(row)
+            with open(partial, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.node()} ({os.cpu_count()} CPUs), "
+           f"jax {jax.__version__}, libtpu AOT", "command": " ".join(["python", "experiments/aot_ep_traffic.py"]
+                                                                   + (argv if argv is not None else sys.argv[1:])),
+           "topology": a.topology, "chips": chips, "model": config.name, "context": a.context, "rows": rows}
+    with open(a.out + ".json", "w") as f:
+        json.dump(out, f, indent=1)
+    with open(a.out + ".md", "w") as f:
+        f.write(markdown(out) + "\n")
+    print(markdown(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
