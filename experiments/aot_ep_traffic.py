@@ -6,7 +6,12 @@ at `--context` committed tokens), `decode.process_block` of full `flash()` in bf
 sharded parameters and decode state, the layer scans unrolled (`Backends.unroll_layers`: XLA's cost
 analysis counts a `while` body once), and compiled. Reported per chip:
 
-    xla_bytes    `cost_analysis()["bytes accessed"]` of the per-device SPMD program
+    xla_bytes    `cost_analysis()["bytes accessed"]` of the per-device SPMD program, default compile
+    xla_bytes_nomsa  the same compiled with XLA's VMEM memory-space assignment off (v5p:
+                 `xla_vf_vmem_memory_space_assignment=False`): the default compile prefetches weights into
+                 on-chip VMEM with copy-start/copy-done pairs, and the cost model counts such a weight three
+                 times (HBM read, VMEM write, the consumer's VMEM read) although HBM is read once; without
+                 the prefetches every operand is counted once where it is read, the closer HBM-traffic figure
     bound        the ideal split: what the step must read (experiments/bench_decode.py `bytes_bound`:
                  weights with E·(1 − (1 − k/E)^T) distinct active experts per layer under uniform routing,
                  the head whole, embedding rows, + the cache rows of every sequence) / chips
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import json
 import math
@@ -57,7 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from bench_decode import bytes_bound, reduced_flash  # noqa: E402
 from dsv4_jax import params as P, sharding as S  # noqa: E402
-from dsv4_jax.backends import REFERENCE  # noqa: E402
+from dsv4_jax.backends import REFERENCE, ExpertParallel, resolve  # noqa: E402
 from dsv4_jax.cache import state_shapes  # noqa: E402
 from dsv4_jax.config import flash  # noqa: E402
 from dsv4_jax.decode import process_block  # noqa: E402
@@ -66,13 +72,19 @@ GIB = 1024 ** 3
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "ragged-all-to-all")
 VARIANTS = {
-    # name: (mesh shape, rules (None: defaults), moe backend)
+    # name: (mesh shape or preset name, rules (None: the defaults or the preset's), moe backend)
     "gspmd-ep": ((1, 8, 1), None, "reference"),
     "gspmd-tp": ((1, 1, 8), None, "reference"),
     "latency": ("latency", None, "ep"),
     "latency-ep": ((1, 1, 8), None, "ep"),
     "throughput": ("throughput", None, "ep"),
+    # the latency preset with the weights it leaves replicated split over `model` too (q latent, compressor
+    # and K=V projections, mHC mixing input)
+    "latency-split": ("latency", {"q_lora": ("model",), "comp_dim": ("model",), "head_dim": ("model",),
+                                  "hc_embed": ("model",)}, "ep"),
 }
+# compiler options that switch VMEM memory-space assignment off, per topology family
+NO_VMEM_MSA = {"v5p": {"xla_vf_vmem_memory_space_assignment": False}}
 PROGRAMS = {"decode_b1": (1, 1), "decode_b8": (8, 1), "verify6_b8": (8, 6)}   # name: (batch, block tokens)
 _DTYPE_BYTES = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "s64": 8,
                 "u64": 8, "f64": 8, "f8e4m3fn": 1}
@@ -92,11 +104,12 @@ def variant_setup(name: str, config, devices):
     base = REFERENCE.replace(unroll_layers=True)
     if isinstance(shape, str):
         pre = S.preset(shape)
+        if rules:
+            pre = dataclasses.replace(pre, rules=ExpertParallel.freeze_rules({**pre.rules_dict, **rules}))
         mesh = pre.make_mesh(devices)
         return config.with_backends(pre.backends(mesh, base)), mesh, pre.rules_dict
     mesh = S.make_mesh(shape, devices)
     if moe == "ep":
-        from dsv4_jax.backends import ExpertParallel, resolve
         b = resolve(base.replace(moe="ep", ep=ExpertParallel(mesh, ExpertParallel.freeze_rules(rules), "auto")),
                     "tpu")
         return config.with_backends(b), mesh, rules
@@ -148,24 +161,130 @@ def collectives(hlo: str) -> list[dict]:
             for (op, shape), n in sorted(found.items(), key=lambda kv: -_shape_bytes(kv[0][1]) * kv[1])]
 
 
-def compile_one(config, mesh, rules, batch, block, context, dtype) -> dict:
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    return cost[0] if isinstance(cost, list) else cost
+
+
+_INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*?)\)(.*)$")
+_SKIP = ("parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all", "partition-id")
+
+
+def _computations(hlo: str) -> tuple[dict, str]:
+    """{computation name: [(name, result type, opcode, operands, rest)]}, entry name."""
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if m:
+            cur = comps.setdefault(m.group(1), [])
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None and (mm := _INSTR.match(line)):
+            cur.append(mm.groups())
+    return comps, re.search(r"^ENTRY %([\w.\-]+)", hlo, re.M).group(1)
+
+
+def _fusion_bytes(body: list, operand_types: list[str], result_type: str) -> int:
+    """Bytes a fusion reads and writes: each parameter whole, or only its (dynamic-)slices when that is all its
+    users do; a fusion rooted in an in-place dynamic-update-slice of a parameter writes only the update and
+    does not read the buffer."""
+    params = {name: int(re.match(r"\s*(\d+)", ops).group(1)) for name, _, op, ops, _ in body if op == "parameter"}
+    root = body[-1] if body else None
+    written = _shape_bytes(result_type)
+    in_place = None
+    if root is not None and root[2] == "dynamic-update-slice":
+        ops = re.findall(r"%([\w.\-]+)", root[3])
+        types = {name: rt for name, rt, *_ in body}
+        if ops and ops[0] in params:
+            in_place, written = ops[0], _shape_bytes(types.get(ops[1], ""))
+    users = collections.defaultdict(list)
+    for _, rt, op, ops, _ in body:
+        for o in re.findall(r"%([\w.\-]+)", ops):
+            if o in params:
+                users[o].append((op, rt))
+    total = written
+    for p, n in params.items():
+        if p == in_place:
+            continue
+        full = _shape_bytes(operand_types[n]) if n < len(operand_types) else 0
+        us = users[p]
+        total += min(full, sum(_shape_bytes(rt) for _, rt in us)) if us and all(
+            op in ("slice", "dynamic-slice") for op, _ in us) else full
+    return total
+
+
+def breakdown(hlo: str) -> dict:
+    """Estimated bytes per category of the entry computation's ops (operands read + results written, fusion
+    parameters read only through slices counted as those slices — the cost model's rule, approximately):
+    {"categories": {name: bytes}, "estimate": total, "top": [(bytes, op, result type, op_name)]}."""
+    comps, entry = _computations(hlo)
+    types = {name: rt for body in comps.values() for name, rt, *_ in body}
+    cats, top = collections.Counter(), []
+    for name, rt, op, operands, rest in comps[entry]:
+        if op in _SKIP:
+            continue
+        otypes = [types.get(o, "") for o in re.findall(r"%([\w.\-]+)", operands)]
+        calls = re.search(r"calls=%([\w.\-]+)", rest)
+        if op == "fusion" and calls and calls.group(1) in comps:
+            read, wrote = _fusion_bytes(comps[calls.group(1)], otypes, rt), 0
+        elif op == "dynamic-update-slice":
+            read, wrote = 0, 2 * _shape_bytes(otypes[1]) if len(otypes) > 1 else 0
+        else:
+            read = sum(_shape_bytes(t) for t in otypes)
+            wrote = 0 if op.endswith("-done") else _shape_bytes(rt)
+        meta = re.search(r'op_name="([^"]*)"', rest)
+        op_name = meta.group(1) if meta else ""
+        if "shard_map" in op_name:
+            cat = "routed + shared experts (shard_map)"
+        elif "dynamic_update_index_in_dim" in op_name or "dynamic_index_in_dim" in op_name or \
+                op_name.startswith("state."):
+            cat = "decode state in/out of the layer loop (slabs)"
+        elif op.startswith("copy-"):
+            cat = "VMEM prefetch copies"
+        elif op.removesuffix("-start") in COLLECTIVES:
+            cat = "collectives"
+        else:
+            last = op_name.split("/")[-1] if op_name else op
+            cat = {"dot_general": "matmuls outside the MoE (attention, head, router)", "scatter": "scatters (cache writes)",
+                   "gather": "gathers (cache rows, embedding)"}.get(last, "other")
+        cats[cat] += read + wrote
+        top.append((read + wrote, op, rt[:60], op_name[:100]))
+    top.sort(key=lambda t: -t[0])
+    return {"categories": dict(cats.most_common()), "estimate": sum(cats.values()), "top": top[:12]}
+
+
+def compile_one(config, mesh, rules, batch, block, context, dtype, no_msa: dict | None, hlo_path: str | None = None) -> dict:
     args = abstract_inputs(config, mesh, rules, batch, block, context, dtype)
     t0 = time.perf_counter()
     lowered = process_block.lower(args[0], config, *args[1:])
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = _cost(compiled)
     mem = compiled.memory_analysis()
     hlo = compiled.as_text()
     coll = collectives(hlo)
-    return {"lower_s": round(t1 - t0, 1), "compile_s": round(t2 - t1, 1),
-            "xla_bytes": float(cost.get("bytes accessed", float("nan"))), "flops": float(cost.get("flops", 0.0)),
-            "argument_bytes": int(mem.argument_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
-            "output_bytes": int(mem.output_size_in_bytes), "collectives": coll,
-            "collective_bytes": sum(c["bytes"] * c["count"] for c in coll), "hlo_lines": hlo.count("\n"),
-            "while_loops": len(re.findall(r"\swhile\(", hlo))}
+    out = {"lower_s": round(t1 - t0, 1), "compile_s": round(t2 - t1, 1),
+           "xla_bytes": float(cost.get("bytes accessed", float("nan"))), "flops": float(cost.get("flops", 0.0)),
+           "optimal_seconds": float(cost.get("optimal_seconds", float("nan"))),
+           "argument_bytes": int(mem.argument_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
+           "output_bytes": int(mem.output_size_in_bytes), "collectives": coll,
+           "collective_bytes": sum(c["bytes"] * c["count"] for c in coll), "hlo_lines": hlo.count("\n"),
+           "while_loops": len(re.findall(r"\swhile\(", hlo)), "vmem_prefetches": hlo.count(" copy-start(")}
+    out["breakdown"] = breakdown(hlo)
+    del compiled, hlo
+    if no_msa:
+        t3 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=no_msa)
+        cost = _cost(compiled)
+        text = compiled.as_text()
+        out.update(xla_bytes_nomsa=float(cost.get("bytes accessed", float("nan"))),
+                   compile_nomsa_s=round(time.perf_counter() - t3, 1), breakdown_nomsa=breakdown(text))
+        if hlo_path:
+            import gzip
+            with gzip.open(hlo_path, "wt") as f:
+                f.write(text)
+    return out
 
 
 def bounds(config, batch: int, block: int, context: int, chips: int) -> dict:
@@ -190,18 +309,31 @@ def markdown(out: dict) -> str:
          "XLA bytes = `cost_analysis()['bytes accessed']` of the per-chip program (layer scans unrolled); "
          "bound = what the step must read / chips (uniform routing: E(1-(1-k/E)^T) active experts); "
          "bound_bal = with min(E, T·k) active experts (balanced routing).", "",
-         "| variant | program | mesh | XLA GiB/chip | bound GiB | ratio | bound_bal GiB | ratio_bal | "
-         "collective MiB | args GiB | temp GiB | compile s |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| variant | program | mesh | XLA GiB/chip | no-prefetch GiB/chip | bound GiB | ratio | ratio no-prefetch | "
+         "bound_bal GiB | ratio_bal no-prefetch | collective MiB | TFLOP | args GiB | temp GiB | compile s |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["rows"]:
         if "error" in r:
             L.append(f"| {r['variant']} | {r['program']} | {r.get('mesh', '')} | error: {r['error'][:80]} |"
-                     + " |" * 8)
+                     + " |" * 11)
             continue
-        L.append(f"| {r['variant']} | {r['program']} | {r['mesh']} | {r['xla_bytes'] / GIB:.2f} | "
-                 f"{r['bound'] / GIB:.3f} | {r['xla_bytes'] / r['bound']:.2f} | {r['bound_bal'] / GIB:.3f} | "
-                 f"{r['xla_bytes'] / r['bound_bal']:.2f} | {r['collective_bytes'] / 2 ** 20:.1f} | "
-                 f"{r['argument_bytes'] / GIB:.1f} | {r['temp_bytes'] / GIB:.2f} | {r['compile_s']:.0f} |")
+        nomsa = r.get("xla_bytes_nomsa", float("nan"))
+        L.append(f"| {r['variant']} | {r['program']} | {r['mesh']} | {r['xla_bytes'] / GIB:.2f} | {nomsa / GIB:.2f} | "
+                 f"{r['bound'] / GIB:.3f} | {r['xla_bytes'] / r['bound']:.2f} | {nomsa / r['bound']:.2f} | "
+                 f"{r['bound_bal'] / GIB:.3f} | {nomsa / r['bound_bal']:.2f} | {r['collective_bytes'] / 2 ** 20:.1f} | "
+                 f"{r['flops'] / 1e12:.2f} | {r['argument_bytes'] / GIB:.1f} | {r['temp_bytes'] / GIB:.2f} | "
+                 f"{r['compile_s']:.0f} |")
+    L += ["", "## Where the bytes go (estimated from the compiled HLO, no-prefetch compile; GiB per chip)", "",
+          "Per category: operands read + results written of each top-level op, a fusion parameter read only "
+          "through slices counted as those slices (approximately XLA's rule; `estimate` vs XLA's total shows "
+          "how close).", ""]
+    for r in out["rows"]:
+        bd = r.get("breakdown_nomsa") or r.get("breakdown")
+        if "error" in r or not bd:
+            continue
+        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in bd["categories"].items() if v >= 0.01 * GIB)
+        L.append(f"- **{r['variant']} / {r['program']}**: estimate {bd['estimate'] / GIB:.2f} "
+                 f"(XLA {r.get('xla_bytes_nomsa', r['xla_bytes']) / GIB:.2f}): {parts}")
     L += ["", "## Collectives per layer (ops occurring at least once per layer)", ""]
     for r in out["rows"]:
         if "error" in r:
@@ -223,8 +355,13 @@ def main(argv=None) -> int:
                     help="Flash with 3 + 2·PAIRS layers instead of all 43 (quick checks)")
     ap.add_argument("--out", required=True, help="output path prefix (writes PREFIX.json, PREFIX.md)")
     ap.add_argument("--resume", action="store_true", help="skip (variant, program) pairs in PREFIX.partial.jsonl")
+    ap.add_argument("--hlo-dir", default=None, help="also write each no-prefetch compiled HLO here (gzip)")
+    ap.add_argument("--no-nomsa", default="", metavar="VARIANTS",
+                    help="variants (comma list, or 'all') that skip the second compile with VMEM prefetching off")
     a = ap.parse_args(argv)
     devices = topology_devices(a.topology)
+    no_msa = NO_VMEM_MSA.get(a.topology.split(":")[0])
+    skip_nomsa = set(a.no_nomsa.split(",")) if a.no_nomsa != "all" else set(VARIANTS)
     chips = len(devices)
     config = flash() if a.pairs is None else reduced_flash(a.pairs)
     partial = a.out + ".partial.jsonl"
@@ -234,6 +371,8 @@ def main(argv=None) -> int:
             r = json.loads(line)
             done[(r["variant"], r["program"])] = r
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    if a.hlo_dir:
+        os.makedirs(a.hlo_dir, exist_ok=True)
     rows = []
     for vname in a.variants.split(","):
         cfg, mesh, rules = variant_setup(vname, config, devices)
@@ -247,12 +386,16 @@ def main(argv=None) -> int:
                    "n_layers": config.num_layers}
             print(f"[{time.strftime('%H:%M:%S')}] {vname} {pname} ...", flush=True)
             try:
-                row.update(compile_one(cfg, mesh, rules, batch, block, a.context, jnp.bfloat16))
+                row.update(compile_one(cfg, mesh, rules, batch, block, a.context, jnp.bfloat16,
+                                       None if vname in skip_nomsa else no_msa,
+                                       os.path.join(a.hlo_dir, f"{vname}_{pname}.hlo.gz") if a.hlo_dir else None))
                 row.update(bounds(config, batch, block, a.context, chips))
                 row["per_layer"] = per_layer(row["collectives"], config.num_layers)
-                print(f"    {row['xla_bytes'] / GIB:.2f} GiB/chip vs bound {row['bound'] / GIB:.3f} "
-                      f"({row['xla_bytes'] / row['bound']:.2f}x; balanced {row['xla_bytes'] / row['bound_bal']:.2f}x)"
-                      f", compile {row['compile_s']} s", flush=True)
+                nomsa = row.get("xla_bytes_nomsa", float("nan"))
+                print(f"    {row['xla_bytes'] / GIB:.2f} GiB/chip ({nomsa / GIB:.2f} without VMEM prefetch) vs bound "
+                      f"{row['bound'] / GIB:.3f} ({row['xla_bytes'] / row['bound']:.2f}x / "
+                      f"{nomsa / row['bound']:.2f}x; balanced {row['xla_bytes'] / row['bound_bal']:.2f}x / "
+                      f"{nomsa / row['bound_bal']:.2f}x), compile {row['compile_s']} s", flush=True)
             except Exception as e:  # noqa: BLE001 - record and continue with the next program
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
                 print("    ERROR", row["error"][:500], flush=True)

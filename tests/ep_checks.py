@@ -28,6 +28,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -49,7 +50,7 @@ CASES = {
     "odd-1x8x1": ((1, 8, 1), 6, "reference"),
     "odd-1x2x4": ((1, 2, 4), 6, "reference"),
 }
-FAST_DECODE = ("ep-1x2x4",)                     # prefill + decode + verify + commit in the fast run
+FAST_DECODE = ()                                # prefill + decode + verify + commit: --full only
 FAST_GENERATE = ("latency",)                    # speculative generation in the fast run
 
 
@@ -153,7 +154,13 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
         lowered = dsv4_jax.forward.lower(sp, cfg, fwd_in)
         res["shard_map_in_program"] = "SPMDFullToShardShape" in lowered.as_text() or \
             "manual_computation" in lowered.as_text()
-        res["forward"] = maxdiff(dsv4_jax.forward(sp, cfg, fwd_in), ref["forward"])
+        compiled = lowered.compile()
+        res["forward"] = maxdiff(compiled(sp, fwd_in), ref["forward"])
+        res["forward_expert_all_gathers"] = expert_all_gathers(compiled.as_text(), config)
+        w1 = sp["segments"][1][0]["ffn"]["experts"]["w1"]            # control: gathering the experts is detected
+        gather = jax.jit(lambda a: a * 1.0, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        res["detector_control"] = None if w1.sharding.is_fully_replicated else \
+            expert_all_gathers(gather.lower(w1).compile().as_text(), config)
         if case in decode_cases:
             if "decode" not in ref:
                 ref["decode"] = decode_script(params, config, tokens[:2], init_state(config, 2, 64, 4))
@@ -167,9 +174,6 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
             step = D.process_block.lower(sp, cfg, S.init_state(cfg, mesh, 2, 64, 4, rules=rules),
                                          jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)).compile()
             res["decode_expert_all_gathers"] = expert_all_gathers(step.as_text(), config)
-            w1 = sp["segments"][1][0]["ffn"]["experts"]["w1"]        # control: gathering the experts is detected
-            gather = jax.jit(lambda a: a * 1.0, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-            res["detector_control"] = expert_all_gathers(gather.lower(w1).compile().as_text(), config)
         for drafter, wanted in (("oracle", generate_cases), ("mtp", mtp_cases)):
             if case not in wanted:
                 continue
@@ -224,6 +228,31 @@ def check_layouts() -> dict:
     return out
 
 
+def check_checkpoint() -> dict:
+    """A converted checkpoint restored with `load_checkpoint(path, sharding=preset)`: the preset's placement for
+    every leaf, the same values as a single-device restore, and the EP backend in the returned config."""
+    import tempfile
+    from sharding_checks import test_config as ckpt_config, write_checkpoint
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ckpt")
+        write_checkpoint(path, ckpt_config())
+        _, single = dsv4_jax.load_checkpoint(path, dtype=jnp.float32)
+        for name in ("latency", "throughput"):
+            pre = S.preset(name)
+            cfg, got = dsv4_jax.load_checkpoint(path, dtype=jnp.float32, sharding=name)
+            target = cfg.target
+            mesh = target.backends.ep.mesh
+            want = dict(S.param_shardings(target, mesh, pre.rules_dict))
+            want["mtp"] = [S.drafter_shardings(P.mtp_specs(target), mesh, pre.rules_dict)]
+            fg, fw, fs = P.flatten(got), P.flatten(single), P.flatten(want)
+            bad = [k for k in fg if not (fg[k].sharding.is_equivalent_to(fs[k], fg[k].ndim)
+                                         and np.array_equal(np.asarray(fg[k]), np.asarray(fw[k])))]
+            out[name] = {"leaves": len(fg), "split": sum(not v.sharding.is_fully_replicated for v in fg.values()),
+                         "bad": bad[:5], "moe": target.backends.moe, "mesh": list(mesh.devices.shape)}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="decode and generation (oracle and MTP) on every case")
@@ -234,8 +263,12 @@ def main(argv=None) -> dict:
         dec, gen, mtp = cases, cases, cases
     else:
         dec, gen, mtp = FAST_DECODE, FAST_GENERATE, ()
-    res = {"devices": jax.device_count(), "full": a.full, "layouts": check_layouts(),
-           "cases": run(cases, dec, gen, mtp)}
+    t0 = time.perf_counter()
+    res = {"devices": jax.device_count(), "full": a.full, "layouts": check_layouts()}
+    if a.full:
+        res["checkpoint"] = check_checkpoint()
+    res["setup_seconds"] = round(time.perf_counter() - t0, 1)
+    res["cases"] = run(cases, dec, gen, mtp)
     print("RESULT " + json.dumps(res), flush=True)
     return res
 

@@ -62,14 +62,16 @@ def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: lis
 def unrolled(one_rep, carry, slots, cache_slots, reps: int):
     """The scan of `run_segments` as straight-line code: rep r reads its slice of the stacked parameters and
     state at a layer index XLA cannot constant-fold (an optimization barrier), so each copy of the body
-    compiles like the scan body (a static slice would be materialised before its dynamic-slice users)."""
+    compiles like the scan body (a static slice would be materialised before its dynamic-slice users), and
+    reads and writes its state in one stacked buffer (so the write-back can be in place)."""
     rs = jax.lax.optimization_barrier(jnp.arange(reps))
-    outs = []
+    out_states = cache_slots
     for r in range(reps):
         pick = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, rs[r], 0, keepdims=False), tree)
-        carry, out = one_rep(carry, pick(slots), pick(cache_slots), rs[r])
-        outs.append(out)
-    return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+        carry, out = one_rep(carry, pick(slots), pick(out_states), rs[r])   # slice r is not written yet
+        put = lambda buf, new: jax.lax.dynamic_update_index_in_dim(buf, new.astype(buf.dtype), rs[r], 0)
+        out_states = jax.tree.map(put, out_states, out)
+    return carry, out_states
 
 
 def hidden_states(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
