@@ -4,18 +4,20 @@
 with different kernels compile two programs, side by side in one process. Ops and their implementations:
 
     moe       routed-expert matmuls: "reference" (gather / sorted `ragged_dot`, `ops.moe`), "pallas" (the GPU
-              Triton kernels `kernels.moe_decode` / `kernels.moe_prefill`), "ep" (explicit expert parallelism
-              under `shard_map`, `model.moe_ep`; needs `ep`, an `ExpertParallel`: the mesh and the local
-              grouped-matmul implementation)
+              Triton kernels `kernels.moe_decode` / `kernels.moe_prefill`), "pallas_tpu" (the Mosaic TPU
+              kernels `kernels.tpu_moe`), "ep" (explicit expert parallelism under `shard_map`, `model.moe_ep`;
+              needs `ep`, an `ExpertParallel`: the mesh, the rules and the local grouped-matmul implementation)
     routing   sqrt-softplus + top-k routing: "reference" (`ops.moe`), "pallas" (`kernels.routing`)
-    indexer   lightning-indexer scores: "reference" (`ops.indexer`), "pallas" (`kernels.lightning_indexer`);
-              the exact top-k selection is `ops.indexer.topk` on both
+    indexer   lightning-indexer scores: "reference" (`ops.indexer`), "pallas" (`kernels.lightning_indexer`),
+              "pallas_tpu" (`kernels.tpu_indexer`); the exact top-k selection is `ops.indexer.topk` on all
 
-`interpret` runs the Pallas kernels in interpret mode (CPU tests). `unroll_layers` unrolls the layer scans
-(`model.target.run_segments`): one HLO copy per layer, for ahead-of-time cost analysis, which counts a
-`while` body once. "auto" is not an implementation: it is
-resolved per platform by `resolve` at the API boundary (`forward`, `generate`, the decode entry points, the
-CLIs), never inside traced code: Pallas on GPU, the references elsewhere.
+`interpret` runs the Pallas kernels in interpret mode (CPU tests; TPU interpret mode for "pallas_tpu"). "auto"
+is not an implementation: it is resolved per platform by `resolve` at the API boundary (`forward`,
+`generate`, the decode entry points, the CLIs), never inside traced code: "pallas" on GPU, "pallas_tpu" on
+TPU (ops without a TPU kernel, routing, keep the reference), the references elsewhere.
+`unroll_layers` unrolls the scans over repeated layers (`model.target.run_segments`): the same program with every
+layer written out, for XLA's cost analysis, which counts a `while` body once (ahead-of-time traffic reports);
+slower to compile, same numbers.
 """
 from __future__ import annotations
 
@@ -26,21 +28,26 @@ from jax.sharding import Mesh
 
 OPS = ("moe", "routing", "indexer")
 IMPLS: dict[str, tuple[str, ...]] = {
-    "moe": ("reference", "pallas", "ep"),
+    "moe": ("reference", "pallas", "pallas_tpu", "ep"),
     "routing": ("reference", "pallas"),
-    "indexer": ("reference", "pallas"),
+    "indexer": ("reference", "pallas", "pallas_tpu"),
 }
-CHOICES = ("auto", "reference", "pallas")   # what `--kernels` and `named` accept
-# what "auto" means per platform (jax.default_backend() names)
-AUTO = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas"}
-
+CHOICES = ("auto", "reference", "pallas", "pallas_tpu")   # what `--kernels` and `named` accept
+# what "auto" means per platform (jax.default_backend() names); an op without that implementation keeps
+# the reference
+AUTO = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "pallas_tpu"}
+# the platforms whose compiler each kernel family targets; elsewhere it runs in interpret mode
+KERNEL_PLATFORMS = {"pallas": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
 
 # local grouped matmul of the expert-parallel MoE (ExpertParallel.local), per device on its own experts:
-#   reference  few assignments: per-assignment expert slices; many: sorted `ragged_dot` over the local groups
-#   dense      few: the same slices; many: every local expert once over all tokens (XLA:TPU expands
-#              `ragged_dot` densely anyway, after a relayout copy of the weights; this skips the copy)
-#   pallas     the `kernels.moe_decode` / `kernels.moe_prefill` kernels on the local experts
-EP_LOCAL = ("reference", "dense", "pallas")
+#   reference   few assignments: per-assignment expert slices; many: sorted `ragged_dot` over the local groups
+#               (QArray experts: expert-pure row tiles, one expert dequantized at a time)
+#   dense       few: the same slices; many: every local expert once over all tokens (XLA:TPU expands
+#               `ragged_dot` densely anyway, after a relayout copy of the weights; this skips the copy)
+#   pallas      the GPU kernels `kernels.moe_decode` / `kernels.moe_prefill` on the local experts
+#   pallas_tpu  the Mosaic kernels `kernels.tpu_moe.routed` on the local experts (formats it does not take,
+#               Q8_0: the reference)
+EP_LOCAL = ("reference", "dense", "pallas", "pallas_tpu")
 EP_LOCAL_AUTO = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "dense"}
 
 
@@ -91,8 +98,8 @@ class Backends:
     routing: str = "reference"
     indexer: str = "reference"
     interpret: bool = False
-    ep: ExpertParallel | None = None
     unroll_layers: bool = False
+    ep: ExpertParallel | None = None
 
     def __post_init__(self):
         for op in OPS:
@@ -116,37 +123,46 @@ class Backends:
         parts = [f"{op}={getattr(self, op)}" for op in OPS]
         if self.moe == "ep":
             parts[0] = f"moe={self.ep.describe()}"
-        return ", ".join(parts + (["interpret"] if self.interpret else []) +
-                         (["unrolled layers"] if self.unroll_layers else []))
+        flags = [f for f in ("interpret", "unroll_layers") if getattr(self, f)]
+        return ", ".join(parts + flags)
 
 
 REFERENCE = Backends()
 
 
+def _available(op: str, impl: str) -> str:
+    """impl if op has it ("auto" included), else the reference."""
+    return impl if impl == "auto" or impl in IMPLS[op] else "reference"
+
+
 def named(choice: str | Backends | None) -> Backends:
-    """A Backends from a CLI-style name ("auto", "reference", "pallas") applied to every op, or itself."""
+    """A Backends from a CLI-style name ("auto", "reference", "pallas", "pallas_tpu") applied to every op
+    that has it (the others keep the reference), or itself."""
     if choice is None:
         return REFERENCE
     if isinstance(choice, Backends):
         return choice
     if choice not in CHOICES:
         raise BackendError(f"unknown kernels choice {choice!r}; choose from {CHOICES}")
-    return Backends(**{op: choice for op in OPS})
+    return Backends(**{op: _available(op, choice) for op in OPS})
 
 
 def resolve(backends: str | Backends | None, platform: str | None = None) -> Backends:
     """Concrete implementations for `platform` (default: jax.default_backend()), "auto" replaced.
 
-    Pallas kernels off GPU/TPU need interpret mode: it is switched on here when a "pallas" op would run on
-    a platform without the kernel's compiler (CPU). Called at the API boundary, outside traced code.
+    Pallas kernels off their platform need interpret mode: it is switched on here when a "pallas" or
+    "pallas_tpu" op (or expert-parallel local matmul) would run on a platform without the kernel's compiler
+    (CPU, or the other accelerator).
+    Called at the API boundary, outside traced code.
     """
     b = named(backends)
     platform = platform or jax.default_backend()
-    b = dataclasses.replace(b, **{op: AUTO.get(platform, "reference") for op in OPS if getattr(b, op) == "auto"})
+    auto = AUTO.get(platform, "reference")
+    b = dataclasses.replace(b, **{op: _available(op, auto) for op in OPS if getattr(b, op) == "auto"})
     if b.ep is not None and b.ep.local == "auto":
         b = dataclasses.replace(b, ep=dataclasses.replace(b.ep, local=EP_LOCAL_AUTO.get(platform, "reference")))
-    uses_pallas = any(getattr(b, op) == "pallas" for op in OPS) or (b.moe == "ep" and b.ep.local == "pallas")
-    if platform not in AUTO and uses_pallas:
+    impls = [getattr(b, op) for op in OPS] + ([b.ep.local] if b.moe == "ep" else [])
+    if any(platform not in KERNEL_PLATFORMS.get(impl, (platform,)) for impl in impls):
         b = dataclasses.replace(b, interpret=True)
     return b
 

@@ -12,7 +12,7 @@ analysis counts a `while` body once), and compiled. Reported per chip:
                  on-chip VMEM with copy-start/copy-done pairs, and the cost model counts such a weight three
                  times (HBM read, VMEM write, the consumer's VMEM read) although HBM is read once; without
                  the prefetches every operand is counted once where it is read, the closer HBM-traffic figure
-    bound        the ideal split: what the step must read (experiments/bench_decode.py `bytes_bound`:
+    bound        the ideal split: what the step must read (`dsv4_jax.traffic.bytes_bound` in the --weights format:
                  weights with E·(1 − (1 − k/E)^T) distinct active experts per layer under uniform routing,
                  the head whole, embedding rows, + the cache rows of every sequence) / chips
     bound_bal    the same with min(E, T·k) active experts (balanced routing: the most a dropless static
@@ -49,9 +49,7 @@ import re
 import sys
 import time
 
-for _k, _v in (("JAX_PLATFORMS", "cpu"), ("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-               ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
-    os.environ.setdefault(_k, _v)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
@@ -61,8 +59,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from bench_decode import bytes_bound, reduced_flash  # noqa: E402
-from dsv4_jax import params as P, sharding as S  # noqa: E402
+from bench_decode import reduced_flash  # noqa: E402
+from dsv4_jax import libtpu, memplan, params as P, sharding as S  # noqa: E402
+from dsv4_jax.ops import quant  # noqa: E402
+from dsv4_jax.traffic import bytes_bound  # noqa: E402
 from dsv4_jax.backends import REFERENCE, ExpertParallel, resolve  # noqa: E402
 from dsv4_jax.cache import state_shapes  # noqa: E402
 from dsv4_jax.config import flash  # noqa: E402
@@ -90,12 +90,20 @@ _DTYPE_BYTES = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8"
                 "u64": 8, "f64": 8, "f8e4m3fn": 1}
 
 
+# weight storage (`dsv4_jax.traffic` format names): formats rule for `params.with_formats` (None: all dense)
+FP8_EXPERTS = quant.QFormat("e4m3", (128, 128), "f32")     # random_init's expert_format="fp8"
+WEIGHTS = {
+    "bf16": None,
+    "fp8-experts": lambda path, spec: FP8_EXPERTS if memplan.part_of(path, spec) == "routed experts" else None,
+    "release": P.release_format,
+}
+
+
 def topology_devices(name: str):
-    from jax.experimental import topologies
     try:
-        return topologies.get_topology_desc(topology_name=name, platform="tpu").devices
-    except Exception as e:  # noqa: BLE001 - libtpu missing or unknown topology: say which
-        raise SystemExit(f"cannot get TPU topology {name!r} (is libtpu installed? pip install libtpu): {e}")
+        return libtpu.topology_desc(name).devices
+    except libtpu.LibtpuMissing as e:
+        raise SystemExit(str(e))
 
 
 def variant_setup(name: str, config, devices):
@@ -116,12 +124,20 @@ def variant_setup(name: str, config, devices):
     return config.with_backends(base), mesh, rules
 
 
-def abstract_inputs(config, mesh, rules, batch: int, block: int, context: int, dtype):
-    """ShapeDtypeStructs with shardings: params, state (max_len = context + block), tokens, n_valid."""
-    specs = S.param_partition_specs(config, mesh, rules)
-    shapes = P.abstract_params(config, dtype)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-                          shapes, specs)
+def _placed(mesh, a, s):
+    """A ShapeDtypeStruct (or QArray of them) with the NamedSharding(s) of PartitionSpec(s) s."""
+    sds = lambda x, ps: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, ps))
+    if isinstance(a, quant.QArray):
+        return quant.QArray(sds(a.codes, s.codes), sds(a.scale, s.scale), a.fmt, a.dtype)
+    return sds(a, s)
+
+
+def abstract_inputs(config, mesh, rules, batch: int, block: int, context: int, dtype, formats=None):
+    """ShapeDtypeStructs with shardings: params (QArrays where `formats` quantizes), state (max_len =
+    context + block), tokens, n_valid."""
+    specs = S.param_partition_specs(config, mesh, rules, formats=formats)
+    shapes = P.abstract_params(config, dtype, formats)
+    params = jax.tree.map(lambda a, s: _placed(mesh, a, s), shapes, specs, is_leaf=quant.is_qarray)
     st = state_shapes(config, batch, context + block, block, dtype)
     st_specs = S.state_partition_specs(st, mesh, rules)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
@@ -253,8 +269,9 @@ def breakdown(hlo: str) -> dict:
     return {"categories": dict(cats.most_common()), "estimate": sum(cats.values()), "top": top[:12]}
 
 
-def compile_one(config, mesh, rules, batch, block, context, dtype, no_msa: dict | None, hlo_path: str | None = None) -> dict:
-    args = abstract_inputs(config, mesh, rules, batch, block, context, dtype)
+def compile_one(config, mesh, rules, batch, block, context, dtype, no_msa: dict | None, hlo_path: str | None = None,
+                formats=None) -> dict:
+    args = abstract_inputs(config, mesh, rules, batch, block, context, dtype, formats)
     t0 = time.perf_counter()
     lowered = process_block.lower(args[0], config, *args[1:])
     t1 = time.perf_counter()
@@ -287,8 +304,8 @@ def compile_one(config, mesh, rules, batch, block, context, dtype, no_msa: dict 
     return out
 
 
-def bounds(config, batch: int, block: int, context: int, chips: int) -> dict:
-    b = bytes_bound(config, "bf16", batch, context, block)
+def bounds(config, batch: int, block: int, context: int, chips: int, weights: str = "bf16") -> dict:
+    b = bytes_bound(config, weights, batch, context, block)
     E, k = config.n_routed_experts, config.num_experts_per_tok
     bal = min(E, batch * block * k)
     experts = b["weight_parts"]["routed_experts"]
@@ -303,7 +320,7 @@ def per_layer(coll: list[dict], n_layers: int) -> list[dict]:
 
 
 def markdown(out: dict) -> str:
-    L = [f"# Per-chip traffic, GSPMD vs explicit expert parallelism ({out['topology']}, {out['model']}, bf16, "
+    L = [f"# Per-chip traffic, GSPMD vs explicit expert parallelism ({out['topology']}, {out['model']}, {out.get('weights', 'bf16')} weights, "
          f"context {out['context']})", "",
          f"{out['date']}, {out['machine']}; `{out['command']}`", "",
          "XLA bytes = `cost_analysis()['bytes accessed']` of the per-chip program (layer scans unrolled); "
@@ -351,6 +368,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--programs", default=",".join(PROGRAMS))
     ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--weights", choices=tuple(WEIGHTS), default="bf16",
+                    help="weight storage: bf16 everywhere, FP8 routed experts (float32 scale per 128x128 block), "
+                         "or the release format (FP4 experts, FP8 attention / shared expert); the bound uses "
+                         "the same format (dsv4_jax.traffic)")
     ap.add_argument("--pairs", type=int, default=None,
                     help="Flash with 3 + 2·PAIRS layers instead of all 43 (quick checks)")
     ap.add_argument("--out", required=True, help="output path prefix (writes PREFIX.json, PREFIX.md)")
@@ -383,13 +404,14 @@ def main(argv=None) -> int:
             batch, block = PROGRAMS[pname]
             row = {"variant": vname, "program": pname, "batch": batch, "block": block,
                    "mesh": "x".join(str(n) for n in mesh.devices.shape), "backends": cfg.backends.describe(),
-                   "n_layers": config.num_layers}
+                   "n_layers": config.num_layers, "weights": a.weights}
             print(f"[{time.strftime('%H:%M:%S')}] {vname} {pname} ...", flush=True)
             try:
                 row.update(compile_one(cfg, mesh, rules, batch, block, a.context, jnp.bfloat16,
                                        None if vname in skip_nomsa else no_msa,
-                                       os.path.join(a.hlo_dir, f"{vname}_{pname}.hlo.gz") if a.hlo_dir else None))
-                row.update(bounds(config, batch, block, a.context, chips))
+                                       os.path.join(a.hlo_dir, f"{vname}_{pname}.hlo.gz") if a.hlo_dir else None,
+                                       WEIGHTS[a.weights]))
+                row.update(bounds(config, batch, block, a.context, chips, a.weights))
                 row["per_layer"] = per_layer(row["collectives"], config.num_layers)
                 nomsa = row.get("xla_bytes_nomsa", float("nan"))
                 print(f"    {row['xla_bytes'] / GIB:.2f} GiB/chip ({nomsa / GIB:.2f} without VMEM prefetch) vs bound "
@@ -405,7 +427,8 @@ def main(argv=None) -> int:
     out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.node()} ({os.cpu_count()} CPUs), "
            f"jax {jax.__version__}, libtpu AOT", "command": " ".join(["python", "experiments/aot_ep_traffic.py"]
                                                                    + (argv if argv is not None else sys.argv[1:])),
-           "topology": a.topology, "chips": chips, "model": config.name, "context": a.context, "rows": rows}
+           "topology": a.topology, "chips": chips, "model": config.name, "context": a.context, "weights": a.weights,
+           "rows": rows}
     with open(a.out + ".json", "w") as f:
         json.dump(out, f, indent=1)
     with open(a.out + ".md", "w") as f:

@@ -39,6 +39,8 @@ from dsv4_jax import decode as D, params as P, sharding as S  # noqa: E402
 from dsv4_jax.backends import Backends, ExpertParallel  # noqa: E402
 from dsv4_jax.cache import init_state  # noqa: E402
 from dsv4_jax.config import tiny_flash_like  # noqa: E402
+from dsv4_jax.model.target import forward_jit  # noqa: E402
+from dsv4_jax.ops import quant  # noqa: E402
 
 # name: (mesh shape or preset name, n_experts, local)
 CASES = {
@@ -49,7 +51,14 @@ CASES = {
     "throughput": ("throughput", 8, "pallas"),
     "odd-1x8x1": ((1, 8, 1), 6, "reference"),
     "odd-1x2x4": ((1, 2, 4), 6, "reference"),
+    "release-latency": ("latency", 8, "reference"),
+    "int8-1x2x4": ((1, 2, 4), 8, "dense"),
 }
+# quantized cases: the weights as QArrays (`ops.quant`), the single-device reference on the same QArrays.
+# release: FP4 routed experts, FP8 attention / shared expert (scale blocks straddling the shards: the
+# FP4 w2's 32-column blocks over I = 48 split 8 ways, FP8's 128-row blocks); int8: per-channel routed experts
+QUANT = {"release-latency": "release", "int8-1x2x4": "int8_channel"}
+FULL_ONLY = ("int8-1x2x4",)                     # cases of the --full run only
 FAST_DECODE = ()                                # prefill + decode + verify + commit: --full only
 FAST_GENERATE = ("latency",)                    # speculative generation in the fast run
 
@@ -73,6 +82,22 @@ def setup(case: str, config):
     b = Backends(moe="ep", ep=ExpertParallel(mesh, ExpertParallel.freeze_rules(rules), local),
                  interpret=local == "pallas")
     return config.with_backends(b), mesh, rules
+
+
+def quantized(params, kind: str | None):
+    """params with the case's leaves as QArrays (None: unchanged)."""
+    if kind is None:
+        return params
+    if kind == "release":
+        return quant.quantize_tree(params, lambda path, x: P.release_format(path, _spec_of(path, x)))
+    fmt = quant.qformat(kind)
+    return quant.quantize_tree(params, lambda path, x: fmt if ".ffn.experts.w" in path else None)
+
+
+def _spec_of(path: str, x) -> P.ParamSpec:
+    """A stand-in ParamSpec for release_format's path rule: weight kind for floating matrices."""
+    kind = "weight" if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else "f32"
+    return P.ParamSpec(tuple(x.shape), (None,) * x.ndim, kind)
 
 
 def maxdiff(a, b) -> float:
@@ -136,22 +161,23 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
     refs = {}
     for case in cases:
         t0 = time.perf_counter()
-        E = CASES[case][1]
+        E, kind = CASES[case][1], QUANT.get(case)
         config = test_config(E)
-        if E not in refs:                              # single-device references, once per expert count
-            params = P.init_params(config, 0)
-            params["mtp"] = P.init_mtp(config, 7)
+        if (E, kind) not in refs:                      # single-device references, once per expert count / format
+            params = quantized(P.init_params(config, 0), kind)
+            params["mtp"] = quantized(P.init_mtp(config, 7), kind)
             tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (8, 48), 0, config.vocab_size), np.int32)
             r = {"params": params, "tokens": tokens,
                  "forward": np.asarray(dsv4_jax.forward(params, config, tokens[:, :8]))}
-            refs[E] = r
-        ref = refs[E]
+            refs[E, kind] = r
+        ref = refs[E, kind]
         params, tokens = ref["params"], ref["tokens"]
         cfg, mesh, rules = setup(case, config)
         sp = S.shard_params(params, cfg, mesh, rules)
-        res = {"split_param_leaves": n_split(sp), "backends": cfg.backends.describe()}
+        res = {"split_param_leaves": n_split(sp), "backends": cfg.backends.describe(), "quantized": kind,
+               "qarray_leaves": len(P.formats_of(sp))}
         fwd_in = S.shard_batch(tokens[:, :8], mesh, rules)
-        lowered = dsv4_jax.forward.lower(sp, cfg, fwd_in)
+        lowered = forward_jit.lower(sp, cfg, fwd_in)
         res["shard_map_in_program"] = "SPMDFullToShardShape" in lowered.as_text() or \
             "manual_computation" in lowered.as_text()
         compiled = lowered.compile()
@@ -159,7 +185,7 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
         res["forward_expert_all_gathers"] = expert_all_gathers(compiled.as_text(), config)
         w1 = sp["segments"][1][0]["ffn"]["experts"]["w1"]            # control: gathering the experts is detected
         gather = jax.jit(lambda a: a * 1.0, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        res["detector_control"] = None if w1.sharding.is_fully_replicated else \
+        res["detector_control"] = None if isinstance(w1, quant.QArray) or w1.sharding.is_fully_replicated else \
             expert_all_gathers(gather.lower(w1).compile().as_text(), config)
         if case in decode_cases:
             if "decode" not in ref:
@@ -256,9 +282,9 @@ def check_checkpoint() -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="decode and generation (oracle and MTP) on every case")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=None, help="comma list (default: every case; --full adds FULL_ONLY)")
     a = ap.parse_args(argv)
-    cases = a.cases.split(",")
+    cases = a.cases.split(",") if a.cases else [c for c in CASES if a.full or c not in FULL_ONLY]
     if a.full:
         dec, gen, mtp = cases, cases, cases
     else:

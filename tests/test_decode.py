@@ -144,10 +144,10 @@ def test_drafter_outputs_hidden_and_taps():
     _, state, aux = D.prefill(params, config, tokens[:, :12], max_len=32, taps=(1, 4))
     want = np.asarray(d.model.hidden_states(params, config, tokens[:, :12]))
     assert aux["hidden"].shape == (2, 12, config.hc_mult, config.hidden_size)
-    np.testing.assert_allclose(np.asarray(aux["hidden"]), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(aux["hidden"]), want, atol=1e-5, rtol=1e-5)
     assert aux["taps"].shape == (2, 12, 2, config.hidden_size)
     # the last tap layer's mean over streams is the mean of the final hidden streams
-    np.testing.assert_allclose(np.asarray(aux["taps"])[:, :, 1], want.mean(2), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(aux["taps"])[:, :, 1], want.mean(2), atol=1e-5, rtol=1e-5)
     _, state, aux = D.decode_step(params, config, state, tokens[:, 12], taps=(1, 4))
     assert aux["taps"].shape == (2, 1, 2, config.hidden_size)
     with pytest.raises(ValueError, match="tap layers"):

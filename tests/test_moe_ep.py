@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as PS
 import dsv4_jax
 from dsv4_jax import backends as B, config as C, decode as D, memplan as M, params as P, sharding as S
 from dsv4_jax.model import moe_ep
+from dsv4_jax.model.target import forward_jit
+from dsv4_jax.ops import quant
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -37,7 +39,7 @@ def test_backends_ep_validation_and_jit_key():
     b = B.Backends(moe="ep", ep=B.ExpertParallel(mesh, local="dense"))
     assert hash(a) != hash(b) and a != b and a == B.Backends(moe="ep", ep=ep)
     assert "ep(mesh" in a.describe() and "local=reference" in a.describe()
-    assert "unrolled" in B.Backends(unroll_layers=True).describe()
+    assert "unroll_layers" in B.Backends(unroll_layers=True).describe()
 
 
 def test_resolve_ep_local_per_platform():
@@ -116,6 +118,22 @@ def test_local_experts_match_numpy(local_case, impl):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("impl", ["sliced", "tiled", "dense", "pallas"])
+def test_local_experts_quantized_match_numpy(local_case, impl):
+    """QArray experts (int8 codes, a float32 scale per output channel): every local path equals the numpy
+    formulation on the dequantized weights codes · scale (dequantized here in numpy)."""
+    x, idx, w, local, *dense = local_case
+    qs = [quant.quantize(jnp.asarray(m), quant.INT8) for m in dense]
+    deq = [np.asarray(q.codes, np.float64) * np.asarray(q.scale, np.float64) for q in qs]   # scale [E, N, 1]
+    want = _numpy_local(x, idx, w, local, *deq, 2.0)
+    e = dict(zip(("w1", "w2", "w3"), qs))
+    n = {"sliced": 1, "tiled": 5, "dense": 5, "pallas": 5}[impl]      # 3 assignments <= E: slices; 15: many
+    local_impl = {"sliced": "reference", "tiled": "reference"}.get(impl, impl)
+    got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, local_impl, 2.0, True)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want[:n], rtol=2e-5, atol=2e-5)
+
+
 def test_local_experts_picks_slices_for_few_assignments(local_case):
     """`local_experts` (reference) equals the numpy formulation on both sides of the sliced / sorted switch."""
     x, idx, w, local, w1, w2, w3 = local_case
@@ -139,7 +157,7 @@ def _pairs(n: int):
 def _flops(config, unroll: bool) -> float:
     config = config.with_backends(B.Backends(unroll_layers=unroll))
     params = jax.eval_shape(lambda: P.init_params(config, 0))
-    cost = dsv4_jax.forward.lower(params, config, jnp.zeros((1, 4), jnp.int32)).cost_analysis()   # no compile
+    cost = forward_jit.lower(params, config, jnp.zeros((1, 4), jnp.int32)).cost_analysis()   # no compile
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
@@ -213,7 +231,8 @@ def _assert_cases(res):
         assert r["forward"] <= TOL, (name, r)
         assert r["forward_expert_all_gathers"] == 0, (name, r)        # tokens move, expert weights never do
         ctl = r["detector_control"]                                   # ... and the check sees a deliberate one
-        assert (ctl is None) if name == "odd-1x8x1" else (ctl >= 1), (name, r)
+        assert (ctl is None) if name == "odd-1x8x1" or r["quantized"] else (ctl >= 1), (name, r)
+        assert (r["qarray_leaves"] > 0) == bool(r["quantized"]), (name, r)
         if "decode" in r:
             assert r["decode"] <= TOL and r["state"] <= TOL and r["pos_equal"], (name, r)
             assert r["decode_expert_all_gathers"] == 0, (name, r)
@@ -233,7 +252,7 @@ def test_ep_matches_single_device():
     res = _run_checks([], timeout=900)
     _assert_cases(res)
     assert set(res["cases"]) == {"ep-1x8x1", "ep-2x4x1", "ep-1x2x4", "latency", "throughput", "odd-1x8x1",
-                                 "odd-1x2x4"}
+                                 "odd-1x2x4", "release-latency"}
     assert "gen-oracle" in res["cases"]["latency"]
 
 
@@ -244,7 +263,7 @@ def test_ep_matches_single_device_full():
     res = _run_checks(["--full"], timeout=3600)
     _assert_cases(res)
     assert res["checkpoint"]["latency"]["mesh"] == [1, 1, 8] and res["checkpoint"]["throughput"]["mesh"] == [1, 8, 1]
-    assert all("gen-mtp" in r and "decode" in r for r in res["cases"].values())
+    assert "int8-1x2x4" in res["cases"] and all("gen-mtp" in r and "decode" in r for r in res["cases"].values())
 
 
 def test_research_cli_sharding_option():
