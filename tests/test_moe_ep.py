@@ -50,6 +50,8 @@ def test_resolve_ep_local_per_platform():
     assert B.resolve(auto, "gpu").ep.local == "pallas" and not B.resolve(auto, "gpu").interpret
     pallas = auto.replace(ep=B.ExpertParallel(S.make_mesh(), local="pallas"))
     assert B.resolve(pallas, "cpu").interpret                     # Pallas on CPU runs interpreted
+    mosaic = auto.replace(ep=B.ExpertParallel(S.make_mesh(), local="pallas_tpu"))
+    assert B.resolve(mosaic, "cpu").interpret and not B.resolve(mosaic, "tpu").interpret
 
 
 def test_presets():
@@ -132,6 +134,24 @@ def test_local_experts_quantized_match_numpy(local_case, impl):
     got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, local_impl, 2.0, True)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want[:n], rtol=2e-5, atol=2e-5)
+
+
+def test_local_experts_pallas_tpu_interpreted():
+    """The Mosaic kernels as the EP local matmul (TPU interpret mode): decode (1 token) and grouped (5 tokens)
+    against the numpy formulation, foreign assignments as expert 0 with weight 0."""
+    rng = np.random.default_rng(1)
+    T, k, E, I, D = 5, 3, 4, 128, 128                    # kernel tiles want 128-wide matrices
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    w1, w3 = (rng.standard_normal((E, I, D)).astype(np.float32) * 0.1 for _ in range(2))
+    w2 = rng.standard_normal((E, D, I)).astype(np.float32) * 0.1
+    local = rng.random((T, k)) < 0.6
+    idx = np.where(local, rng.integers(0, E, (T, k)), 0).astype(np.int32)
+    w = (rng.random((T, k)) * local).astype(np.float32)
+    e = {"w1": jnp.asarray(w1), "w2": jnp.asarray(w2), "w3": jnp.asarray(w3)}
+    for n in (1, T):
+        got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, "pallas_tpu", 2.0, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), _numpy_local(x[:n], idx[:n], w[:n], local[:n], w1, w2, w3, 2.0),
+                                   rtol=2e-5, atol=2e-5)
 
 
 def test_local_experts_picks_slices_for_few_assignments(local_case):
