@@ -5,7 +5,8 @@ with different kernels compile two programs, side by side in one process. Ops an
 
     moe       routed-expert matmuls: "reference" (gather / sorted `ragged_dot`, `ops.moe`), "pallas" (the GPU
               Triton kernels `kernels.moe_decode` / `kernels.moe_prefill`), "pallas_tpu" (the Mosaic TPU
-              kernels `kernels.tpu_moe`)
+              kernels `kernels.tpu_moe`), "ep" (explicit expert parallelism under `shard_map`, `model.moe_ep`;
+              needs `ep`, an `ExpertParallel`: the mesh, the rules and the local grouped-matmul implementation)
     routing   sqrt-softplus + top-k routing: "reference" (`ops.moe`), "pallas" (`kernels.routing`)
     indexer   lightning-indexer scores: "reference" (`ops.indexer`), "pallas" (`kernels.lightning_indexer`),
               "pallas_tpu" (`kernels.tpu_indexer`); the exact top-k selection is `ops.indexer.topk` on all
@@ -23,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.sharding import Mesh
 
 OPS = ("moe", "routing", "indexer")
 IMPLS: dict[str, tuple[str, ...]] = {
-    "moe": ("reference", "pallas", "pallas_tpu"),
+    "moe": ("reference", "pallas", "pallas_tpu", "ep"),
     "routing": ("reference", "pallas"),
     "indexer": ("reference", "pallas", "pallas_tpu"),
 }
@@ -37,9 +39,55 @@ AUTO = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "pallas_tpu"
 # the platforms whose compiler each kernel family targets; elsewhere it runs in interpret mode
 KERNEL_PLATFORMS = {"pallas": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
 
+# local grouped matmul of the expert-parallel MoE (ExpertParallel.local), per device on its own experts:
+#   reference   few assignments: per-assignment expert slices; many: sorted `ragged_dot` over the local groups
+#               (QArray experts: expert-pure row tiles, one expert dequantized at a time)
+#   dense       few: the same slices; many: every local expert once over all tokens (XLA:TPU expands
+#               `ragged_dot` densely anyway, after a relayout copy of the weights; this skips the copy)
+#   pallas      the GPU kernels `kernels.moe_decode` / `kernels.moe_prefill` on the local experts
+#   pallas_tpu  the Mosaic kernels `kernels.tpu_moe.routed` on the local experts (formats it does not take,
+#               Q8_0: the reference)
+EP_LOCAL = ("reference", "dense", "pallas", "pallas_tpu")
+EP_LOCAL_AUTO = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "dense"}
+
 
 class BackendError(ValueError):
     """An unknown op or implementation name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Static set-up of the expert-parallel MoE (`Backends(moe="ep", ep=...)`, see `model.moe_ep`).
+
+    mesh: the device mesh the parameters and the decode state are placed on (hashable);
+    rules: the logical-axis rules of that placement as ((logical axis, (mesh axes...)), ...) — None for
+    `sharding.DEFAULT_RULES`; the shard_map in/out specs are derived from them, so they must be the
+    rules the parameters were placed with; local: the per-device grouped matmul (EP_LOCAL or "auto").
+    """
+
+    mesh: Mesh
+    rules: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    local: str = "reference"
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise BackendError(f"ExpertParallel.mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+        if self.local != "auto" and self.local not in EP_LOCAL:
+            raise BackendError(f"unknown expert-parallel local implementation {self.local!r}; choose from "
+                               f"{('auto',) + EP_LOCAL}")
+
+    @staticmethod
+    def freeze_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
+        """A rules mapping {logical axis: mesh axes} as the hashable tuple form (None stays None)."""
+        return None if rules is None else tuple(sorted((str(k), tuple(v)) for k, v in dict(rules).items()))
+
+    @property
+    def rules_dict(self) -> dict[str, tuple[str, ...]] | None:
+        return None if self.rules is None else dict(self.rules)
+
+    def describe(self) -> str:
+        shape = "x".join(str(n) for n in self.mesh.devices.shape)
+        return f"ep(mesh {shape} {'/'.join(self.mesh.axis_names)}, local={self.local})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,22 +99,30 @@ class Backends:
     indexer: str = "reference"
     interpret: bool = False
     unroll_layers: bool = False
+    ep: ExpertParallel | None = None
 
     def __post_init__(self):
         for op in OPS:
             impl = getattr(self, op)
             if impl != "auto" and impl not in IMPLS[op]:
                 raise BackendError(f"unknown {op} implementation {impl!r}; choose from {('auto',) + IMPLS[op]}")
+        if self.moe == "ep" and self.ep is None:
+            raise BackendError('moe="ep" needs ep=ExpertParallel(mesh, ...) (or a sharding preset: '
+                               'dsv4_jax.sharding.preset(name).backends(mesh))')
+        if self.ep is not None and not isinstance(self.ep, ExpertParallel):
+            raise BackendError(f"Backends.ep must be an ExpertParallel, got {type(self.ep).__name__}")
 
     @property
     def resolved(self) -> bool:
-        return all(getattr(self, op) != "auto" for op in OPS)
+        return all(getattr(self, op) != "auto" for op in OPS) and (self.ep is None or self.ep.local != "auto")
 
     def replace(self, **changes) -> "Backends":
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
         parts = [f"{op}={getattr(self, op)}" for op in OPS]
+        if self.moe == "ep":
+            parts[0] = f"moe={self.ep.describe()}"
         flags = [f for f in ("interpret", "unroll_layers") if getattr(self, f)]
         return ", ".join(parts + flags)
 
@@ -95,14 +151,18 @@ def resolve(backends: str | Backends | None, platform: str | None = None) -> Bac
     """Concrete implementations for `platform` (default: jax.default_backend()), "auto" replaced.
 
     Pallas kernels off their platform need interpret mode: it is switched on here when a "pallas" or
-    "pallas_tpu" op would run on a platform without the kernel's compiler (CPU, or the other accelerator).
+    "pallas_tpu" op (or expert-parallel local matmul) would run on a platform without the kernel's compiler
+    (CPU, or the other accelerator).
     Called at the API boundary, outside traced code.
     """
     b = named(backends)
     platform = platform or jax.default_backend()
     auto = AUTO.get(platform, "reference")
     b = dataclasses.replace(b, **{op: _available(op, auto) for op in OPS if getattr(b, op) == "auto"})
-    if any(platform not in KERNEL_PLATFORMS.get(getattr(b, op), (platform,)) for op in OPS):
+    if b.ep is not None and b.ep.local == "auto":
+        b = dataclasses.replace(b, ep=dataclasses.replace(b.ep, local=EP_LOCAL_AUTO.get(platform, "reference")))
+    impls = [getattr(b, op) for op in OPS] + ([b.ep.local] if b.moe == "ep" else [])
+    if any(platform not in KERNEL_PLATFORMS.get(impl, (platform,)) for impl in impls):
         b = dataclasses.replace(b, interpret=True)
     return b
 

@@ -31,7 +31,7 @@ from .bundle import CheckpointConfig, DSparkMeta
 from .config import ModelConfig
 from .ops import quant
 from .schedule import segments
-from .sharding import spec_sharding
+from .sharding import preset as sharding_preset, spec_sharding
 
 META_FILE = "dsv4.json"
 FORMAT_VERSIONS = (1, 2)
@@ -226,7 +226,8 @@ def _load_dspark(path: str, config: ModelConfig, item: dict, dtype, sharding, ve
     return tree, meta
 
 
-def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=None, keep_quantized: bool = False):
+def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=None, keep_quantized: bool = False,
+                    sharding=None):
     """(config, params) of a checkpoint written by `dsv4-convert`.
 
     dtype: compute dtype of the weight leaves (default: the dtype chosen at conversion; bfloat16 for kept
@@ -238,6 +239,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
     straight into the NamedSharding derived from its logical axes by `dsv4_jax.sharding` (`rules`:
     logical axis -> mesh axes, default `sharding.DEFAULT_RULES`), the same shardings as
     `sharding.param_shardings(config, mesh, formats=params.formats_of(params))`. Default: the first local device.
+    sharding: a preset name ("latency", "throughput": `dsv4_jax.sharding.PRESETS`) or `ShardingPreset`:
+    its rules and, unless `mesh` is given, its mesh over all devices; the returned config carries the
+    preset's backends (the expert-parallel MoE on that mesh).
 
     Returns (ModelConfig, params) for a target-only checkpoint. When the checkpoint holds drafters
     the config is a `CheckpointConfig(target, mtp_layers, dspark)` and params gain `params["mtp"]`
@@ -251,6 +255,12 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
                                     f"{FORMAT_VERSIONS} (re-convert the source with this dsv4-convert)")
     config = ModelConfig.from_dict(meta["config"])
     dtype = jnp.dtype(dtype if dtype is not None else meta["conversion"].get("dtype", "bfloat16"))
+    if sharding is not None:
+        preset = sharding_preset(sharding)
+        if rules is not None:
+            raise ValueError("give rules or a sharding preset, not both (the preset brings its rules)")
+        mesh, rules = mesh if mesh is not None else preset.make_mesh(), preset.rules_dict
+        config = preset.apply(config, mesh)
     sharding = _Placement(mesh, rules)
     items = meta["items"]
     keep = bool(keep_quantized)

@@ -36,8 +36,9 @@ from .cache import layer_cache_shapes, state_shapes
 from .checkpoint import load_checkpoint
 from .config import MOE, PRESETS, SLIDING, ModelConfig, preset
 from .ops import quant
-from .sharding import (DEFAULT_REPLICATED, DEFAULT_RULES, MESH_AXES, default_mesh_shape, leaf_partition_spec,
-                       make_mesh, partition_spec, state_partition_specs)
+from .sharding import (DEFAULT_REPLICATED, DEFAULT_RULES, MESH_AXES, PRESETS as SHARDING_PRESETS,
+                       default_mesh_shape, leaf_partition_spec, make_mesh, partition_spec, preset as sharding_preset,
+                       state_partition_specs)
 
 GIB = 1024 ** 3
 FORMATS = ("f32", "bf16", "quantized")
@@ -146,13 +147,17 @@ def _state_bytes(config: ModelConfig, sizes: dict, batch: int, context: int, max
 
 def plan(config: ModelConfig, *, devices: int = 1, mesh_shape: tuple[int, ...] | None = None, weights: str = "bf16",
          batch: int = 1, context: int = 4096, max_block: int = 8, drafter: str = "mtp", dspark_stages: int = 3,
-         markov_rank: int = 256, rules=None) -> dict:
+         markov_rank: int = 256, rules=None, sharding: str | None = None) -> dict:
     """Bytes of weights, drafter and decode state: totals and per device on a (data, expert, model) mesh.
 
-    mesh_shape: default `sharding.default_mesh_shape(devices)` (all devices on `expert`). The decode
+    mesh_shape: default `sharding.default_mesh_shape(devices)` (all devices on `expert`); `sharding`: a
+    preset name (`sharding.PRESETS`) whose mesh shape and rules replace mesh_shape and rules. The decode
     state is in bfloat16 (float32 when weights are f32) for `batch` sequences of `context` tokens.
     Returns a dict of bytes: parts {name: {"total", "per_device"}}, "total", "per_device".
     """
+    if sharding is not None:
+        pre = sharding_preset(sharding)
+        mesh_shape, rules = pre.mesh_shape(devices), pre.rules_dict
     shape = tuple(mesh_shape or default_mesh_shape(devices))
     if math.prod(shape) != devices:
         raise ValueError(f"mesh {shape} has {math.prod(shape)} devices, not {devices}")
@@ -172,7 +177,8 @@ def plan(config: ModelConfig, *, devices: int = 1, mesh_shape: tuple[int, ...] |
     st = _state_bytes(config, sizes, batch, context, max_block, dtype, rules, n_draft_layers)
     parts["decode state"] = {"total": st[0], "per_device": st[1]}
     weights_total = sum(v["total"] for k, v in parts.items() if k != "decode state")
-    return {"model": config.name, "weights": weights, "devices": devices, "mesh": sizes, "batch": batch,
+    return {"model": config.name, "weights": weights, "devices": devices, "mesh": sizes, "sharding": sharding,
+            "batch": batch,
             "context": context, "max_block": max_block, "drafter": drafter, "parts": parts,
             "weights_total": weights_total, "total": sum(v["total"] for v in parts.values()),
             "per_device": sum(v["per_device"] for v in parts.values()),
@@ -315,6 +321,14 @@ def _formats(text: str) -> list[str]:
     return out
 
 
+def _presets(text: str) -> list[str]:
+    out = [v for v in text.split(",") if v]
+    bad = [v for v in out if v not in SHARDING_PRESETS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown sharding preset(s) {bad}; choose from {','.join(SHARDING_PRESETS)}")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dsv4-memplan",
@@ -327,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", type=_mesh_arg, action="append", default=None,
                    help="explicit mesh DATAxEXPERTxMODEL, e.g. 1x1x8 (repeatable; replaces --devices); default "
                         "for n devices: 1xnx1 (experts split n ways, attention data-parallel)")
+    p.add_argument("--sharding", type=_presets, default=None, metavar="PRESETS",
+                   help=f"sharding presets, comma-separated from {','.join(SHARDING_PRESETS)} (dsv4_jax.sharding.PRESETS): "
+                        "one column per preset and --devices count, with the preset's mesh and rules "
+                        "(replaces --mesh)")
     p.add_argument("--dtype", type=_formats, default=["bf16", "quantized"],
                    help="weight storage, comma-separated from f32,bf16,quantized (default bf16,quantized); "
                         "quantized = release FP4 experts + FP8 projections with e8m0 scales")
@@ -347,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def table(plans: list[dict], hbm_gib: float) -> str:
     """Text table of plans of one weight format: rows = parts, columns = total and per device per mesh."""
-    head = ["part", "total"] + [f"{p['devices']} dev ({'x'.join(str(v) for v in p['mesh'].values())})"
-                                for p in plans]
+    head = ["part", "total"] + [f"{p['devices']} dev {p['sharding'] + ' ' if p.get('sharding') else ''}"
+                                f"({'x'.join(str(v) for v in p['mesh'].values())})" for p in plans]
     rows = [head]
     for part in plans[0]["parts"]:
         rows.append([part, f"{plans[0]['parts'][part]['total'] / GIB:.2f}"]
@@ -377,11 +395,14 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(checkpoint_table(m))
         return 0
     config = preset(a.preset)
-    meshes = a.mesh or [default_mesh_shape(n) for n in a.devices]
+    if a.sharding:
+        columns = [(n, None, name) for name in a.sharding for n in a.devices]
+    else:
+        columns = [(math.prod(m), m, None) for m in (a.mesh or [default_mesh_shape(n) for n in a.devices])]
     out = []
     for fmt in a.dtype:
-        plans = [plan(config, devices=math.prod(m), mesh_shape=m, weights=fmt, batch=a.batch, context=a.context,
-                      max_block=a.max_block, drafter=a.drafter) for m in meshes]
+        plans = [plan(config, devices=n, mesh_shape=m, weights=fmt, batch=a.batch, context=a.context,
+                      max_block=a.max_block, drafter=a.drafter, sharding=name) for n, m, name in columns]
         out.append((fmt, plans))
     if a.json:
         print(json.dumps({fmt: plans for fmt, plans in out}, indent=1))

@@ -21,11 +21,18 @@ are skipped (specs stay short and readable). The stacking axis `layers` is never
 
 The model code is not changed: params and state are placed with `jax.device_put` onto the
 shardings returned here and the existing jitted functions (`forward`, `decode.process_block`, ...)
-run as GSPMD programs. Axis types must be `Auto` (jax 0.10's `jax.make_mesh` defaults to
+run as GSPMD programs; with the expert-parallel backend (`Backends(moe="ep")`, set by the presets
+below) the routed experts run under an explicit `shard_map` (`model.moe_ep`).
+
+Presets (`PRESETS`, `preset(name)`): a mesh shape for n devices + rules + backends, by name:
+"latency" (tensor-parallel attention / vocabulary and expert-tensor-parallel experts on `model`,
+small batches) and "throughput" (data-parallel attention and expert-parallel experts on `expert`,
+large batches); see docs/sharding.md. Axis types must be `Auto` (jax 0.10's `jax.make_mesh` defaults to
 `Explicit`, which would demand sharding annotations inside the model), so use `make_mesh` below.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -38,6 +45,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import cache
 from . import params as P
+from .backends import REFERENCE, Backends, ExpertParallel, resolve
 from .cache import DecodeState, state_shapes
 from .config import ModelConfig
 from .ops import quant
@@ -302,6 +310,79 @@ def constrain(x, mesh: Mesh, axes: Sequence[str | None], rules=None):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+# ---- presets: mesh shape + rules + backends ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPreset:
+    """A named placement: all devices on one mesh axis, logical-axis rules, the expert-parallel MoE.
+
+    axis: the mesh axis that takes every device ("model" or "expert"); rules: ((logical axis, mesh axes),
+    ...) (hashable form of a rules mapping); local: the per-device grouped matmul of the EP MoE
+    (backends.EP_LOCAL, "auto": by platform).
+    """
+
+    name: str
+    axis: str
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+    summary: str
+    local: str = "auto"
+
+    def mesh_shape(self, n_devices: int) -> tuple[int, int, int]:
+        """(data, expert, model) with all n devices on `axis`."""
+        return tuple(n_devices if a == self.axis else 1 for a in MESH_AXES)
+
+    def make_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
+        devices = list(jax.devices() if devices is None else devices)
+        return make_mesh(self.mesh_shape(len(devices)), devices)
+
+    @property
+    def rules_dict(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.rules)
+
+    def backends(self, mesh: Mesh, base: Backends = REFERENCE) -> Backends:
+        """`base` with the expert-parallel MoE on `mesh`, resolved for the mesh's platform."""
+        ep = ExpertParallel(mesh=mesh, rules=self.rules, local=self.local)
+        platform = mesh.devices.flat[0].platform
+        return resolve(base.replace(moe="ep", ep=ep), platform)
+
+    def apply(self, config: ModelConfig, mesh: Mesh) -> ModelConfig:
+        """The config with this preset's backends on `mesh` (other backend choices kept)."""
+        return config.with_backends(self.backends(mesh, config.backends))
+
+
+def _preset_rules(**changes) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    return ExpertParallel.freeze_rules({**DEFAULT_RULES, **changes})
+
+
+PRESETS: dict[str, ShardingPreset] = {
+    # Decode latency, small batches: attention heads, O-LoRA groups, indexer heads and the vocabulary are
+    # split over `model` (tensor parallelism); each routed expert is split along its intermediate axis
+    # `mlp` over `model` too (expert-tensor parallelism), so a decode step reads 1/n of every *active*
+    # expert on each device instead of whole experts on the few devices that hold them. The decode
+    # state is replicated (one shared K=V head: nothing to split by head).
+    "latency": ShardingPreset(
+        "latency", "model", _preset_rules(experts=()),
+        "tensor-parallel attention / O-LoRA groups / vocabulary + expert-tensor-parallel experts on 'model' "
+        "(small batches)"),
+    # Throughput, large batches: the batch (decode state, attention) is split over `expert` (data-parallel
+    # attention, weights other than experts replicated) and the routed experts are split over `expert`
+    # (expert parallelism, E/n whole experts per device).
+    "throughput": ShardingPreset(
+        "throughput", "expert", _preset_rules(),
+        "data-parallel attention + expert-parallel experts on 'expert' (large batches)"),
+}
+
+
+def preset(name: str | ShardingPreset) -> ShardingPreset:
+    """A sharding preset by name (or itself)."""
+    if isinstance(name, ShardingPreset):
+        return name
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown sharding preset {name!r}; choose from {sorted(PRESETS)}") from None
+
+
 # ---- multi-host --------------------------------------------------------------------------------------
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -351,8 +432,8 @@ def describe(shardings) -> dict[str, str]:
     return dict(sorted(flat.items()))
 
 
-__all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "MESH_AXES", "constrain", "default_mesh_shape",
+__all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "MESH_AXES", "PRESETS", "ShardingPreset", "constrain", "default_mesh_shape",
            "describe", "drafter_shardings", "init_state", "initialize_distributed", "leaf_partition_spec", "make_mesh", "mesh_sizes",
-           "param_partition_specs", "param_shardings", "partition_spec", "shard_batch", "shard_params",
+           "param_partition_specs", "param_shardings", "partition_spec", "preset", "shard_batch", "shard_params",
            "shard_state", "shardings_like", "spec_sharding", "spec_tree_partition_specs", "state_partition_specs",
            "state_shardings"]

@@ -3,7 +3,9 @@
 The config's static backends pick the implementation: routing "reference" (`ops.moe.route_from_logits`)
 or "pallas" (`kernels.routing`); routed experts "reference" (gather the active experts for few tokens,
 sorted `ragged_dot` for many), "pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens,
-`kernels.moe_prefill` above) or "pallas_tpu" (`kernels.tpu_moe.routed`: Mosaic decode / grouped matmul).
+`kernels.moe_prefill` above), "pallas_tpu" (`kernels.tpu_moe.routed`: Mosaic decode / grouped matmul), or
+"ep": routed and shared experts under an explicit `shard_map` (`model.moe_ep`, expert parallelism on
+`config.backends.ep.mesh`, the local grouped matmul chosen by `config.backends.ep.local`).
 Every weight may be dense or an `ops.quant.QArray`: the router and shared expert go through `ops.linear`;
 routed experts are dequantized after gathering the active experts' codes (reference gather path), per
 expert-pure row tile (reference sorted path), or tile by tile in the kernels.
@@ -18,6 +20,7 @@ from ..config import HASH_MOE, ModelConfig
 from ..kernels import moe_decode, moe_prefill, routing, tpu_moe
 from ..ops import moe as ops
 from ..ops.linear import linear
+from . import moe_ep
 
 
 def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str):
@@ -61,6 +64,8 @@ def moe(h: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type:
     B, S, D = h.shape
     x = h.reshape(B * S, D)
     idx, w = route(x, tokens.reshape(-1), p["gate"], config, mlp_type)
+    if require(config.backends.moe, "moe") == "ep":
+        return moe_ep.moe_block(x, idx, w, p, config, batch=B).reshape(B, S, D)
     y = routed_experts(x, idx, w, p["experts"], config)
     if "shared_experts" in p:
         y = y + shared_expert(x, p["shared_experts"], config)

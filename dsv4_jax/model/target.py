@@ -35,7 +35,8 @@ def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: lis
     layer_fn(carry, layer_params, layer_state, kind_layer, layer) -> (carry, new_layer_state), where
     kind_layer is a static layer index with the right type (it fixes the code path) and layer the
     actual index (a traced int inside a scan). `states` mirrors params["segments"] (or None).
-    Returns (carry, new states).
+    Returns (carry, new states). With `config.backends.unroll_layers` the scans are unrolled (`unrolled`:
+    one copy of the body per layer, what ahead-of-time cost analysis needs to count every layer).
     """
     new_states = []
     for s, (seg, slots) in enumerate(zip(segments(config), params["segments"])):
@@ -53,12 +54,28 @@ def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: lis
             first = lambda tree: jax.tree.map(lambda a: a[0], tree)
             carry, outs = one_rep(carry, first(slots), first(cache_slots), 0)
             outs = jax.tree.map(lambda a: a[None], outs)
+        elif config.backends.unroll_layers:
+            carry, outs = unrolled(one_rep, carry, slots, cache_slots, seg.reps)
         else:
             carry, outs = jax.lax.scan(lambda c, xs: one_rep(c, *xs), carry,
-                                       (slots, cache_slots, jnp.arange(seg.reps)),
-                                       unroll=config.backends.unroll_layers)
+                                       (slots, cache_slots, jnp.arange(seg.reps)))
         new_states.append(outs)
     return carry, new_states
+
+
+def unrolled(one_rep, carry, slots, cache_slots, reps: int):
+    """The scan of `run_segments` as straight-line code: rep r reads its slice of the stacked parameters and
+    state at a layer index XLA cannot constant-fold (an optimization barrier), so each copy of the body
+    compiles like the scan body (a static slice would be materialised before its dynamic-slice users), and
+    reads and writes its state in one stacked buffer (so the write-back can be in place)."""
+    rs = jax.lax.optimization_barrier(jnp.arange(reps))
+    out_states = cache_slots
+    for r in range(reps):
+        pick = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, rs[r], 0, keepdims=False), tree)
+        carry, out = one_rep(carry, pick(slots), pick(out_states), rs[r])   # slice r is not written yet
+        put = lambda buf, new: jax.lax.dynamic_update_index_in_dim(buf, new.astype(buf.dtype), rs[r], 0)
+        out_states = jax.tree.map(put, out_states, out)
+    return carry, out_states
 
 
 def hidden_states(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -8,6 +8,8 @@ or a random tiny model for smoke tests.
                     drafters, seeded by --model-seed
     --kernels NAME  the backend choice (`dsv4_jax.backends`: auto | reference | pallas), stored in the
                     model's config (its static field; part of every jit key)
+    --sharding P    place it on all devices with a sharding preset (`dsv4_jax.sharding.PRESETS`: "latency",
+                    "throughput"): the preset's mesh and rules, the expert-parallel MoE in the config
 
 A model is held as the config bundle `load_checkpoint` returns (`CheckpointConfig`: target config plus
 drafter metadata), so every run passes it to `generate` as is and the drafters read their settings from it.
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 
 from .. import backends
 from ..bundle import CheckpointConfig, as_bundle
+from .. import sharding as S
 from ..checkpoint import load_checkpoint
 from ..config import ModelConfig, tiny
 from ..demo import ASSET_DIR, ByteTokenizer, demo_dspark_config, tiny_demo
@@ -52,6 +55,7 @@ class LoadedModel:
     default_suite: str                         # "tiny" (byte-level models) | "mtp-bench"
     info: dict = dataclasses.field(default_factory=dict)
     decode: Callable[[list[int]], str] | None = None   # ids -> text, for samples in the reports
+    sharding: str | None = None                # the sharding preset it is placed with (None: one device)
 
     @property
     def config(self) -> ModelConfig:
@@ -67,15 +71,20 @@ class LoadedModel:
         return registry.get(spec).configure(self.params, self.config, k, self.bundle.drafter_meta().get(spec))
 
     def with_backends(self, choice) -> "LoadedModel":
-        """The same model with the backend choice (`--kernels`) in its config, resolved for this platform."""
-        target = self.config.with_backends(backends.resolve(choice))
+        """The same model with the backend choice (`--kernels`) in its config, resolved for this platform; a
+        model placed with a sharding preset keeps its expert-parallel MoE."""
+        b, old = backends.resolve(choice), self.config.backends
+        if old.moe == "ep":
+            b = b.replace(moe="ep", ep=old.ep)
+        target = self.config.with_backends(b)
         return dataclasses.replace(self, bundle=dataclasses.replace(self.bundle, target=target))
 
     def describe(self) -> dict:
         c = self.config
         return {"name": self.name, "source": self.source, "config_name": c.name, "vocab_size": c.vocab_size,
                 "hidden_size": c.hidden_size, "num_layers": c.num_layers, "drafters": self.drafters(),
-                "backends": c.backends.describe(), "weight_dtype": str(self.params["embed"].dtype)}
+                "backends": c.backends.describe(), "weight_dtype": str(self.params["embed"].dtype),
+                "sharding": self.sharding}
 
 
 def _bundle(config: ModelConfig, params: dict, dspark=None) -> CheckpointConfig:
@@ -96,18 +105,35 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernels", choices=backends.CHOICES, default="reference",
                    help="implementation of the hot ops (MoE experts, routing, indexer): the jnp references, the "
                         "Pallas kernels, or auto (Pallas on GPU, references elsewhere); default reference")
+    g.add_argument("--sharding", choices=("none",) + tuple(S.PRESETS), default="none",
+                   help="place the model on all devices with a sharding preset: 'latency' (tensor-parallel "
+                        "attention + expert-tensor-parallel experts; batches up to ~32) or 'throughput' "
+                        "(data-parallel attention + expert-parallel experts; large batches); default none "
+                        "(one device). See docs/sharding.md")
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
-    """The model selected by the parsed --model / --random-tiny / --kernels options."""
+    """The model selected by the parsed --model / --random-tiny / --kernels / --sharding options."""
     dtype = None if args.dtype is None else jnp.dtype(args.dtype)
+    sharding = getattr(args, "sharding", "none")
+    sharding = None if sharding in (None, "none") else sharding
     if args.random_tiny:
         model = random_tiny(args.model_seed, dtype)
     elif args.model:
-        model = load_dir(args.model, dtype)
+        model = load_dir(args.model, dtype, sharding)
     else:
         model = bundled(dtype)
-    return model.with_backends(args.kernels)
+    model = model.with_backends(args.kernels)
+    return model if sharding is None or model.sharding == sharding else place(model, sharding)
+
+
+def place(model: LoadedModel, sharding: str) -> LoadedModel:
+    """The model's parameters on a sharding preset's mesh (all devices), its config with the preset's backends."""
+    pre = S.preset(sharding)
+    mesh = pre.make_mesh()
+    params = S.shard_params(model.params, model.config, mesh, pre.rules_dict)
+    bundle = dataclasses.replace(model.bundle, target=pre.apply(model.config, mesh))
+    return dataclasses.replace(model, bundle=bundle, params=params, sharding=pre.name)
 
 
 def check_model_dir(path: str) -> str:
@@ -151,7 +177,9 @@ def _bundle_dspark_meta(config: ModelConfig, info: dict):
     return None
 
 
-def load_dir(path: str, dtype=None) -> LoadedModel:
+def load_dir(path: str, dtype=None, sharding: str | None = None) -> LoadedModel:
+    """A bundle or checkpoint directory; a checkpoint is restored straight into the `sharding` preset's
+    placement (a bundle is placed after loading, by `load_model`)."""
     kind = check_model_dir(path)
     name = os.path.basename(os.path.normpath(path))
     if kind == "bundle":
@@ -161,11 +189,11 @@ def load_dir(path: str, dtype=None) -> LoadedModel:
                                                                               _bundle_dspark_meta(config, info)),
                            params=params, encode=tok[0], default_suite="tiny" if _byte_level(config) else "mtp-bench",
                            info=info, decode=tok[1])
-    cfg, params = load_checkpoint(path, dtype=dtype)
+    cfg, params = load_checkpoint(path, dtype=dtype, sharding=sharding)
     bundle = as_bundle(cfg)
     encode, decode = _hf_codec(path, bundle.target)
     return LoadedModel(name=name, source=f"checkpoint:{path}", bundle=bundle, params=params, encode=encode,
-                       default_suite="mtp-bench", decode=decode)
+                       default_suite="mtp-bench", decode=decode, sharding=sharding)
 
 
 def _hf_codec(path: str, config: ModelConfig):

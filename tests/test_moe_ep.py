@@ -1,0 +1,306 @@
+"""Expert-parallel MoE backend (moe="ep"): static set-up, the local grouped matmuls against a numpy
+formulation, the layer-unroll switch, sharding presets, and sharded runs on 8 forced host devices
+(a subprocess, `tests/ep_checks.py`, like tests/test_sharding.py)."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as PS
+
+import dsv4_jax
+from dsv4_jax import backends as B, config as C, decode as D, memplan as M, params as P, sharding as S
+from dsv4_jax.model import moe_ep
+from dsv4_jax.model.target import forward_jit
+from dsv4_jax.ops import quant
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TOL = 1e-5
+
+
+# ---- static set-up -------------------------------------------------------------------------------------
+
+def test_backends_ep_validation_and_jit_key():
+    mesh = S.make_mesh()
+    with pytest.raises(B.BackendError, match="needs ep="):
+        B.Backends(moe="ep")
+    with pytest.raises(B.BackendError, match="local"):
+        B.ExpertParallel(mesh, local="fastest")
+    with pytest.raises(B.BackendError, match="Mesh"):
+        B.ExpertParallel({"expert": 8})
+    ep = B.ExpertParallel(mesh, B.ExpertParallel.freeze_rules({"experts": ["expert"]}))
+    assert ep.rules_dict == {"experts": ("expert",)}
+    a = B.Backends(moe="ep", ep=ep)
+    b = B.Backends(moe="ep", ep=B.ExpertParallel(mesh, local="dense"))
+    assert hash(a) != hash(b) and a != b and a == B.Backends(moe="ep", ep=ep)
+    assert "ep(mesh" in a.describe() and "local=reference" in a.describe()
+    assert "unroll_layers" in B.Backends(unroll_layers=True).describe()
+
+
+def test_resolve_ep_local_per_platform():
+    auto = B.Backends(moe="ep", ep=B.ExpertParallel(S.make_mesh(), local="auto"))
+    assert not auto.resolved
+    assert B.resolve(auto, "cpu").ep.local == "reference" and B.resolve(auto, "cpu").resolved
+    assert B.resolve(auto, "tpu").ep.local == "dense"
+    assert B.resolve(auto, "gpu").ep.local == "pallas" and not B.resolve(auto, "gpu").interpret
+    pallas = auto.replace(ep=B.ExpertParallel(S.make_mesh(), local="pallas"))
+    assert B.resolve(pallas, "cpu").interpret                     # Pallas on CPU runs interpreted
+    mosaic = auto.replace(ep=B.ExpertParallel(S.make_mesh(), local="pallas_tpu"))
+    assert B.resolve(mosaic, "cpu").interpret and not B.resolve(mosaic, "tpu").interpret
+
+
+def test_presets():
+    lat, thr = S.preset("latency"), S.preset("throughput")
+    assert lat.mesh_shape(8) == (1, 1, 8) and thr.mesh_shape(8) == (1, 8, 1)
+    assert S.preset(lat) is lat
+    with pytest.raises(ValueError, match="unknown sharding preset"):
+        S.preset("fast")
+    flash = C.flash()
+    spec = lambda pre: P.flatten(S.param_partition_specs(flash, dict(zip(S.MESH_AXES, pre.mesh_shape(8))),
+                                                         pre.rules_dict))
+    ls, ts = spec(lat), spec(thr)
+    k = "segments.2.0.ffn.experts.w1"                              # [reps, E, I, D]
+    assert ls[k] == PS(None, None, "model")                        # latency: each expert split along mlp
+    assert ts[k] == PS(None, "expert")                             # throughput: whole experts split 8 ways
+    assert ls["segments.2.0.attn.wq_b"] == PS(None, "model") and ts["segments.2.0.attn.wq_b"] == PS()
+    assert ls["head"] == PS("model") and ts["head"] == PS()
+    cfg = lat.apply(C.tiny(), S.make_mesh((1, 1, 1)))
+    assert cfg.backends.moe == "ep" and cfg.backends.ep.rules == lat.rules and cfg.backends.resolved
+
+
+# ---- local grouped matmuls ---------------------------------------------------------------------------------
+
+def _numpy_local(x, idx, w, local, w1, w2, w3, limit):
+    """Σ over local assignments of w · W2[e] swiglu(W1[e] x, W3[e] x) (target_model.md §2.8), float64 loops."""
+    x, w1, w2, w3 = (np.asarray(a, np.float64) for a in (x, w1, w2, w3))
+    out = np.zeros((x.shape[0], w2.shape[1]))
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            if not local[t, j]:
+                continue
+            e = idx[t, j]
+            g, u = w1[e] @ x[t], w3[e] @ x[t]
+            h = np.minimum(g, limit) / (1 + np.exp(-np.minimum(g, limit))) * np.clip(u, -limit, limit)
+            out[t] += w[t, j] * (w2[e] @ h)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_case():
+    rng = np.random.default_rng(0)
+    T, k, E, I, D = 5, 3, 4, 16, 8
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    w1, w3 = (rng.standard_normal((E, I, D)).astype(np.float32) * 0.5 for _ in range(2))
+    w2 = rng.standard_normal((E, D, I)).astype(np.float32) * 0.5
+    idx = rng.integers(0, E, (T, k)).astype(np.int32)
+    local = rng.random((T, k)) < 0.6
+    w = (rng.random((T, k)) * local).astype(np.float32)
+    return x, np.where(local, idx, 0), w, local, w1, w2, w3
+
+
+@pytest.mark.parametrize("impl", ["sliced", "sorted", "dense", "pallas"])
+def test_local_experts_match_numpy(local_case, impl):
+    x, idx, w, local, w1, w2, w3 = local_case
+    want = _numpy_local(x, idx, w, local, w1, w2, w3, 2.0)
+    e = {"w1": jnp.asarray(w1), "w2": jnp.asarray(w2), "w3": jnp.asarray(w3)}
+    if impl == "sliced":
+        got = moe_ep.experts_sliced(x, idx, w, w1, w2, w3, 2.0)
+    elif impl == "sorted":
+        got = moe_ep.experts_sorted_local(x, idx, w, local, w1, w2, w3, 2.0)
+    elif impl == "dense":
+        got = moe_ep.experts_dense(x, idx, w, w1, w2, w3, 2.0)
+    else:
+        got = moe_ep.local_experts(x, idx, w, local, e, "pallas", 2.0, interpret=True)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["sliced", "tiled", "dense", "pallas"])
+def test_local_experts_quantized_match_numpy(local_case, impl):
+    """QArray experts (int8 codes, a float32 scale per output channel): every local path equals the numpy
+    formulation on the dequantized weights codes · scale (dequantized here in numpy)."""
+    x, idx, w, local, *dense = local_case
+    qs = [quant.quantize(jnp.asarray(m), quant.INT8) for m in dense]
+    deq = [np.asarray(q.codes, np.float64) * np.asarray(q.scale, np.float64) for q in qs]   # scale [E, N, 1]
+    want = _numpy_local(x, idx, w, local, *deq, 2.0)
+    e = dict(zip(("w1", "w2", "w3"), qs))
+    n = {"sliced": 1, "tiled": 5, "dense": 5, "pallas": 5}[impl]      # 3 assignments <= E: slices; 15: many
+    local_impl = {"sliced": "reference", "tiled": "reference"}.get(impl, impl)
+    got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, local_impl, 2.0, True)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want[:n], rtol=2e-5, atol=2e-5)
+
+
+def test_local_experts_pallas_tpu_interpreted():
+    """The Mosaic kernels as the EP local matmul (TPU interpret mode): decode (1 token) and grouped (5 tokens)
+    against the numpy formulation, foreign assignments as expert 0 with weight 0."""
+    rng = np.random.default_rng(1)
+    T, k, E, I, D = 5, 3, 4, 128, 128                    # kernel tiles want 128-wide matrices
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    w1, w3 = (rng.standard_normal((E, I, D)).astype(np.float32) * 0.1 for _ in range(2))
+    w2 = rng.standard_normal((E, D, I)).astype(np.float32) * 0.1
+    local = rng.random((T, k)) < 0.6
+    idx = np.where(local, rng.integers(0, E, (T, k)), 0).astype(np.int32)
+    w = (rng.random((T, k)) * local).astype(np.float32)
+    e = {"w1": jnp.asarray(w1), "w2": jnp.asarray(w2), "w3": jnp.asarray(w3)}
+    for n in (1, T):
+        got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, "pallas_tpu", 2.0, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), _numpy_local(x[:n], idx[:n], w[:n], local[:n], w1, w2, w3, 2.0),
+                                   rtol=2e-5, atol=2e-5)
+
+
+def test_local_experts_picks_slices_for_few_assignments(local_case):
+    """`local_experts` (reference) equals the numpy formulation on both sides of the sliced / sorted switch."""
+    x, idx, w, local, w1, w2, w3 = local_case
+    e = {"w1": w1, "w2": w2, "w3": w3}
+    for n in (1, 5):                                 # 3 ≤ E = 4 assignments: slices; 15: sorted
+        got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, "reference", 2.0, False)
+        np.testing.assert_allclose(np.asarray(got), _numpy_local(x[:n], idx[:n], w[:n], local[:n], w1, w2, w3, 2.0),
+                                   rtol=2e-5, atol=2e-5)
+
+
+# ---- unrolled layer scans ------------------------------------------------------------------------------------
+
+def _pairs(n: int):
+    """tiny_flash_like with n HCA/CSA pairs (a scan of n reps for n >= 2)."""
+    c = C.tiny_flash_like()
+    L = 3 + 2 * n
+    return c.replace(num_layers=L, layer_types=c.layer_types[:L], compress_ratios=c.compress_ratios[:L],
+                     mlp_layer_types=c.mlp_layer_types[:L], name=f"pairs{n}")
+
+
+def _flops(config, unroll: bool) -> float:
+    config = config.with_backends(B.Backends(unroll_layers=unroll))
+    params = jax.eval_shape(lambda: P.init_params(config, 0))
+    cost = forward_jit.lower(params, config, jnp.zeros((1, 4), jnp.int32)).cost_analysis()   # no compile
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+def test_unroll_layers_counts_every_layer_and_keeps_logits():
+    """XLA's cost analysis counts a scan body once; with unroll_layers every rep of the pair scan counts."""
+    config = _pairs(2)
+    params = P.init_params(config, 0)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (1, 6), 0, config.vocab_size)
+    unrolled = config.with_backends(B.Backends(unroll_layers=True))
+    np.testing.assert_allclose(np.asarray(dsv4_jax.forward(params, unrolled, tokens)),
+                               np.asarray(dsv4_jax.forward(params, config, tokens)), rtol=TOL, atol=TOL)
+    lg_u, st_u, _ = D.prefill(params, unrolled, tokens, max_len=16, max_block=4)   # state written back in place
+    lg_s, st_s, _ = D.prefill(params, config, tokens, max_len=16, max_block=4)
+    np.testing.assert_allclose(np.asarray(lg_u), np.asarray(lg_s), rtol=TOL, atol=TOL)
+    for a, b in zip(jax.tree.leaves(st_u.layers), jax.tree.leaves(st_s.layers)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=TOL, atol=TOL)
+    u1, u2, u3 = (_flops(_pairs(n), True) for n in (1, 2, 3))
+    assert u3 - u2 == pytest.approx(u2 - u1, rel=1e-3) and u3 > u2 > u1      # unrolled: every pair counts once
+    assert _flops(_pairs(3), False) == pytest.approx(_flops(_pairs(2), False), rel=1e-9)   # scanned: body once
+
+
+# ---- memory plan ---------------------------------------------------------------------------------------------
+
+def test_memplan_shows_presets(capsys):
+    assert M.main(["--sharding", "latency,throughput", "--devices", "8", "--dtype", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "8 dev latency (1x1x8)" in text and "8 dev throughput (1x8x1)" in text
+    config = C.flash()
+    lat = M.plan(config, devices=8, mesh_shape=(1, 1, 8), rules=S.preset("latency").rules_dict, drafter="none")
+    thr = M.plan(config, devices=8, mesh_shape=(1, 8, 1), rules=S.preset("throughput").rules_dict, drafter="none")
+    experts = "routed experts"
+    assert lat["parts"][experts]["per_device"] == pytest.approx(thr["parts"][experts]["per_device"])   # 1/8 each
+    attn = "attention + shared expert"
+    assert lat["parts"][attn]["per_device"] < thr["parts"][attn]["per_device"] / 4
+
+
+# ---- sharded runs (subprocess with 8 host devices) ---------------------------------------------------------
+
+def _run_checks(args, timeout):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                         "--xla_llvm_disable_expensive_passes=true")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "ep_checks.py"), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    print(json.dumps(res, indent=1))
+    assert res["devices"] == 8
+    return res
+
+
+def _assert_cases(res):
+    lay = res["layouts"]
+    assert lay["ep-1x8x1"] == {"tokens": str(PS("expert")), "w1": str(PS("expert")),
+                               "gather": ["expert"], "reduce": [], "shared": [], "fold": True}
+    assert lay["ep-1x2x4"]["w1"] == str(PS(("expert", "model")))
+    assert lay["ep-1x2x4"]["gather"] == ["expert"] and lay["ep-1x2x4"]["reduce"] == ["model"]
+    assert lay["ep-1x2x4"]["fold"]                              # shared expert's psum over model joins the routed one
+    assert lay["ep-2x4x1"]["tokens"] == str(PS(("data", "expert"))) and lay["ep-2x4x1"]["gather"] == ["expert"]
+    assert lay["latency"]["w1"] == str(PS(None, "model")) and lay["latency"]["gather"] == []
+    assert lay["latency"]["reduce"] == ["model"] and lay["latency"]["fold"]
+    assert lay["odd-1x2x4"]["w1"] == str(PS("expert", "model"))   # 6 experts: 2-way EP + mlp TP
+    assert "embed" in lay["errors"]["embed-split"] and "shared expert" in lay["errors"]["shared-over-tokens"]
+    for name, r in res.get("checkpoint", {}).items():              # load_checkpoint(path, sharding=name)
+        assert r["bad"] == [] and r["split"] > 0 and r["moe"] == "ep", (name, r)
+    for name, r in res["cases"].items():
+        assert r["shard_map_in_program"], (name, r)
+        # 6 experts on 1x8x1 fall back to replicated experts (pure data parallelism); the rest split weights
+        assert (r["split_param_leaves"] == 0) if name == "odd-1x8x1" else (r["split_param_leaves"] > 0), (name, r)
+        assert r["forward"] <= TOL, (name, r)
+        assert r["forward_expert_all_gathers"] == 0, (name, r)        # tokens move, expert weights never do
+        ctl = r["detector_control"]                                   # ... and the check sees a deliberate one
+        assert (ctl is None) if name == "odd-1x8x1" or r["quantized"] else (ctl >= 1), (name, r)
+        assert (r["qarray_leaves"] > 0) == bool(r["quantized"]), (name, r)
+        if "decode" in r:
+            assert r["decode"] <= TOL and r["state"] <= TOL and r["pos_equal"], (name, r)
+            assert r["decode_expert_all_gathers"] == 0, (name, r)
+        for key in ("gen-oracle", "gen-mtp"):
+            if key in r:
+                g = r[key]
+                assert g["same_tokens"] and g["same_accepted"] and g["same_rounds"], (name, key, g)
+                assert min(g["lengths"]) < max(g["lengths"]), g          # a sequence finished early (EOS)
+                assert 0 < g["accepted"] < g["drafted"], g               # drafts accepted and rejected
+
+
+def test_ep_matches_single_device():
+    """Forward logits on every case (EP 1x8x1 / 2x4x1 / 1x2x4, the two presets, odd expert counts; reference,
+    dense and interpreted Pallas local matmuls) with no expert weights all-gathered; greedy speculative
+    generation (oracle drafter: verify blocks of k+1 = 4, a sequence finished by EOS in the batch) with the
+    latency preset. Decode steps, MTP and the checkpoint restore: the slow test."""
+    res = _run_checks([], timeout=900)
+    _assert_cases(res)
+    assert set(res["cases"]) == {"ep-1x8x1", "ep-2x4x1", "ep-1x2x4", "latency", "throughput", "odd-1x8x1",
+                                 "odd-1x2x4", "release-latency"}
+    assert "gen-oracle" in res["cases"]["latency"]
+
+
+@pytest.mark.slow
+def test_ep_matches_single_device_full():
+    """Every check on every case, greedy speculative generation with the MTP drafter (its MoE runs EP too), and a
+    converted checkpoint restored with load_checkpoint(path, sharding=preset) for both presets."""
+    res = _run_checks(["--full"], timeout=3600)
+    _assert_cases(res)
+    assert res["checkpoint"]["latency"]["mesh"] == [1, 1, 8] and res["checkpoint"]["throughput"]["mesh"] == [1, 8, 1]
+    assert "int8-1x2x4" in res["cases"] and all("gen-mtp" in r and "decode" in r for r in res["cases"].values())
+
+
+def test_research_cli_sharding_option():
+    """--sharding places the model with the preset (one device here) and the EP backend gives the same logits."""
+    import argparse
+    from dsv4_jax.research import models
+    p = argparse.ArgumentParser()
+    models.add_model_args(p)
+    a = p.parse_args(["--random-tiny", "--sharding", "latency"])
+    m = models.load_model(a)
+    plain = models.load_model(p.parse_args(["--random-tiny"]))
+    assert m.sharding == "latency" and m.describe()["sharding"] == "latency" and plain.sharding is None
+    assert m.config.backends.moe == "ep" and plain.config.backends.moe == "reference"
+    tokens = jnp.asarray([[1, 5, 9, 200, 7, 3]], jnp.int32)
+    target = lambda params: {k: v for k, v in params.items() if k not in ("mtp", "dspark")}
+    np.testing.assert_allclose(np.asarray(dsv4_jax.forward(target(m.params), m.config, tokens)),
+                               np.asarray(dsv4_jax.forward(target(plain.params), plain.config, tokens)),
+                               rtol=TOL, atol=TOL)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--random-tiny", "--sharding", "fastest"])
