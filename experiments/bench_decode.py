@@ -311,7 +311,8 @@ class Bench:
         last = self.tokens(B, 1)[:, 0]
         z = lambda *s: jnp.zeros(s, jnp.int32)
         out = jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(last)
-        return loop.Carry(out=out, out_len=jnp.ones((B,), jnp.int32), last=last, done=jnp.zeros((B,), bool),
+        return loop.Carry(out=out, out_len=jnp.ones((B,), jnp.int32),
+                          limit=jnp.full((B,), opts.max_new_tokens, jnp.int32), last=last, done=jnp.zeros((B,), bool),
                           target=st, drafter=dstate, key=jax.random.PRNGKey(0),
                           stats=loop.Stats(rounds=z(B), drafted=z(B), accepted=z(B), per_position=z(B, k),
                                            proposed_at=z(B, k), length_hist=z(B, k + 1)), round=z())

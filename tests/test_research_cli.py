@@ -1,8 +1,8 @@
 """dsv4-sweep / dsv4-batch-eval on a tiny random model bundle: documented outputs, bad options.
 
-The two CLI runs use the same prompt, budget, batch size and draft widths, so the second reuses the
-first's compilations (in-process jit cache); a 2-layer SWA model keeps each compilation short.
-"""
+The sweep runs once (module fixture) and the padded-generation check reuses its compilations; the
+batch evaluation compiles its slot programs for the baseline only; a 2-layer SWA model keeps each
+compilation short."""
 import json
 import os
 
@@ -101,24 +101,33 @@ def test_sweep_writes_documented_outputs(sweep_out):
     assert "| spec | k | knob | T | B | n_requests | total_predicted | total_draft | total_draft_accepted |" in md
 
 
-def test_batch_eval_writes_documented_outputs(bundle, sweep_out, tmp_path):
+def test_batch_eval_writes_documented_outputs(bundle, tmp_path):
+    """Static and continuous batching of 3 prompts in 2 slots with per-request budgets: the documented files
+    and fields, the same tokens under both schedules (greedy), one record per request and schedule."""
     out = str(tmp_path / "batch")
     os.mkdir(out)                      # an existing empty --out is accepted (the rule of dsv4_jax.outdir)
-    assert batch_eval.main(["--model", bundle, "--out", out, "--batch-size", "1", "--num-prompts", "2", *RUN]) == 0
+    assert batch_eval.main(["--model", bundle, "--out", out, "--spec", "none", "--batch-size", "2", "--num-prompts",
+                            "3", "--limit", "1", "--output-lengths", "2-7", "--ignore-eos", "--prefill-len", "16",
+                            "--no-compile-cache", "--quiet"]) == 0
     assert sorted(os.listdir(out)) == ["batch_eval.json", "batch_eval.md", "latency.png", "results.jsonl",
                                        "throughput.png"]
     summary = json.load(open(os.path.join(out, "batch_eval.json")))
-    assert summary["meta"]["n_prompts"] == 2
+    meta = summary["meta"]
+    assert meta["n_prompts"] == 3 and meta["schedules"] == ["static", "continuous"]
+    assert len(meta["budgets"]) == 3 and all(2 <= b <= 7 for b in meta["budgets"])
     rows = summary["settings"]
-    assert [r["spec_type"] for r in rows] == ["none", "mtp", "dspark"]
+    assert [(r["spec_type"], r["schedule"]) for r in rows] == [("none", "static"), ("none", "continuous")]
     for r in rows:
-        for key in ("n_requests", "total_predicted", "tokens_per_s", "speedup", "decode_tokens_per_s",
-                    "latency_mean_s", "latency_p50_s", "latency_p90_s", "aggregate_accept_rate",
-                    "mean_accepted_length", "n_batches"):
+        for key in ("n_requests", "total_predicted", "tokens_per_s", "vs_static", "speedup", "slot_utilization",
+                    "latency_mean_s", "latency_p50_s", "latency_p90_s", "ttft_p50_s", "ttft_p90_s",
+                    "aggregate_accept_rate", "mean_accepted_length", "chunks", "warmup_s"):
             assert key in r, key
-        assert r["n_requests"] == 2 and r["n_batches"] == 2 and r["latency_p90_s"] >= r["latency_p50_s"] > 0
-    assert len(open(os.path.join(out, "results.jsonl")).readlines()) == 6
-    assert "| spec | k | knob | T | B | sequences |" in open(os.path.join(out, "batch_eval.md")).read()
+        assert r["n_requests"] == 3 and r["total_predicted"] == sum(meta["budgets"])
+        assert r["latency_p90_s"] >= r["latency_p50_s"] >= r["ttft_p50_s"] > 0
+    assert rows[0]["vs_static"] == 1.0 and rows[1]["outputs_match_static"] is True
+    records = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+    assert len(records) == 6 and [len(r["output_tokens"]) for r in records[:3]] == meta["budgets"]
+    assert "| spec | k | knob | T | B | schedule | requests |" in open(os.path.join(out, "batch_eval.md")).read()
 
 
 def test_padded_generation_equals_generate(bundle, sweep_out):
@@ -154,6 +163,23 @@ def test_sweep_rejects_bad_options(args, message, tmp_path, capsys):
     out = tmp_path / "never"
     with pytest.raises(SystemExit) as e:
         sweep.main(["--random-tiny", "--out", str(out), "--no-compile-cache", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--schedule", "static,fifo"], "--schedule: unknown schedule(s) ['fifo']"),
+    (["--output-lengths", "16"], "--output-lengths: give a range LO-HI"),
+    (["--output-lengths", "16-256", "--max-new-tokens", "8"], "--max-new-tokens or --output-lengths"),
+    (["--chunk-rounds", "0"], "--chunk-rounds must be >= 1"),
+    (["--mesh", "2x2"], "expected DATAxEXPERTxMODEL"),
+    (["--mesh", "1x3x1"], "needs 3 devices"),
+])
+def test_batch_eval_rejects_bad_options(args, message, tmp_path, capsys):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as e:
+        batch_eval.main(["--random-tiny", "--out", str(out), "--no-compile-cache", *args])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()

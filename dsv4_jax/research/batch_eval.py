@@ -1,13 +1,20 @@
-"""`dsv4-batch-eval`: throughput and per-sequence latency of batched generation, with and without speculation.
+"""`dsv4-batch-eval`: throughput and per-request latency of batched generation under static and continuous
+batching, with and without speculation.
 
-The prompts (a suite, cycled to --num-prompts, or a prompts file) are decoded in consecutive batches
-of B (ragged prompts: `generate` pads them and tracks each sequence's length). For each spec type ×
-draft_n_max × temperature × batch size: one untimed warm-up per batch shape, then every batch timed
-(median over --repeats). Throughput = generated tokens / total wall time; a sequence's latency is the
-wall time of its batch (mean / p50 / p90 over sequences).
+The prompts (a suite, cycled to --num-prompts, or a prompts file) are all queued at time 0 and decoded in
+B slots by `dsv4_jax.spec.scheduler.SlotEngine`, under each --schedule in the same run on the same
+prompts: `static` refills the slots only when the whole batch has finished (each batch runs until its
+longest sequence ends), `continuous` refills every freed slot between decode chunks. Output lengths
+spread by EOS or, with --output-lengths LO-HI, by per-request budgets drawn uniformly (seeded). For each
+spec type × draft_n_max × knob × temperature × batch size: one engine (compiled once, warmed up untimed),
+then every schedule timed, the schedules interleaved (the median run over --repeats).
 
-Output (--out DIR, written atomically): batch_eval.json ({"meta", "settings"}), batch_eval.md,
-results.jsonl (one line per batch × setting), throughput.png, latency.png.
+Throughput = generated tokens / wall time of the whole run; a request's latency = the time from the start
+(its arrival) to its last token, TTFT = to its first token (sampled by its prefill); mean / p50 / p90.
+
+Output (--out DIR, written atomically): batch_eval.json ({"meta", "settings"}: a row per setting ×
+schedule), batch_eval.md, results.jsonl (one line per request × setting × schedule), throughput.png,
+latency.png.
 """
 from __future__ import annotations
 
@@ -15,25 +22,31 @@ import argparse
 import sys
 from typing import Sequence
 
+import numpy as np
+
+from .. import sharding
+from ..spec.options import Sampling, Speculation
+from ..spec.scheduler import SCHEDULES, RunResult, SlotEngine
 from . import common, report
 from .common import OptionError
 from .models import add_model_args
-from .runner import BASELINE, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, run_batch, warm_up
-from .sweep import plan_run, prepare_run
+from .runner import BASELINE, Setting, effective_draft_n_max, grid_settings
+from .sweep import prepare_run
 
 EXAMPLES = """examples:
-  dsv4-batch-eval --out results/batch                      # bundled tiny model, 16 prompts, B=1,4, none/mtp/dspark k=3
-  dsv4-batch-eval --out results/batch8 --batch-size 1,2,4,8 --num-prompts 32 --spec none,dspark
-  dsv4-batch-eval --out results/batch-t1 --temperature 1 --draft-n-max 2,4 --repeats 3
-  dsv4-batch-eval --out results/ckpt --model /ckpt/dsv4-flash --prompts-file prompts.jsonl
+  dsv4-batch-eval --out results/batch                      # bundled tiny model, 16 prompts, B=4, static vs continuous
+  dsv4-batch-eval --out results/cb --spec none --batch-size 4 --num-prompts 32 --output-lengths 16-256 --ignore-eos
+  dsv4-batch-eval --out results/cb-spec --spec none,mtp,dspark --draft-n-max 3 --output-lengths 16-128
+  dsv4-batch-eval --out results/ckpt --model /ckpt/dsv4-flash --prompts-file prompts.jsonl --mesh 1x8x1
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dsv4-batch-eval", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
-        description="Batch evaluation: decode many prompts in batches of B and report throughput (generated "
-                    "tokens/s) and per-sequence latency (mean/p50/p90), with and without speculative decoding.")
+        description="Batch evaluation: decode many prompts in B slots under static and continuous batching and "
+                    "report throughput (generated tokens/s), per-request latency and time to first token, with "
+                    "and without speculative decoding.")
     add_model_args(p)
     g = p.add_argument_group("settings (comma-separated lists; integer ranges like 1-4 allowed)")
     g.add_argument("--spec", default="none,mtp,dspark", help="spec types (default none,mtp,dspark)")
@@ -41,12 +54,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--p-min", default="0", metavar="P", help="MTP p_min values (default 0)")
     g.add_argument("--confidence", default="0", metavar="C", help="DSpark confidence thresholds (default 0)")
     g.add_argument("--temperature", default="0", metavar="T", help="temperatures (default 0 = greedy)")
-    g.add_argument("--batch-size", default="1,4", metavar="B", help="batch sizes (default 1,4)")
+    g.add_argument("--batch-size", default="4", metavar="B", help="decode slots (default 4)")
     g.add_argument("--num-prompts", type=int, default=16, metavar="N",
                    help="prompts to decode per setting: the selected prompts cycled or cut to N (default 16)")
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--schedule", default="static,continuous",
+                   help="schedules to compare, in the same run on the same prompts (default static,continuous)")
+    s.add_argument("--output-lengths", metavar="LO-HI",
+                   help="per-request max_new_tokens drawn uniformly from LO..HI (seeded by --seed); default: "
+                        "every request gets --max-new-tokens and lengths spread by EOS only")
+    s.add_argument("--chunk-rounds", type=int, default=32, metavar="N",
+                   help="a decode chunk runs at most N speculative rounds before the host looks at the slots "
+                        "(it also ends when a sequence finishes; default 32)")
+    s.add_argument("--prefill-len", type=int, default=64, metavar="C",
+                   help="prompts are prefilled in chunks of C tokens (one compiled shape; default 64)")
+    s.add_argument("--mesh", metavar="DxExM",
+                   help="shard the model over a data x expert x model device mesh, e.g. 1x8x1 (default: one "
+                        "device)")
     common.add_prompt_args(p, default_per_category=None)
     common.add_run_args(p)
     return p
+
+
+def schedule_list(text: str) -> list[str]:
+    out = [s.strip().lower() for s in text.split(",") if s.strip()]
+    bad = [s for s in out if s not in SCHEDULES]
+    if bad or not out:
+        raise OptionError(f"--schedule: unknown schedule(s) {bad or [text]}; choose from {', '.join(SCHEDULES)}")
+    return list(dict.fromkeys(out))
 
 
 def parse_settings(a: argparse.Namespace) -> tuple[list[Setting], list[int]]:
@@ -58,7 +93,32 @@ def parse_settings(a: argparse.Namespace) -> tuple[list[Setting], list[int]]:
     sizes = common.int_list(a.batch_size, "--batch-size", 1)
     if a.num_prompts < 1:
         raise OptionError(f"--num-prompts must be >= 1, got {a.num_prompts}")
+    for name in ("chunk_rounds", "prefill_len"):
+        if getattr(a, name) < 1:
+            raise OptionError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    a.schedules = schedule_list(a.schedule)
+    a.length_range = output_range(a.output_lengths)
+    if a.length_range and a.max_new_tokens:
+        raise OptionError("give --max-new-tokens or --output-lengths, not both")
+    a.mesh_obj = common.parse_mesh(a.mesh)
     return grid_settings(specs, ks, {"p_min": p_mins, "confidence_threshold": confs}, temps, sizes), ks
+
+
+def output_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    values = common.int_list(text, "--output-lengths", 1)
+    if "-" not in text and ".." not in text or len(values) < 2:
+        raise OptionError(f"--output-lengths: give a range LO-HI with LO < HI, got {text!r}")
+    return values[0], values[-1]
+
+
+def budgets_for(n: int, max_new: int, length_range: tuple[int, int] | None, seed: int) -> list[int]:
+    """Per-request max_new_tokens: uniform in the range (seeded), or max_new for all."""
+    if length_range is None:
+        return [max_new] * n
+    lo, hi = length_range
+    return np.random.default_rng(seed).integers(lo, hi + 1, n).tolist()
 
 
 def cycle_to(prompts: list[dict], n: int) -> list[dict]:
@@ -71,59 +131,108 @@ def cycle_to(prompts: list[dict], n: int) -> list[dict]:
     return out
 
 
-def evaluate(model, prompts: list[dict], setting: Setting, plan: RunPlan, repeats: int, bar) -> tuple[dict, list]:
-    """(aggregate row, per-batch records) of one setting."""
-    groups = batches(prompts, setting.batch_size)
-    warm = 0.0
-    for size in sorted({len(g) for g in groups}):
-        warm += warm_up(model, next(g for g in groups if len(g) == size), setting, plan)
-        bar.update(1)
-    batch_records, latencies = [], []
-    for i, group in enumerate(groups):
-        r = run_batch(model, group, setting, plan, repeats)
-        st = r["stats"]
-        batch_records.append({**setting.as_dict(), "batch_index": i, "n": len(group), "ids": [p["id"] for p in group],
-                              "predicted": st["generated"], "draft": st["drafted"], "accepted": st["accepted"],
-                              "rounds": st["rounds"], "wall_s": r["wall_s"], "walls": r["walls"],
-                              "decode_s": r["decode_s"],
-                              "tokens_per_s": st["generated"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
-                              "per_sequence_generated": st["per_sequence_generated"],
-                              "per_position_accepted": st["per_position_accepted"],
-                              "per_position_proposed": st["per_position_proposed"]})
-        latencies += [r["wall_s"]] * len(group)
-        bar.update(repeats)
-    agg = report.aggregate(batch_records)
-    lat = report.percentiles(latencies)
-    per_tok = [rec["wall_s"] / max(1, g) for rec in batch_records for g in rec["per_sequence_generated"]]
-    row = {**setting.as_dict(), "label_no_batch": setting.label.rsplit(" B=", 1)[0],
-           "effective_draft_n_max": effective_draft_n_max(setting, model), **agg,
-           "n_batches": len(groups), "latency_mean_s": lat["mean"], "latency_p50_s": lat["p50"],
-           "latency_p90_s": lat["p90"], "latency_max_s": lat["max"],
-           "ms_per_token_p50": 1000 * report.percentiles(per_tok)["p50"], "warmup_s": warm}
-    return row, batch_records
+def build_engine(model, prompts: list[dict], budgets: list[int], setting: Setting, a) -> SlotEngine:
+    return SlotEngine.build(
+        model.params, model.bundle, [p["tokens"] for p in prompts], budgets, batch=setting.batch_size,
+        chunk_rounds=a.chunk_rounds, prefill_len=a.prefill_len,
+        sampling=Sampling(temperature=setting.temperature, top_p=a.top_p, seed=a.seed),
+        speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1), p_min=setting.p_min,
+                                confidence_threshold=setting.confidence_threshold),
+        eos_token_id=common.eos_for(a))
 
 
-MD_HEADER = ("spec", "k", "knob", "T", "B", "sequences", "generated", "accept_rate", "mean_acc_len", "tok/s",
-             "speed-up", "latency mean (s)", "p50 (s)", "p90 (s)", "ms/token p50")
+def schedule_row(setting: Setting, run: RunResult, walls: list[float], model) -> dict:
+    """The aggregate row of one setting under one schedule (the median run)."""
+    res = run.results
+    drafted, accepted, rounds = (sum(getattr(r, f) for r in res) for f in ("drafted", "accepted", "rounds"))
+    pos_acc = np.sum([r.per_position_accepted for r in res], axis=0).tolist() if setting.draft_n_max else []
+    pos_prop = np.sum([r.per_position_proposed for r in res], axis=0).tolist() if setting.draft_n_max else []
+    lat = report.percentiles([r.finished_s for r in res])
+    ttft = report.percentiles([r.first_token_s for r in res])
+    return {**setting.as_dict(), "schedule": run.schedule, "label_no_batch": setting.label.rsplit(" B=", 1)[0],
+            "effective_draft_n_max": effective_draft_n_max(setting, model), "n_requests": len(res),
+            "total_predicted": run.generated, "total_draft": drafted, "total_draft_accepted": accepted,
+            "rounds": rounds, "aggregate_accept_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": (accepted + rounds) / rounds if rounds else 0.0,
+            "per_position_accept_rate": [x / y if y else 0.0 for x, y in zip(pos_acc, pos_prop)],
+            "wall_s": run.wall_s, "walls": walls, "tokens_per_s": run.tokens_per_s, "prefill_s": run.prefill_s,
+            "chunks": run.chunks, "loop_rounds": run.rounds, "slot_utilization": run.slot_utilization,
+            "latency_mean_s": lat["mean"], "latency_p50_s": lat["p50"], "latency_p90_s": lat["p90"],
+            "latency_max_s": lat["max"], "ttft_mean_s": ttft["mean"], "ttft_p50_s": ttft["p50"],
+            "ttft_p90_s": ttft["p90"]}
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """vs_static: tokens/s over the static row of the same setting; speedup: over the 'none' row with the
+    same schedule, temperature and batch size (None without one)."""
+    static = {r["label"]: r["tokens_per_s"] for r in rows if r["schedule"] == "static"}
+    base = {(r["schedule"], r["temperature"], r["batch_size"]): r["tokens_per_s"] for r in rows
+            if r["spec_type"] == BASELINE}
+    for r in rows:
+        s, b = static.get(r["label"]), base.get((r["schedule"], r["temperature"], r["batch_size"]))
+        r["vs_static"] = r["tokens_per_s"] / s if s else None
+        r["speedup"] = r["tokens_per_s"] / b if b else None
+    return rows
+
+
+def evaluate(model, prompts: list[dict], budgets: list[int], setting: Setting, a, bar) -> tuple[list, list]:
+    """(rows, per-request records) of one setting under every schedule."""
+    engine = build_engine(model, prompts, budgets, setting, a)
+    warm = engine.warm_up()
+    bar.update(1)
+    runs: dict[str, list[RunResult]] = {s: [] for s in a.schedules}
+    for _ in range(a.repeats):              # schedules interleaved: a change of machine load hits both
+        for schedule in a.schedules:
+            runs[schedule].append(engine.run(schedule))
+            bar.update(1)
+    rows, records, outputs = [], [], {}
+    for schedule in a.schedules:
+        walls = [r.wall_s for r in runs[schedule]]
+        run = sorted(runs[schedule], key=lambda r: r.wall_s)[(len(walls) - 1) // 2]
+        row = {**schedule_row(setting, run, walls, model), "warmup_s": warm, "max_len": engine.max_len}
+        outputs[schedule] = [r.tokens for r in run.results]
+        if setting.temperature == 0 and schedule != a.schedules[0]:
+            # greedy: every schedule must give every request the same tokens
+            row["outputs_match_" + a.schedules[0]] = outputs[schedule] == outputs[a.schedules[0]]
+        rows.append(row)
+        for p, r in zip(prompts, run.results):
+            rec = {**setting.as_dict(), "schedule": schedule, "id": p["id"], "category": p.get("category"),
+                   "prompt_tokens": len(p["tokens"]), **r.as_dict()}
+            rec["output_tokens"] = rec.pop("tokens")
+            records.append(rec)
+    return rows, records
+
+
+MD_HEADER = ("spec", "k", "knob", "T", "B", "schedule", "requests", "generated", "tok/s", "vs static", "speed-up",
+             "slot use", "accept_rate", "mean_acc_len", "latency mean (s)", "p50 (s)", "p90 (s)", "TTFT p50 (s)",
+             "TTFT p90 (s)")
 
 
 def markdown(summary: dict) -> str:
     m = summary["meta"]
-    rows = [(s["spec_type"], s["draft_n_max"] if s["spec_type"] != BASELINE else "–",
-             report.knob_text(s),
-             f"{s['temperature']:g}", s["batch_size"], s["n_requests"], s["total_predicted"],
-             s["aggregate_accept_rate"], s["mean_accepted_length"], f"{s['tokens_per_s']:.1f}",
-             f"{s['speedup']:.2f}×" if s["speedup"] is not None else "–", s["latency_mean_s"], s["latency_p50_s"],
-             s["latency_p90_s"], f"{s['ms_per_token_p50']:.2f}") for s in summary["settings"]]
+    rows = [(s["spec_type"], s["draft_n_max"] if s["spec_type"] != BASELINE else "–", report.knob_text(s),
+             f"{s['temperature']:g}", s["batch_size"], s["schedule"], s["n_requests"], s["total_predicted"],
+             f"{s['tokens_per_s']:.1f}", _times(s["vs_static"]), _times(s["speedup"]), s["slot_utilization"],
+             s["aggregate_accept_rate"], s["mean_accepted_length"], s["latency_mean_s"], s["latency_p50_s"],
+             s["latency_p90_s"], s["ttft_p50_s"], s["ttft_p90_s"]) for s in summary["settings"]]
+    lengths = m["output_lengths"] or f"max_new_tokens {m['max_new_tokens']} (EOS spreads them)"
     return "\n".join([
         f"# Batch evaluation — {m['model']['name']}", "",
-        f"- model: `{m['model']['source']}`; {m['n_prompts']} prompts from `{m['suite']}` "
-        f"(max_new_tokens {m['max_new_tokens']}, repeats {m['repeats']}, seed {m['seed']}, padded to {m['pad_to']})",
+        f"- model: `{m['model']['source']}`; {m['n_prompts']} prompts from `{m['suite']}`, output lengths: "
+        f"{lengths}; ignore_eos {m['ignore_eos']}, repeats {m['repeats']}, seed {m['seed']}",
+        f"- slots: chunk of at most {m['chunk_rounds']} rounds, prefill chunks of {m['prefill_len']} tokens; "
+        f"mesh {m['mesh'] or 'none'}",
         f"- {m['env']['backend']} ({', '.join(sorted(set(m['env']['devices'])))}), jax {m['env']['jax_version']}, "
         f"{m['env']['date']}", f"- command: `{m['env']['command']}`", "",
-        "tok/s = all generated tokens / total wall time; a sequence's latency = the wall time of its batch; "
-        "speed-up against `none` with the same T and B.", "",
+        "tok/s = all generated tokens / wall time of the run; every request arrives at 0, latency = time to its "
+        "last token, TTFT = to its first; vs static = tok/s over the static schedule of the same setting; "
+        "speed-up = over `none` with the same schedule, T and B; slot use = rounds a slot held a running "
+        "request / (B × rounds).", "",
         report.markdown_table(MD_HEADER, rows), ""])
+
+
+def _times(v) -> str:
+    return "–" if v is None else f"{v:.2f}×"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,27 +240,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(argv)
     (settings, ks), model, notes, suite, prompts, suite_max_new = prepare_run(
         parser, a, parse_settings, lambda g: (sorted({s.spec for s in g[0]}), g[1]))
+    for n in notes:
+        print(n, file=sys.stderr)
+    if a.mesh_obj is not None:
+        model.params = sharding.shard_params(model.params, model.config, a.mesh_obj)
     prompts = cycle_to(prompts, a.num_prompts)
-    max_new, plan, total = plan_run(a, model, prompts, settings, suite_max_new, notes)
-    print(f"dsv4-batch-eval: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "
-          f"max_new_tokens {max_new} -> {a.out}", file=sys.stderr)
+    max_new = a.max_new_tokens or suite_max_new
+    budgets = budgets_for(len(prompts), max_new, a.length_range, a.seed)
+    total = len(settings) * (1 + a.repeats * len(a.schedules))
+    print(f"dsv4-batch-eval: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings × "
+          f"{'/'.join(a.schedules)}, output lengths {a.output_lengths or max_new} -> {a.out}", file=sys.stderr)
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "batch-eval") as bar:
         rows, records = [], []
         for s in settings:
-            row, recs = evaluate(model, prompts, s, plan, a.repeats, bar)
-            rows.append(row)
+            new_rows, recs = evaluate(model, prompts, budgets, s, a, bar)
+            rows += new_rows
             records += recs
-            report.add_speedups(rows)
+            add_ratios(rows)
             if not a.quiet:
-                bar.write(f"{s.label:<36} tok/s={row['tokens_per_s']:8.1f} latency p50={row['latency_p50_s']:.3f}s "
-                          f"p90={row['latency_p90_s']:.3f}s accept={row['aggregate_accept_rate']:.3f} "
-                          f"(warm-up {row['warmup_s']:.1f} s)")
+                for r in new_rows:
+                    bar.write(f"{s.label:<30} {r['schedule']:<10} tok/s={r['tokens_per_s']:8.1f} "
+                              f"latency p50={r['latency_p50_s']:.2f}s p90={r['latency_p90_s']:.2f}s "
+                              f"TTFT p50={r['ttft_p50_s']:.2f}s slot use={r['slot_utilization']:.2f} "
+                              f"(warm-up {r['warmup_s']:.1f} s)")
         summary = {"meta": {"tool": "dsv4-batch-eval", "env": report.environment("dsv4-batch-eval", argv),
                             "model": model.describe(), "suite": suite, "n_prompts": len(prompts),
-                            "max_new_tokens": max_new, "repeats": a.repeats, "seed": a.seed, "top_p": a.top_p,
-                            "ignore_eos": a.ignore_eos, "pad_to": plan.pad_to, "max_len": plan.max_len,
-                            "timing": "per batch: wall time of generate (prefill + decode, jax.block_until_ready), "
-                                      "median over repeats, one untimed warm-up per setting and batch shape"},
+                            "schedules": a.schedules, "max_new_tokens": max(budgets),
+                            "output_lengths": a.output_lengths, "budgets": budgets, "repeats": a.repeats,
+                            "seed": a.seed, "top_p": a.top_p, "ignore_eos": a.ignore_eos,
+                            "chunk_rounds": a.chunk_rounds, "prefill_len": a.prefill_len,
+                            "mesh": None if a.mesh_obj is None else dict(sharding.mesh_sizes(a.mesh_obj)),
+                            "timing": "per schedule: wall time of SlotEngine.run (prefills, inserts and decode "
+                                      "chunks, host synchronised after each), median over repeats, after one "
+                                      "untimed warm-up per setting that compiles every program"},
                    "settings": rows}
         report.write_jsonl(f"{tmp}/results.jsonl", records)
         if not a.no_plots:

@@ -8,6 +8,7 @@ import re
 import jax
 from tqdm.auto import tqdm
 
+from .. import sharding
 from . import prompts as P
 from .runner import SPEC_TYPES
 
@@ -145,6 +146,22 @@ def enable_compile_cache(a: argparse.Namespace) -> None:
     os.makedirs(a.compile_cache, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", a.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def parse_mesh(text: str | None):
+    """None (no --mesh: one device, no sharding) or the `sharding.make_mesh` of 'DATAxEXPERTxMODEL' sizes."""
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise OptionError(f"--mesh {text!r}: expected DATAxEXPERTxMODEL sizes like 1x2x1")
+    try:
+        return sharding.make_mesh(shape)
+    except ValueError as e:
+        raise OptionError(f"--mesh {text}: {e}") from None
 
 
 def eos_for(a: argparse.Namespace) -> int | None:

@@ -254,25 +254,40 @@ def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
 
 
 def plot_batch_eval(rows: Sequence[dict], out_dir: str, title: str) -> list[str]:
-    """throughput.png (tokens/s vs batch size) and latency.png (p50 per-sequence latency vs batch size)."""
+    """throughput.png (tokens/s per setting, a bar per schedule) and latency.png (per-request latency and
+    time to first token per setting and schedule: bars p50, ticks p90); rows as `dsv4-batch-eval` writes them."""
     plt = _pyplot()
-    lines: dict[str, list[dict]] = {}
-    for r in rows:
-        lines.setdefault(r["label_no_batch"], []).append(r)
-    written = []
-    for fname, key, ylabel, what in (
-            ("throughput.png", "tokens_per_s", "generated tokens / s (all sequences)", "Throughput"),
-            ("latency.png", "latency_p50_s", "per-sequence latency p50 (s)", "Per-sequence latency")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for label, rs in sorted(lines.items()):
-            rs = sorted(rs, key=lambda r: r["batch_size"])
-            ax.plot([r["batch_size"] for r in rs], [r[key] for r in rs], marker="o", label=label)
-        ax.set(xlabel="batch size", ylabel=ylabel, title=f"{what} vs batch size — {title}")
-        ax.set_xticks(sorted({r["batch_size"] for r in rows}))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+    at = {(r["label"], r["schedule"]): r for r in rows}
+    width = 0.8 / max(1, len(schedules))
+    x = np.arange(len(labels))
+
+    def bars(ax, key, tick=None):
+        for i, s in enumerate(schedules):
+            xs = x + (i - (len(schedules) - 1) / 2) * width
+            ys = [at[(lab, s)][key] if (lab, s) in at else 0.0 for lab in labels]
+            ax.bar(xs, ys, width, label=s)
+            if tick:
+                ax.scatter(xs, [at[(lab, s)][tick] if (lab, s) in at else 0.0 for lab in labels], marker="_",
+                           s=200, color="black", zorder=3)
+        ax.set_xticks(x, labels, rotation=20, ha="right", fontsize=8)
         ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-        written.append(_save(fig, out_dir, fname))
+
+    written = []
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels) + 2), 4.5))
+    bars(ax, "tokens_per_s")
+    ax.set(ylabel="generated tokens / s (all requests)", title=f"Throughput by schedule — {title}")
+    written.append(_save(fig, out_dir, "throughput.png"))
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 3 * len(labels) + 4), 4.5))
+    bars(axes[0], "latency_p50_s", "latency_p90_s")
+    axes[0].set(ylabel="seconds", title="request latency (bar p50, tick p90)")
+    bars(axes[1], "ttft_p50_s", "ttft_p90_s")
+    axes[1].set(ylabel="seconds", title="time to first token (bar p50, tick p90)")
+    fig.suptitle(f"Latency by schedule — {title}")
+    written.append(_save(fig, out_dir, "latency.png"))
     return written
 
 

@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from ..decode import CapacityError, advance, process_block
 from ..drafters import registry
 from ..ops.sampling import sample_first
-from .loop import Carry, Knobs, Options, Stats, emit, run_rounds, run_rounds_python
+from .loop import Carry, Knobs, Options, initial_carry, run_rounds, run_rounds_python
 from .options import RunShape, Sampling, Speculation, group_options
 
 NO_DRAFTER = (None, "none")
@@ -78,14 +78,7 @@ def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Arr
     zero = jnp.zeros((B,), jnp.int32)
     dstate = drafter.init(params, config, opts.setup, B, max_len, dtype)
     dstate = drafter.observe(params, config, opts.setup, dstate, aux, nxt, zero, n)
-    out = jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32)
-    fresh = lambda *shape: jnp.zeros(shape, jnp.int32)   # distinct buffers: the carry is donated
-    c = Carry(out=out, out_len=fresh(B), last=first, done=jnp.zeros((B,), bool), target=state, drafter=dstate,
-              key=key, stats=Stats(rounds=fresh(B), drafted=fresh(B), accepted=fresh(B), per_position=fresh(B, k),
-                                   proposed_at=fresh(B, k), length_hist=fresh(B, k + 1)), round=fresh())
-    # the first token is already generated: emit it (it may be EOS, or the whole budget)
-    out, out_len, done, _ = emit(c, first[:, None], jnp.ones((B,), jnp.int32), opts)
-    return c.replace(out=out, out_len=out_len, done=done)
+    return initial_carry(first, state, dstate, key, opts)
 
 
 def summarize(c: Carry, opts: Options, wall_s: float) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from ..drafters import registry
 from ..drafters.base import DraftSetup, Knobs
 from ..ops import sampling
 
-__all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "round_jit", "round_step", "run_rounds", "run_rounds_python"]
+__all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "run_rounds",
+           "run_rounds_python"]
 
 
 @struct.dataclass
@@ -59,6 +60,7 @@ class Stats:
 class Carry:
     out: jax.Array             # [B, max_new + k + 1] generated tokens (−1 = none)
     out_len: jax.Array         # [B]
+    limit: jax.Array           # [B] each sequence's token budget (<= opts.max_new_tokens, the buffer's)
     last: jax.Array            # [B] the next token to feed the target (sampled, not yet processed)
     done: jax.Array            # [B] bool
     target: DecodeState
@@ -72,7 +74,7 @@ def emit(c: Carry, tokens: jax.Array, n_new: jax.Array, opts: Options):
     """Append up to n_new[b] of tokens [B,m] to each output; stop at EOS or the budget. -> (out, out_len, done, n)."""
     m = tokens.shape[1]
     j = jnp.arange(m)[None, :]
-    n = jnp.where(c.done, 0, jnp.minimum(n_new, opts.max_new_tokens - c.out_len))
+    n = jnp.where(c.done, 0, jnp.minimum(n_new, c.limit - c.out_len))
     hit_eos = jnp.zeros_like(c.done)
     if opts.eos_token_id >= 0:
         is_eos = (tokens == opts.eos_token_id) & (j < n[:, None])
@@ -82,8 +84,23 @@ def emit(c: Carry, tokens: jax.Array, n_new: jax.Array, opts: Options):
     idx = jnp.where(j < n[:, None], c.out_len[:, None] + j, c.out.shape[1])
     out = c.out.at[jnp.arange(c.out.shape[0])[:, None], idx].set(tokens, mode="drop")
     out_len = c.out_len + n
-    done = c.done | hit_eos | (out_len >= opts.max_new_tokens)
+    done = c.done | hit_eos | (out_len >= c.limit)
     return out, out_len, done, n
+
+
+def initial_carry(first: jax.Array, target: DecodeState, drafter, key, opts: Options, limit=None) -> Carry:
+    """The carry of freshly prefilled sequences: first [B] (the token sampled from the prompt) already
+    emitted, empty statistics; limit [B] per-sequence budgets (default opts.max_new_tokens)."""
+    B, k = first.shape[0], opts.k
+    fresh = lambda *shape: jnp.zeros(shape, jnp.int32)   # distinct buffers: the carry is donated
+    limit = jnp.full((B,), opts.max_new_tokens, jnp.int32) if limit is None else jnp.asarray(limit, jnp.int32)
+    c = Carry(out=jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32), out_len=fresh(B), limit=limit,
+              last=first, done=jnp.zeros((B,), bool), target=target, drafter=drafter, key=key,
+              stats=Stats(rounds=fresh(B), drafted=fresh(B), accepted=fresh(B), per_position=fresh(B, k),
+                          proposed_at=fresh(B, k), length_hist=fresh(B, k + 1)), round=fresh())
+    # the first token is already generated: emit it (it may be EOS, or the whole budget)
+    out, out_len, done, _ = emit(c, first[:, None], jnp.ones((B,), jnp.int32), opts)
+    return c.replace(out=out, out_len=out_len, done=done)
 
 
 def _verify(key, logits, drafts, q, n_draft, knobs: Knobs, opts: Options):
@@ -124,7 +141,8 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
                   per_position=s.per_position + ((kk < a[:, None]) & active[:, None]),
                   proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]),
                   length_hist=s.length_hist + ((jnp.arange(k + 1)[None, :] == n_draft[:, None]) & active[:, None]))
-    return Carry(out=out, out_len=out_len, last=jnp.where(active, nxt, c.last), done=done, target=tstate,
+    return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
+                 target=tstate,
                  drafter=dstate, key=key, stats=stats, round=c.round + 1)
 
 
