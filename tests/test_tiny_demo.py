@@ -102,7 +102,7 @@ def test_round_parts_split_a_round():
 
 def test_evaluate_bundle_reports_speedups_and_where_they_are_bounded():
     from dsv4_jax.training.evaluate import evaluate_bundle, format_table
-    res = evaluate_bundle(n_prompts=1, max_new=12, ks=(1,))
+    res = evaluate_bundle(n_prompts=1, max_new=12, ks=(1,), chain=2, chain_repeats=1)
     plain = res["runs"][0]
     assert plain["drafter"] == "none" and plain["ms_per_decode_step"] > 0
     for r in res["runs"][1:]:

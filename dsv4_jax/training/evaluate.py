@@ -179,12 +179,14 @@ def round_accounting(run: dict, s_per_token_plain: float, batch: int = 1) -> dic
 
 
 def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int = 128, batch: int = 1,
-                    ks=(1, 2, 3, 4, 5), repeats: int = 1, backends=None) -> dict:
+                    ks=(1, 2, 3, 4, 5), repeats: int = 1, backends=None, chain: int = 20,
+                    chain_repeats: int = 7) -> dict:
     """Greedy runs on held-out prompts (batch `batch`): plain, MTP and DSpark at each draft_n_max.
 
     repeats: timed calls per prompt group (the fastest counts). Also times the verify block alone
     (`block_costs`, S = 1..max(ks)+1) and each drafter's propose / observe (`drafter_costs`) in the same
-    process. backends: the kernels (`dsv4_jax.backends`; default: the references).
+    process, each the fastest of `chain_repeats` chains of `chain` calls. backends: the kernels
+    (`dsv4_jax.backends`; default: the references).
     """
     demo = tiny_demo(path)
     config, params = target_config(demo.config, backends), demo.params
@@ -220,8 +222,10 @@ def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int =
                                                       zip(agg["per_position_accepted"], agg["per_position_proposed"])],
                          "rounds": agg["rounds"], "drafted": agg["drafted"], "accepted": agg["accepted"]})
             runs[-1].update(round_accounting(runs[-1], s_per_token, batch))
-    blocks = block_costs(params, config, range(1, max(ks) + 2), taps=demo.dspark.target_layer_ids)
-    drafter_s = {name: drafter_costs(params, config, name, bundle.drafter_meta().get(name), ks) for name in DRAFTERS}
+    blocks = block_costs(params, config, range(1, max(ks) + 2), taps=demo.dspark.target_layer_ids, chain=chain,
+                         repeats=chain_repeats)
+    drafter_s = {name: drafter_costs(params, config, name, bundle.drafter_meta().get(name), ks, chain=chain,
+                                     repeats=chain_repeats) for name in DRAFTERS}
     if batch == 1:
         for r in runs[1:]:
             r.update(round_parts(r, blocks, drafter_s[r["drafter"]]))
