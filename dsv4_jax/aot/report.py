@@ -132,7 +132,7 @@ def fit_rows(report: dict) -> list[list]:
     return rows
 
 
-FIT_HEAD = ["topology", "chips (hosts)", "mesh d×e×m", "weights", "args GiB/chip", "peak GiB/chip", "HBM GiB",
+FIT_HEAD = ["topology", "chips (hosts)", "mesh d×e×m", "weights", "args GiB/chip (max)", "peak GiB/chip (max)", "HBM GiB",
             "fits", "decode ms", "verify ms", "MTP round ms", "DSpark round ms", "prefill tok/s"]
 
 
@@ -159,7 +159,9 @@ def markdown(report: dict) -> str:
          "bf16 rate; roofline = max(HLO-op bytes / bandwidth, flops / peak); ms XLA optimal = the TPU "
          "compiler's own `optimal_seconds`. Every layer is in the program (layer scans unrolled) unless noted.",
          "", "## Will it fit, and how fast could it be", "",
-         "ms: roofline estimate (bound in parentheses); prefill tok/s = batch × chunk / roofline.", "",
+         "Maxima over the programs (the DSpark round holds the most: target + drafter weights); ms: roofline "
+         "estimate per call (the bound at HBM bandwidth in parentheses); prefill tok/s = batch × chunk / roofline.",
+         "",
          fit_table(report), ""]
     for run in report["runs"]:
         L += [f"## {run['topology']}, {run['weights']} weights", "",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import math
 import os
@@ -115,12 +116,12 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
         hlo_dir: str | None = None, command: str = "", log=sys.stdout, checkpoint: Callable | None = None,
         prefill_min: int = 8, fit_as_run: bool = True) -> dict:
     """Compile `programs` for every topology × weight format; returns the report dict. A prefill chunk that
-    runs out of memory is halved until it fits (`compile_prefill`, not below `prefill_min` tokens).
+    does not fit is halved until it does (`compile_prefill`, not below `prefill_min` tokens per sequence).
     fit_as_run: also compile each program with its layer scans (as a run executes it) for the fit.
-
     checkpoint(report) is called after every program (the CLI writes a partial JSON with it).
     """
     t0 = time.perf_counter()
+    say = lambda msg: _log(msg, t0, log)
     # the program as a run executes it (layer scans) decides the fit; the unrolled one gives the costs
     rolled = config.with_backends(config.backends.replace(unroll_layers=False)) \
         if fit_as_run and config.backends.unroll_layers else None
@@ -133,8 +134,8 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
         devs = chips.devices(topo)
         hbm, source = (hbm_gib * chips.GIB, "--hbm-gib") if hbm_gib else chips.hbm_bytes(topo, devs)
         shape = mesh_shape(len(devs), mesh, mesh_preset)
-        m = S.make_mesh(shape, devs)
-        options = chips.TPU_COMPILE_OPTIONS if topo.is_tpu else None
+        target = Target(topo, devs, S.make_mesh(shape, devs), hbm,
+                        chips.TPU_COMPILE_OPTIONS if topo.is_tpu else None)
         for w in weights:
             run_ = {"topology": topo.name, "chips": len(devs), "hosts": chips.host_count(devs),
                     "chip": dataclasses.asdict(topo.chip), "device_kind": devs[0].device_kind,
@@ -143,18 +144,10 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
             report["runs"].append(run_)
             for name in programs:
                 dump = os.path.join(hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if hlo_dir else None
-
-                def compile_one(sh: I.Shapes, last_try: bool = True) -> dict:
-                    _log(f"{topo.name} {w} {name}: building", t0, log)
-                    prog = PR.build(name, config, m, w, sh, rules)
-                    as_run = PR.build(name, rolled, m, w, sh, rules) if rolled is not None else None
-                    row = C.compile_program(prog, topo.chip, len(devs), hbm, as_run=as_run, options=options,
-                                            top=top, force=force, hlo_dump=dump, count_if_unfit=last_try)
-                    _log(f"{topo.name} {w} {name}: {summary_line(row, len(devs))}", t0, log)
-                    return row
-
-                row = compile_prefill(compile_one, shapes, prefill_min) if name == "prefill" else compile_one(shapes)
-                run_["programs"].append(row)
+                one = functools.partial(compile_one, target, name, config, rolled, w, rules=rules, top=top,
+                                        force=force, hlo_dump=dump, say=say)
+                run_["programs"].append(compile_prefill(one, shapes, prefill_min) if name == "prefill"
+                                        else one(shapes))
                 if checkpoint:
                     report["meta"]["wall_s"] = time.perf_counter() - t0
                     checkpoint(report)
@@ -162,6 +155,32 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
                 run_["kernels"] = kernel_reports(devs, config, shapes, w)
     report["meta"]["wall_s"] = time.perf_counter() - t0
     return report
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where programs are compiled for: topology, its devices and mesh, HBM per device, compiler options."""
+
+    topology: chips.Topology
+    devices: list
+    mesh: object
+    hbm: float
+    options: dict | None
+
+
+def compile_one(target: Target, name: str, config: ModelConfig, rolled: ModelConfig | None, weights: str,
+                shapes: I.Shapes, last_try: bool = True, *, rules=None, top: int = 15, force: bool = False,
+                hlo_dump: str | None = None, say=lambda msg: None) -> dict:
+    """Build program `name` (unrolled `config`, and as run with `rolled` when given) and compile it."""
+    label = f"{target.topology.name} {weights} {name}"
+    say(f"{label}: building")
+    prog = PR.build(name, config, target.mesh, weights, shapes, rules)
+    as_run = PR.build(name, rolled, target.mesh, weights, shapes, rules) if rolled is not None else None
+    row = C.compile_program(prog, target.topology.chip, len(target.devices), target.hbm, as_run=as_run,
+                            options=target.options, top=top, force=force, hlo_dump=hlo_dump,
+                            count_if_unfit=last_try)
+    say(f"{label}: {summary_line(row)}")
+    return row
 
 
 def compile_prefill(compile_one: Callable[..., dict], shapes: I.Shapes, min_chunk: int) -> dict:
@@ -186,7 +205,7 @@ def compile_prefill(compile_one: Callable[..., dict], shapes: I.Shapes, min_chun
     return row
 
 
-def summary_line(row: dict, n_chips: int) -> str:
+def summary_line(row: dict) -> str:
     if not row.get("compiled"):
         return f"not compiled — fits={row.get('fits')}: {row.get('reason', '')[:200]}"
     m, c, e = row["memory"], row["cost"], row["estimate"]
