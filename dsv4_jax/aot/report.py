@@ -132,8 +132,8 @@ def fit_rows(report: dict) -> list[list]:
     return rows
 
 
-FIT_HEAD = ["topology", "chips (hosts)", "mesh d×e×m", "weights", "args GiB/chip (max)", "peak GiB/chip (max)", "HBM GiB",
-            "fits", "decode ms", "verify ms", "MTP round ms", "DSpark round ms", "prefill tok/s"]
+FIT_HEAD = ["topology", "chips (hosts)", "mesh d×e×m", "weights", "args GiB/chip (max)", "peak GiB/chip (max)",
+            "HBM GiB", "fits", "decode ms", "verify ms", "MTP round ms", "DSpark round ms", "prefill tok/s"]
 
 
 def fit_table(report: dict) -> str:
