@@ -67,7 +67,8 @@ ENTRY %main.9 (w: bf16[64,512,1024], i: s32[], cache: bf16[8,128,512], row: bf16
   %all-to-all = bf16[4,2,64]{2,1,0} all-to-all(%row), channel_id=5, replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=1] {'axis_0','axis_1'}, dimensions={0}
   %copy-start = (f32[4096]{0:S(1)}, f32[4096]{0}, u32[]) copy-start(%x)
   %copy-done = f32[4096]{0:S(1)} copy-done(%copy-start)
-  %init = (s32[], f32[4096]{0}) tuple(%i, %x)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4096]{0}) tuple(%zero, %x)
   %while = (s32[], f32[4096]{0}) while(%init), condition=%cond, body=%body
   ROOT %gte.3 = f32[4096]{0} get-tuple-element(%while), index=1
 }
@@ -91,6 +92,25 @@ def test_hlo_bytes_per_op():
     assert rows["copy-start"]["bytes"] == 4096 * 4                          # HBM read, VMEM write
     assert rows["negate.1"]["bytes"] == 2 * 4096 * 4                        # inside the while body
     assert "dynamic-slice.1" not in rows and "collective-permute-done" not in rows and "gte.3" not in rows
+
+
+def test_hlo_loops_scaled_by_trip_count():
+    """The while loop runs 10 times (counter from constant 0, `< 10`): with scale_loops its body's bytes count
+    10×; trip counts also come from XLA's known_trip_count or a reversed compare."""
+    m = hlo.parse(SAMPLE)
+    counts, loops = hlo.executions(m)
+    assert counts["body"] == 10 and counts["cond"] == 11 and counts["fused_slice"] == 1
+    assert loops == [{"body": "body", "trips": 10, "op_name": ""}]
+    once = {r["name"]: r for r in hlo.top_ops(m, 50)["ops"]}
+    scaled = {r["name"]: r for r in hlo.top_ops(m, 50, scale_loops=True)["ops"]}
+    assert scaled["negate.1"]["bytes"] == 10 * once["negate.1"]["bytes"] and scaled["negate.1"]["runs"] == 10
+    assert scaled["fusion"]["bytes"] == once["fusion"]["bytes"]
+    flipped = SAMPLE.replace("compare(%gte.2, %constant.3), direction=LT", "compare(%constant.3, %gte.2), direction=GT")
+    assert hlo.executions(hlo.parse(flipped))[0]["body"] == 10
+    known = SAMPLE.replace("condition=%cond, body=%body", 'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}')
+    assert hlo.executions(hlo.parse(known))[0]["body"] == 7
+    unknown = SAMPLE.replace("tuple(%zero, %x)", "tuple(%i, %x)")
+    assert hlo.executions(hlo.parse(unknown))[1][0]["trips"] is None       # counted once, and said so
 
 
 def test_hlo_collectives():

@@ -3,12 +3,15 @@
 Per program: lower + compile times; `memory_analysis()` (per-device argument / output / alias / temp /
 generated-code bytes; peak = argument + output − alias + temp); `cost_analysis()` (flops, bytes accessed,
 transcendentals, and on TPU the compiler's own `optimal_seconds`); the HLO text's top ops by bytes and its
-collectives (`aot.hlo`); the bytes bound split ideally over the chips; and time estimates at the chip's HBM
-bandwidth and peak bf16 rate (roofline: the larger of bytes / bandwidth and flops / peak).
+collectives (`aot.hlo`, while bodies × their trip counts); the bytes bound split ideally over the chips; and
+time estimates at the chip's HBM bandwidth and peak bf16 rate (roofline: the larger of bytes / bandwidth and
+flops / peak).
 
-Two compiles per program: the costs come from the program with every layer unrolled (XLA's cost analysis
-counts a `while` body once); the fit from the program as a run executes it, with its layer scans (unrolled,
-XLA may overlap several layers' weight gathers and need more memory than the real program). A program fits
+Two compiles per program. The program as a run executes it, with its layer scans, gives the memory (hence
+the fit) and the HLO analysis: bytes per op, top ops and collectives, each while body counted × its trip
+count. The program with every layer unrolled gives XLA's flops and bytes accessed with every layer counted
+(XLA's cost analysis counts a `while` body once); unrolled, XLA may start several layers' weight transfers
+at once and copies / re-lays out the stacked layer weights, so its memory and bytes overstate the run's. A program fits
 when its peak ≤ the HBM one device may use. Before compiling, the exact per-device argument bytes (from the
 shardings) are checked: arguments alone over HBM is "does not fit" without a compile (unless `force`).
 On TPU the compiles run with `xla_tpu_no_crash_on_oom`, so a program that does not fit still compiles and
@@ -104,6 +107,19 @@ def _failed(row: dict, error: str) -> dict:
     return row
 
 
+def _analyse(compiled, top: int, dump: str | None) -> dict:
+    """HLO analysis of a compiled program, while bodies × trip counts (`hlo.analyse`); text saved to `dump`."""
+    text = compiled.as_text()
+    if dump:
+        with open(dump, "w") as f:
+            f.write(text)
+    out = hlo.analyse(text, top, scale_loops=True)
+    out["chars"] = len(text)
+    del text
+    gc.collect()
+    return out
+
+
 def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_run: Program | None = None,
                     options: dict | None = None, top: int = 15, force: bool = False,
                     hlo_dump: str | None = None, count_if_unfit: bool = True) -> dict:
@@ -123,6 +139,7 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
         row.update(fits=False, compiled=False,
                    reason=f"arguments alone need {args / GIB:.2f} GiB per device > {hbm / GIB:.2f} GiB HBM")
         return row
+    run_hlo = None
     if as_run is not None:
         compiled, _, secs, error = _compile(as_run, options)
         row["as_run_compile_s"] = secs
@@ -130,10 +147,11 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
             return _failed(row, error)
         row["memory_as_run"] = memory(compiled)
         row["cost_as_run"] = cost(compiled)        # repeated layers counted once: for comparison only
+        run_hlo = _analyse(compiled, top, hlo_dump and hlo_dump.replace(".hlo.txt", ".as_run.hlo.txt"))
         del compiled
         peak = row["memory_as_run"].get("peak")
         if not count_if_unfit and peak is not None and peak > hbm:
-            row.update(compiled=False, fits=False, required_bytes=peak, memory=row["memory_as_run"],
+            row.update(compiled=False, fits=False, required_bytes=peak, memory=row["memory_as_run"], hlo=run_hlo,
                        reason=f"as run it needs {peak / GIB:.2f} GiB per device > {hbm / GIB:.2f} GiB HBM")
             return row
     compiled, row["lower_s"], row["compile_s"], error = _compile(program, options)
@@ -144,15 +162,14 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
     row["memory"] = row.get("memory_as_run", row["memory_unrolled"])
     row["fit_from"] = "as run (layer scans)" if as_run is not None else "the unrolled program"
     row["cost"] = cost(compiled)
-    text = compiled.as_text()
-    row["hlo_chars"] = len(text)
-    if hlo_dump:
-        with open(hlo_dump, "w") as f:
-            f.write(text)
+    unrolled_hlo = _analyse(compiled, top, hlo_dump)
     del compiled
-    gc.collect()
-    row["hlo"] = hlo.analyse(text, top)
-    del text
+    # bytes, top ops and collectives: the program as run, loop bodies × trip counts (the unrolled text has
+    # copies of the stacked layer weights a run does not make); the unrolled text's totals for comparison
+    row["hlo"] = run_hlo or unrolled_hlo
+    row["hlo_unrolled"] = {"top_ops": {k: unrolled_hlo["top_ops"][k] for k in ("total_bytes", "instructions")},
+                           "collectives": {k: unrolled_hlo["collectives"][k]
+                                           for k in ("by_opcode", "count", "total_operand_bytes")}}
     peak = row["memory"].get("peak")
     row["fits"] = None if peak is None else peak <= hbm
     if row["fits"] is False:

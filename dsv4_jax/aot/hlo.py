@@ -84,6 +84,7 @@ class Instruction:
     attrs: str
     root: bool = False
     param: int | None = None      # parameter number of a `parameter` instruction
+    literal: str | None = None    # the value text of a `constant`
 
     def attr(self, key: str) -> str | None:
         """Value of `key=...` (a %name, {...} group or token)."""
@@ -204,6 +205,7 @@ def parse_instruction(line: str) -> Instruction | None:
     inner, attrs = rest[om.end():end], rest[end + 1:].lstrip(", ")
     operands = []
     param = int(inner) if opcode == "parameter" and inner.strip().isdigit() else None
+    literal = inner.strip() if opcode == "constant" else None
     if opcode not in ("constant", "parameter"):
         for tok in _split_top(inner):
             names = re.findall(r"%([\w.\-]+)", tok)
@@ -211,7 +213,7 @@ def parse_instruction(line: str) -> Instruction | None:
                 operands.append(names[-1])
             elif re.fullmatch(r"[\w.\-]+", tok):
                 operands.append(tok)
-    return Instruction(name, shape, opcode, operands, attrs, root, param)
+    return Instruction(name, shape, opcode, operands, attrs, root, param, literal)
 
 
 def parse(text: str) -> Module:
@@ -224,7 +226,7 @@ def parse(text: str) -> Module:
             if m:
                 cur_name, cur_entry, cur = m.group(2), bool(m.group(1)), []
             continue
-        if line.strip() == "}":
+        if line.startswith("}"):              # "}" or "}, execution_thread=..." (TPU SparseCore computations)
             comps[cur_name] = Computation(cur_name, cur_entry, cur)
             cur_name = None
             continue
@@ -349,9 +351,92 @@ def _async_written(comp: Computation, ins: Instruction) -> float:
     return sum(a.nbytes for a in left if a.memory_space == 0)
 
 
-def executed_computations(module: Module) -> list[Computation]:
-    """The entry computation and those it runs as control flow (while bodies, branches, calls) — not
-    fusion bodies, which belong to their fusion instruction."""
+_CONTROL = ("while", "conditional", "call", "call-start", "async-start")
+_FLIP = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "EQ": "EQ", "NE": "NE"}
+
+
+def _int_constant(comp: Computation, name: str) -> int | None:
+    """The integer value of `name` in `comp` when it is a scalar constant (through copies / bitcasts)."""
+    ins = comp.by_name.get(name)
+    while ins is not None and ins.opcode in ("copy", "bitcast", "convert") and ins.operands:
+        ins = comp.by_name.get(ins.operands[0])
+    if ins is None or ins.opcode != "constant" or not re.fullmatch(r"-?\d+", ins.literal or ""):
+        return None
+    return int(ins.literal)
+
+
+def trip_count(module: Module, comp: Computation, loop: Instruction) -> int | None:
+    """Iterations of a `while` instruction of `comp`: XLA's known_trip_count when given, else read from a
+    condition `counter <cmp> constant` whose counter starts from a constant in the loop's init tuple."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+    if m:
+        return int(m.group(1))
+    cond = module.computations.get((loop.attr("condition") or "").lstrip("%"))
+    if cond is None or cond.root.opcode != "compare" or len(cond.root.operands) != 2:
+        return None
+    direction = re.search(r"direction=(\w+)", cond.root.attrs)
+    direction = direction.group(1) if direction else ""
+    a, b = (cond.by_name.get(o) for o in cond.root.operands)
+    if a is None or b is None:
+        return None
+    if a.opcode == "constant":                       # constant <cmp> counter: swap the sides
+        a, b, direction = b, a, _FLIP.get(direction, "")
+    limit = _int_constant(cond, b.name)
+    if a.opcode != "get-tuple-element" or limit is None:
+        return None
+    index = int(re.search(r"index=(\d+)", a.attrs).group(1))
+    init = comp.by_name.get(loop.operands[0]) if loop.operands else None
+    if init is None or init.opcode != "tuple" or index >= len(init.operands):
+        return None
+    start = _int_constant(comp, init.operands[index])
+    if start is None:
+        return None
+    trips = {"LT": limit - start, "LE": limit - start + 1, "GT": start - limit, "GE": start - limit + 1}.get(direction)
+    return max(trips, 0) if trips is not None else None
+
+
+def executions(module: Module) -> tuple[dict[str, int], list[dict]]:
+    """How many times each computation runs per call of the program: entry 1, a while body its caller's
+    count × the trip count, every other callee (fusion bodies, branches, async calls) its callers' sum.
+    Returns ({computation: count}, loops [{"body", "trips" (None: unknown, counted once)}])."""
+    counts: dict[str, int] = defaultdict(int)
+    loops = []
+    counts[module.entry.name] = 1
+    order, seen = [], set()
+
+    def visit(name):                                 # callers before callees (reverse post-order)
+        if name in seen or name not in module.computations:
+            return
+        seen.add(name)
+        for ins in module.computations[name].instructions:
+            for callee in ins.called:
+                visit(callee)
+        order.append(name)
+
+    visit(module.entry.name)
+    for name in reversed(order):
+        comp, n = module.computations[name], counts.get(name, 0)
+        if not n:
+            continue
+        for ins in comp.instructions:
+            if ins.opcode == "while":
+                trips = trip_count(module, comp, ins)
+                body = (ins.attr("body") or "").lstrip("%")
+                cond = (ins.attr("condition") or "").lstrip("%")
+                loops.append({"body": body, "trips": trips, "op_name": ins.op_name[-120:]})
+                counts[body] += n * (trips if trips is not None else 1)
+                counts[cond] += n * ((trips + 1) if trips is not None else 1)
+            else:
+                for callee in ins.called:
+                    counts[callee] += n
+    return dict(counts), loops
+
+
+def executed_computations(module: Module, scale_loops: bool = False) -> list[tuple[Computation, int]]:
+    """The computations that run as control flow — the entry and what it runs through while / conditional /
+    call / async calls, not fusion bodies (their bytes belong to the fusion) — each with how many times it
+    runs (1 each unless scale_loops: while bodies × their trip counts)."""
+    counts, _ = executions(module)
     out, todo, seen = [], [module.entry.name], set()
     while todo:
         name = todo.pop()
@@ -359,10 +444,9 @@ def executed_computations(module: Module) -> list[Computation]:
             continue
         seen.add(name)
         comp = module.computations[name]
-        out.append(comp)
+        out.append((comp, counts.get(name, 1) if scale_loops else 1))
         for ins in comp.instructions:
-            if ins.opcode in ("while", "conditional", "call") or ins.opcode.endswith("-start") and \
-                    ins.opcode.startswith("async"):
+            if ins.opcode in _CONTROL:
                 todo.extend(ins.called)
     return out
 
@@ -380,28 +464,30 @@ def op_group(ins: Instruction) -> str:
     return _NUM.sub("#", "/".join(parts) or name)
 
 
-def top_ops(module: Module, n: int = 15) -> dict:
-    """{"ops": n largest instructions by bytes, "groups": n largest op groups, "total_bytes": sum}."""
+def top_ops(module: Module, n: int = 15, scale_loops: bool = False) -> dict:
+    """{"ops": n largest instructions by bytes, "groups": n largest op groups, "total_bytes": sum,
+    "instructions": executed instructions}. scale_loops: an instruction in a while body counts its
+    bytes × the loop's trip count ("runs")."""
     rows = []
-    for comp in executed_computations(module):
+    for comp, runs in executed_computations(module, scale_loops):
         for ins in comp.instructions:
             b = op_bytes(module, comp, ins)
             if b > 0:
                 kind = ins.attr("kind") if ins.opcode == "fusion" else None
                 rows.append({"name": ins.name, "opcode": ins.opcode + (f"/{kind}" if kind else ""),
-                             "bytes": b, "shape": _short(ins.shape), "op_name": ins.op_name[-160:],
-                             "group": op_group(ins), "computation": comp.name})
+                             "bytes": b * runs, "runs": runs, "shape": _short(ins.shape),
+                             "op_name": ins.op_name[-160:], "group": op_group(ins), "computation": comp.name})
     total = sum(r["bytes"] for r in rows)
     groups: dict[str, dict] = {}
     for r in rows:
         g = groups.setdefault(r["group"], {"group": r["group"], "count": 0, "bytes": 0.0})
-        g["count"] += 1
+        g["count"] += r["runs"]
         g["bytes"] += r["bytes"]
     top = sorted(rows, key=lambda r: -r["bytes"])[:n]
     top_groups = sorted(groups.values(), key=lambda g: -g["bytes"])[:n]
     for r in top + top_groups:
         r["share"] = r["bytes"] / total if total else 0.0
-    return {"ops": top, "groups": top_groups, "total_bytes": total, "instructions": len(rows)}
+    return {"ops": top, "groups": top_groups, "total_bytes": total, "instructions": sum(r["runs"] for r in rows)}
 
 
 def _short(shape: str, limit: int = 120) -> str:
@@ -426,11 +512,16 @@ def _group_size(replica_groups: str | None) -> int | None:
     return len([v for v in first.group(1).split(",") if v]) if first else None
 
 
-def collectives(module: Module) -> dict:
+def collectives(module: Module, scale_loops: bool = False) -> dict:
     """Collectives of the module: {"ops": [...], "by_opcode": {opcode: {count, operand_bytes, result_bytes}},
-    "total_operand_bytes"}. Operand bytes are the per-device arrays each collective sends in."""
+    "total_operand_bytes", "count"}. Operand bytes are the per-device arrays each collective sends in;
+    scale_loops: one in a while body counts × the trip count ("runs")."""
     ops = []
+    counts = executions(module)[0] if scale_loops else {}
     for comp in module.computations.values():
+        runs = counts.get(comp.name, 0) if scale_loops else 1
+        if not runs:
+            continue
         for ins in comp.instructions:
             base = ins.opcode[:-len("-start")] if ins.opcode.endswith("-start") else ins.opcode
             if base not in COLLECTIVES:
@@ -442,21 +533,27 @@ def collectives(module: Module) -> dict:
             if ins.opcode.endswith("-start") and base in ("all-reduce", "collective-permute"):
                 result = operand   # async start shapes hold (operand, result) or aliases: count the data once
             groups = ins.attr("replica_groups") or ins.attr("source_target_pairs")
-            ops.append({"opcode": base, "name": ins.name, "computation": comp.name, "operand_bytes": operand,
-                        "result_bytes": result, "shape": _short(ins.shape), "replica_groups": (groups or "")[:80],
-                        "group_size": _group_size(ins.attr("replica_groups")), "op_name": ins.op_name[-160:]})
+            ops.append({"opcode": base, "name": ins.name, "computation": comp.name, "runs": runs,
+                        "operand_bytes": operand * runs, "result_bytes": result * runs, "shape": _short(ins.shape),
+                        "replica_groups": (groups or "")[:80], "group_size": _group_size(ins.attr("replica_groups")),
+                        "op_name": ins.op_name[-160:]})
     by: dict[str, dict] = {}
     for o in ops:
         b = by.setdefault(o["opcode"], {"count": 0, "operand_bytes": 0.0, "result_bytes": 0.0})
-        b["count"] += 1
+        b["count"] += o["runs"]
         b["operand_bytes"] += o["operand_bytes"]
         b["result_bytes"] += o["result_bytes"]
     ops.sort(key=lambda o: -o["operand_bytes"])
-    return {"ops": ops, "by_opcode": by, "total_operand_bytes": sum(o["operand_bytes"] for o in ops),
-            "count": len(ops)}
+    return {"ops": ops[:50], "by_opcode": by, "total_operand_bytes": sum(o["operand_bytes"] for o in ops),
+            "count": sum(o["runs"] for o in ops)}
 
 
-def analyse(text: str, top: int = 15) -> dict:
-    """Top ops and collectives of HLO module text."""
+def analyse(text: str, top: int = 15, scale_loops: bool = False) -> dict:
+    """Top ops and collectives of HLO module text; scale_loops counts while bodies × their trip counts
+    (the loops found, with trip counts or None when unknown, are in "loops")."""
     module = parse(text)
-    return {"top_ops": top_ops(module, top), "collectives": collectives(module)}
+    out = {"top_ops": top_ops(module, top, scale_loops), "collectives": collectives(module, scale_loops),
+           "scale_loops": scale_loops}
+    if scale_loops:
+        out["loops"] = executions(module)[1]
+    return out

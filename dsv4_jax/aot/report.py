@@ -152,9 +152,11 @@ def markdown(report: dict) -> str:
          f"- compile wall time: {m.get('wall_s', 0):.0f} s", "",
          "Per chip unless marked. peak = argument + output − alias + temp (`memory_analysis`) of the program as a "
          "run executes it (layer scans; fits = peak ≤ HBM), peak unrolled = the same of the program compiled with "
-         "every layer written out, which gives the costs (compile s = as run + unrolled); XLA GB = "
-         "`cost_analysis` bytes accessed; HLO-op GB = HBM operands + results of the top-level HLO instructions "
-         "(`dsv4_jax.aot.hlo`); bound = what the step must read (active weights under uniform routing + cache "
+         "every layer written out, which gives XLA's counts (compile s = as run + unrolled); TFLOP and XLA GB = "
+         "`cost_analysis` flops and bytes accessed of the unrolled program (XLA's bytes include on-chip traffic and "
+         "the unrolled program's copies of the stacked layer weights); HLO-op GB = HBM operands + results of the "
+         "top-level HLO instructions of the program as run, loop bodies × trip counts (`dsv4_jax.aot.hlo`; top ops "
+         "and collectives likewise); bound = what the step must read (active weights under uniform routing + cache "
          "rows, `dsv4_jax.aot.bounds`) split evenly over the chips. Times at the chip's HBM bandwidth and peak "
          "bf16 rate; roofline = max(HLO-op bytes / bandwidth, flops / peak); ms XLA optimal = the TPU "
          "compiler's own `optimal_seconds`. Every layer is in the program (layer scans unrolled) unless noted.",
