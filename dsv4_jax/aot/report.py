@@ -99,8 +99,11 @@ def kernel_section(k: dict | None) -> list[str]:
     cols = [c for c in COLUMNS if any(c in r for r in rows)]
     fmt = lambda c, v: _g(v, GB, ".4g") if c.endswith("bytes") and isinstance(v, (int, float)) else \
         (f"{v:.3g}" if isinstance(v, float) else str(v))
+    head = [c.replace("_bytes", " GB") if c.endswith("_bytes") else c for c in cols]
     if rows:
-        L += [table(cols, [[fmt(c, r.get(c, "")) for c in cols] for r in rows]), ""]
+        L += ["One chip per kernel program (`dsv4_jax.kernels.tpu_aot`): XLA's numbers for the compiled kernel, "
+              "the bytes its BlockSpecs move, the ideal bytes, and the XLA reference path's.", "",
+              table(head, [[fmt(c, r.get(c, "")) for c in cols] for r in rows]), ""]
     return L
 
 

@@ -152,7 +152,7 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
                     report["meta"]["wall_s"] = time.perf_counter() - t0
                     checkpoint(report)
             if kernels and topo.is_tpu:
-                run_["kernels"] = kernel_reports(devs, config, shapes, w)
+                run_["kernels"] = kernel_reports(topo.name, config, shapes, w, log=say)
     report["meta"]["wall_s"] = time.perf_counter() - t0
     return report
 
