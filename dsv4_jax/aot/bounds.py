@@ -15,13 +15,14 @@ head (and embedding rows) it shares, and its window rows:
 The bound is a whole-slice number; the per-chip bound is its ideal split (bound / chips). Nothing here
 allocates: sizes come from `params` specs.
 
-The target bytes model is `bytes_bound` of experiments/bench_decode.py (issue 11). It is loaded from the
-source checkout by `bytes_model()` — the one place to change when the bytes model moves into the library
-(issue 17 splits bench_decode into a library module).
+The target bytes model is `bytes_bound` (issue 11): `dsv4_jax.traffic` once the library has it (issue 17
+moves it out of the benchmark), else experiments/bench_decode.py of the source checkout. `bytes_model()` is
+the one place that chooses.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import math
 import pathlib
@@ -40,9 +41,18 @@ class BytesModelMissing(RuntimeError):
     """The bytes model (experiments/bench_decode.py) is not where a source checkout has it."""
 
 
+LIBRARY_MODEL = "dsv4_jax.traffic"
+
+
 @functools.lru_cache(maxsize=None)
 def bytes_model():
-    """The module holding `bytes_bound`, `expected_active_experts` and `_elem_bytes`."""
+    """The module holding `bytes_bound`, `expected_active_experts` and the bytes per element of a leaf
+    (`element_bytes`; `_elem_bytes` in the benchmark)."""
+    try:
+        return importlib.import_module(LIBRARY_MODEL)
+    except ModuleNotFoundError as e:
+        if e.name != LIBRARY_MODEL:
+            raise
     if not _BENCH.is_file():
         raise BytesModelMissing(f"the bytes model is experiments/bench_decode.py of a source checkout; not found at "
                                 f"{_BENCH} (install with `pip install -e .` from the repository)")
@@ -64,12 +74,13 @@ def tree_read_bytes(specs, weights: str, n_tokens: int, top_k: int, keep=None) -
     routed experts only for the active ones (top_k per token), Markov W1 rows for the tokens;
     keep(path) selects leaves."""
     bm = bytes_model()
+    element_bytes = getattr(bm, "element_bytes", None) or bm._elem_bytes
     fmt = MODEL_FORMAT[weights]
     total = 0.0
     for path, spec in P.flatten(specs).items():
         if keep is not None and not keep(path):
             continue
-        b = math.prod(spec.shape) * bm._elem_bytes(path, spec, fmt)
+        b = math.prod(spec.shape) * element_bytes(path, spec, fmt)
         if _EXPERT_LEAF.search(path):
             E = spec.shape[-3]
             b *= bm.expected_active_experts(E, top_k, n_tokens) / E
