@@ -17,7 +17,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from . import quant_formats as qf
+from .gguf_layout import diagnose
 from .safetensors_io import read_range
+from .truncation import cut_message
 
 _SPLIT = re.compile(r"^(?P<base>.*)-(?P<k>\d{5})-of-(?P<n>\d{5})\.gguf$")
 _DENSE = {T.F32: np.float32, T.F16: np.float16, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
@@ -43,6 +45,8 @@ def shard_paths(path: str | os.PathLike) -> list[str]:
 
 
 def _open(path: str) -> gguf.GGUFReader:
+    """gguf-py's reader of one file; a cut-short or corrupt file is explained by `gguf_layout.diagnose`
+    (the section, key or tensor that is missing, with the bytes expected and present)."""
     if not os.path.exists(path):
         raise GGUFError(f"{path}: no such file")
     try:
@@ -51,14 +55,14 @@ def _open(path: str) -> gguf.GGUFReader:
         if "GGMLQuantizationType" in str(e):
             raise GGUFError(f"{path}: unknown ggml tensor type ({e}); this converter knows "
                             f"{sorted(t.name for t in T)}") from None
-        raise GGUFError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
+        raise GGUFError(diagnose(path) or f"{path}: not a readable GGUF file: {e}") from None
     except Exception as e:  # noqa: BLE001 - gguf-py raises many kinds on corrupt input
-        raise GGUFError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from None
+        raise GGUFError(diagnose(path) or f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from None
     size = os.path.getsize(path)
     for t in r.tensors:
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-            raise GGUFError(f"{path}: truncated: tensor {t.name!r} needs bytes {t.data_offset}..."
-                            f"{t.data_offset + t.n_bytes} but the file has {size}")
+            raise GGUFError(diagnose(path) or cut_message(path, "tensor data", f"tensor {t.name!r}",
+                                                          int(t.data_offset), int(t.n_bytes), size))
     return r
 
 
@@ -115,7 +119,8 @@ class GGUFSource:
         """numpy array (dense types) or QTensor (quantized), in numpy dim order."""
         t = self._tensors[name]
         qt = t.tensor_type
-        data = read_range(self._file[name], int(t.data_offset), int(t.n_bytes)).view(t.data.dtype).reshape(t.data.shape)
+        data = read_range(self._file[name], int(t.data_offset), int(t.n_bytes), f"tensor {name!r}")
+        data = data.view(t.data.dtype).reshape(t.data.shape)
         if qt in _DENSE:
             return data
         if qt == T.BF16:

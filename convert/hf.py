@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.config import ModelConfig, load_hf_config
+from dsv4_jax.params import cast_params
 
 from .assemble import assemble
 from .safetensors_io import open_dir
@@ -24,5 +25,4 @@ def load_hf_dir(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig
         return np.asarray(arr, dtype=spec.dtype(dtype) if spec.kind != "weight" else np.float32)
 
     tree = assemble(config, "hf", files.keys(), lambda n: files[n].get(n), convert_leaf)
-    from dsv4_jax.params import cast_params
     return config, cast_params(jax.tree.map(jnp.asarray, tree), config, dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import ml_dtypes
 import numpy as np
 
 from . import quant_formats as qf
@@ -58,13 +59,13 @@ class SafetensorsSource:
         return self._files[name].get(name)
 
     def load(self, name: str):
-        """numpy array, or a QTensor for FP8 / FP4 weights."""
+        """numpy array, or a QArray (numpy children) for FP8 / FP4 weights."""
         s = self._scale_name(name)
         if s is None:
             return self._raw(name)
         if self.dtype(s) != "F8_E8M0":
             raise SafetensorsError(f"{self.path}: scale {s!r} is {self.dtype(s)}, expected F8_E8M0 (ue8m0)")
-        codes = self._raw(name).view(np.uint8)
+        fp8 = self.dtype(name) == "F8_E4M3"
+        codes = self._raw(name).view(ml_dtypes.float8_e4m3fn if fp8 else np.uint8)
         scale = self._raw(s).view(np.uint8)
-        fmt = qf.FP8 if self.dtype(name) == "F8_E4M3" else qf.FP4
-        return qf.check(qf.QTensor(fmt, codes, scale, self.shape(name)), f"{self.path}: {name}")
+        return qf.check(qf.host(codes, scale, qf.FP8 if fp8 else qf.FP4), f"{self.path}: {name}", self.shape(name))

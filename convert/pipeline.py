@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import os
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
@@ -19,12 +20,13 @@ from tqdm import tqdm
 
 from dsv4_jax import names
 from dsv4_jax.config import ConfigError, ModelConfig, from_hf_config, load_hf_config
+from dsv4_jax.outdir import AtomicDir
 
 from . import gguf_io, plan as PL
 from .hf_source import SafetensorsSource
 from dsv4_jax.checkpoint import read_metadata as read_meta
 
-from .writer import FORMAT_VERSION, META_FILE, AtomicDir, ItemWriter, write_json_atomic
+from .writer import FORMAT_VERSION, META_FILE, ItemWriter, write_json_atomic
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "bf16": np.dtype(ml_dtypes.bfloat16),
           "float32": np.dtype(np.float32), "f32": np.dtype(np.float32),
@@ -229,19 +231,42 @@ def plan_gguf_dspark(path: str, config: ModelConfig) -> Job:
 
 # ---- running ---------------------------------------------------------------------------------------------------
 
-def _read_unit(job: Job, unit, dtype, keep: bool) -> tuple[dict, int]:
-    """Read and repack one unit: ({leaf path: array | QTensor}, source bytes read)."""
+class LossyConversionWarning(UserWarning):
+    """Some tensors were rounded on the way into the checkpoint (the message says which and by how much)."""
+
+
+# what each lossy (source -> stored) step loses, beyond the measured change
+_LOSS_NOTES = {
+    "q8_0": "each int8 × f16 product needs up to 19 significant bits",
+    "ggml": "the exactly dequantized values are requantized to int8 per 32 (half a step ≤ max|block| / 254)",
+}
+
+
+def _describe_losses(losses: dict) -> str:
+    lines = []
+    for (src, dst), (n, err) in sorted(losses.items()):
+        note = _LOSS_NOTES["ggml"] if src.startswith("ggml_") else _LOSS_NOTES.get(src, "values rounded")
+        lines.append(f"  {src} -> {dst}: {n} tensor(s), max change {err:.2e} of a tensor's max |value| ({note})")
+    return ("lossy conversion:\n" + "\n".join(lines) + "\nRounded weights can flip router / indexer top-k "
+            "choices and change logits by O(1) against the source's own values. The default (no --dtype) keeps "
+            "FP8 / FP4 / Q8_0 / MXFP4 codes and dense dtypes exactly; --dtype f32 dequantizes everything exactly "
+            "(K- / IQ-quants are exact only with --dtype f32).")
+
+
+def _read_unit(job: Job, unit, dtype, keep: bool, losses: dict | None = None) -> tuple[dict, int]:
+    """Read and repack one unit: ({leaf path: array | QArray}, source bytes read); roundings noted in `losses`."""
     flat, seen = {}, set()
     for leaf in unit.leaves:
         tensors = PL.leaf_tensors(leaf, job.n_experts)
         if leaf.optional and any(t not in job.src.names() for t in tensors):
             continue
-        flat[leaf.path] = PL.convert_leaf(PL.read_leaf(job.src, leaf, job.n_experts), leaf.spec, dtype, keep)
+        flat[leaf.path] = PL.convert_leaf(PL.read_leaf(job.src, leaf, job.n_experts), leaf.spec, dtype, keep,
+                                          losses)
         seen.update(tensors)
     return flat, sum(job.src.nbytes(t) for t in seen)
 
 
-def _run_job(job: Job, item_dir: str, dtype, keep: bool, bar) -> dict:
+def _run_job(job: Job, item_dir: str, dtype, keep: bool, bar, losses: dict | None = None) -> dict:
     """Stream the job's units into one Orbax item.
 
     Two-stage pipeline: a worker thread reads + repacks unit i+1 (file reads, numpy; both release the GIL)
@@ -250,10 +275,10 @@ def _run_job(job: Job, item_dir: str, dtype, keep: bool, bar) -> dict:
     w = ItemWriter(item_dir)
     with ThreadPoolExecutor(1, thread_name_prefix="dsv4-read") as pool:
         units = list(job.units)
-        nxt = pool.submit(_read_unit, job, units[0], dtype, keep) if units else None
+        nxt = pool.submit(_read_unit, job, units[0], dtype, keep, losses) if units else None
         for i, unit in enumerate(units):
             flat, nbytes = nxt.result()
-            nxt = pool.submit(_read_unit, job, units[i + 1], dtype, keep) if i + 1 < len(units) else None
+            nxt = pool.submit(_read_unit, job, units[i + 1], dtype, keep, losses) if i + 1 < len(units) else None
             w.save(unit.key, flat)
             del flat
             bar.update(nbytes)
@@ -266,28 +291,44 @@ def _progress(total: int, desc: str, quiet: bool):
                 dynamic_ncols=True, smoothing=0.1)
 
 
-def _conversion_meta(dtype, keep: bool) -> dict:
-    return {"dtype": np.dtype(dtype).name, "keep_quantized": bool(keep), "converter": "dsv4-convert",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+def _conversion_meta(dtype, keep: bool, losses: dict | None = None) -> dict:
+    out = {"dtype": np.dtype(dtype).name, "keep_quantized": bool(keep), "converter": "dsv4-convert",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if losses:
+        out["lossy"] = [{"source": s, "stored": d, "tensors": n, "max_relative_change": e}
+                        for (s, d), (n, e) in sorted(losses.items())]
+    return out
 
 
-def convert(out_dir: str, config: ModelConfig, jobs: list[Job], *, dtype="bfloat16", keep_quantized=False,
+def _warn_losses(losses: dict) -> None:
+    if losses:
+        warnings.warn(_describe_losses(losses), LossyConversionWarning, stacklevel=3)
+
+
+def convert(out_dir: str, config: ModelConfig, jobs: list[Job], *, dtype="bfloat16", keep_quantized=True,
             overwrite=False, quiet=False) -> dict:
-    """Check every job, then write a new checkpoint at `out_dir` atomically. Returns the metadata written."""
+    """Check every job, then write a new checkpoint at `out_dir` atomically. Returns the metadata written.
+
+    keep_quantized (default): quantized tensors keep their codes (K- / IQ-quants become Q8_0, with a
+    LossyConversionWarning) and dtype is only load_checkpoint's default compute dtype; False: every weight
+    is dequantized to dtype (a LossyConversionWarning says what was rounded)."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
     for j in jobs:
         j.check()
     items = [j.item for j in jobs]
     if len(set(items)) != len(items):
         raise PL.ConvertError(f"two sources for the same item: {items}")
-    meta = {"format_version": FORMAT_VERSION, "config": config.to_dict(),
-            "source": jobs[0].meta["source"], "conversion": _conversion_meta(dtype, keep_quantized), "items": {}}
-    with AtomicDir(out_dir, overwrite) as d:
+    losses: dict = {}
+    meta = {"format_version": FORMAT_VERSION, "config": config.to_dict(), "source": jobs[0].meta["source"],
+            "items": {}}
+    with AtomicDir(out_dir, overwrite, label="OUT_DIR") as d:
         with _progress(sum(j.total for j in jobs), "convert", quiet) as bar:
             for j in jobs:
-                meta["items"][j.item] = _run_job(j, os.path.join(d.tmp, j.item), dtype, keep_quantized, bar)
+                meta["items"][j.item] = _run_job(j, os.path.join(d.tmp, j.item), dtype, keep_quantized, bar, losses)
+        meta["conversion"] = _conversion_meta(dtype, keep_quantized, losses)
         write_json_atomic(os.path.join(d.tmp, META_FILE), meta)
         d.commit()
+    _warn_losses(losses)
     return meta
 
 
@@ -301,14 +342,19 @@ def add_drafters(ckpt_dir: str, jobs: list[Job], *, dtype=None, keep_quantized=N
     keep = conv["keep_quantized"] if keep_quantized is None else keep_quantized
     for j in jobs:
         j.check()
+    losses: dict = {}
     with _progress(sum(j.total for j in jobs), "drafters", quiet) as bar:
         for j in jobs:
-            with AtomicDir(os.path.join(ckpt_dir, j.item), overwrite, create=False) as d:
-                item = _run_job(j, d.tmp, dtype, keep, bar)   # Orbax creates the directory itself
-                item["conversion"] = _conversion_meta(dtype, keep)
+            mine: dict = {}
+            with AtomicDir(os.path.join(ckpt_dir, j.item), overwrite, create=False, label="drafter") as d:
+                item = _run_job(j, d.tmp, dtype, keep, bar, mine)   # Orbax creates the directory itself
+                item["conversion"] = _conversion_meta(dtype, keep, mine)
                 d.commit()
             meta["items"][j.item] = item
             write_json_atomic(os.path.join(ckpt_dir, META_FILE), meta)
+            losses.update({k: (losses.get(k, (0, 0.0))[0] + v[0], max(losses.get(k, (0, 0.0))[1], v[1]))
+                           for k, v in mine.items()})
+    _warn_losses(losses)
     return meta
 
 

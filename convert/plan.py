@@ -18,6 +18,8 @@ from flax import traverse_util
 from dsv4_jax import names, params as P
 from dsv4_jax.config import ModelConfig
 
+from dsv4_jax.ops.quant import QArray
+
 from . import quant_formats as qf
 
 
@@ -163,39 +165,69 @@ def validate(src, units: list[Unit], n_experts: int, ignore_prefixes: tuple[str,
 # ---- reading and converting one leaf ---------------------------------------------------------------
 
 def read_leaf(src, leaf: Leaf, n_experts: int):
-    """numpy array or QTensor of the leaf's logical shape."""
+    """numpy array, QArray (numpy children) or GGMLBlocks of the leaf's logical shape."""
     ref = leaf.ref
     if isinstance(ref, names.FusedPart):
         full = src.load(ref.tensor)
         n = full.shape[1] // ref.parts
         lo, hi = ref.part * n, (ref.part + 1) * n
-        if isinstance(full, qf.QTensor):
+        if isinstance(full, (QArray, qf.GGMLBlocks)):
             return qf.slice_axis(full, 1, lo, hi)
         return full[:, lo:hi]
     if "{e}" in ref:
         parts = [src.load(n) for n in _expert_names(ref, n_experts)]
-        if isinstance(parts[0], qf.QTensor):
+        if isinstance(parts[0], (QArray, qf.GGMLBlocks)):
             return qf.stack(parts)
         return np.stack(parts)
     return src.load(ref)
 
 
-def convert_leaf(x, spec: P.ParamSpec, dtype, keep_quantized: bool):
-    """Final stored value of a leaf: int32 indices, float32 kept leaves, weights in `dtype` or kept codes.
+def _source_name(x) -> str:
+    return x.fmt.name if isinstance(x, QArray) else x.fmt if isinstance(x, qf.GGMLBlocks) else np.dtype(x.dtype).name
 
-    Returns a numpy array or a QTensor (keep_quantized, quantized source).
+
+def _note(losses, src: str, dst: str, err: float) -> None:
+    if losses is not None and err > 0:
+        n, e = losses.get((src, dst), (0, 0.0))
+        losses[(src, dst)] = (n + 1, max(e, err))
+
+
+def _cast(x32: np.ndarray, dtype, losses, src: str) -> np.ndarray:
+    """float32 values -> dtype, noting the largest change relative to the tensor's max |value|."""
+    y = x32.astype(dtype)
+    if losses is not None and x32.size and np.dtype(dtype) != np.float32:
+        diff = np.abs(y.astype(np.float32) - x32)
+        err = float(np.nanmax(diff)) / max(float(np.nanmax(np.abs(x32))), 1e-30)
+        _note(losses, src, np.dtype(dtype).name, err)
+    return y
+
+
+def convert_leaf(x, spec: P.ParamSpec, dtype, keep_quantized: bool, losses: dict | None = None):
+    """Final stored value of a leaf: int32 indices, float32 kept leaves, weights kept as stored or in `dtype`.
+
+    keep_quantized: quantized weights keep their codes (QArray: FP8, FP4, Q8_0) and dense weights their
+    dtype; K- / IQ-quants (GGMLBlocks) are requantized to Q8_0 (lossy). Otherwise weights are dequantized
+    (exactly, in float32) and cast to `dtype`. Every rounding is noted in `losses`
+    {(source format, stored format): (tensors, max |change| / max |value|)}.
+    Returns a numpy array or a QArray.
     """
+    src = _source_name(x)
     if spec.kind == "index":
-        if isinstance(x, qf.QTensor) or not np.issubdtype(x.dtype, np.integer):
-            raise ConvertError(f"index tensor stored as {getattr(x, 'fmt', x.dtype)}, expected integers")
+        if isinstance(x, (QArray, qf.GGMLBlocks)) or not np.issubdtype(x.dtype, np.integer):
+            raise ConvertError(f"index tensor stored as {src}, expected integers")
         return np.asarray(x, np.int32)
-    if isinstance(x, qf.QTensor):
-        if spec.kind == "weight" and keep_quantized:
-            return qf.QTensor(x.fmt, np.ascontiguousarray(x.codes),
-                              None if x.scale is None else np.ascontiguousarray(x.scale), x.shape)
-        x = qf.dequantize(x)
+    if spec.kind == "weight" and keep_quantized:
+        if isinstance(x, QArray):
+            return QArray(np.ascontiguousarray(x.codes), np.ascontiguousarray(x.scale), x.fmt, x.dtype)
+        if isinstance(x, qf.GGMLBlocks):
+            q, err = qf.repack_q8_0(x)
+            _note(losses, src, "q8_0", err)
+            return q
+        return np.array(x)                     # dense weight: stored dtype kept (copied out of the mmap)
+    if isinstance(x, (QArray, qf.GGMLBlocks)):
+        x = qf.dequantize(x)                   # exact, float32
     if spec.kind == "f32":
         return np.asarray(x, np.float32)
-    if keep_quantized:
-        return np.array(x)                     # dense weight: stored dtype kept (copied out of the mmap)
-    return np.asarray(x, np.float32).astype(dtype) if x.dtype != dtype else np.array(x)
+    if np.dtype(x.dtype) == np.dtype(dtype):
+        return np.array(x)
+    return _cast(np.asarray(x, np.float32), dtype, losses, src)

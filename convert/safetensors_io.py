@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from typing import Iterator
 
 import ml_dtypes
 import numpy as np
+
+from .truncation import TruncatedFileError, cut_message
 
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -22,11 +25,12 @@ DTYPES = {
 }
 
 
-def read_range(path: str, offset: int, nbytes: int) -> np.ndarray:
+def read_range(path: str, offset: int, nbytes: int, what: str = "the data") -> np.ndarray:
     """nbytes of a file from offset as a fresh uint8 array, read with large sequential reads.
 
     The converter reads tensors this way rather than by faulting in pages of a memory map: on a
     cold page cache a plain read is 2-3x faster (one request per chunk instead of per page).
+    what: the tensor being read, for the error when the file ends early (e.g. "tensor 'embed.weight'").
     """
     out = np.empty(nbytes, np.uint8)
     with open(path, "rb", buffering=0) as f:
@@ -35,7 +39,7 @@ def read_range(path: str, offset: int, nbytes: int) -> np.ndarray:
         while done < nbytes:
             n = f.readinto(view[done:done + (64 << 20)])
             if not n:
-                raise SafetensorsError(f"{path}: truncated: needed bytes {offset}..{offset + nbytes}")
+                raise TruncatedFileError(cut_message(path, "tensor data", what, offset, nbytes, offset + done))
             done += n
     return out
 
@@ -44,33 +48,59 @@ class SafetensorsError(ValueError):
     """A safetensors file that is truncated, corrupt or uses an unknown dtype."""
 
 
+def _entry_at(header_text: str, pos: int) -> str | None:
+    """Name of the last top-level tensor entry that starts before character pos of a (cut) JSON header."""
+    names = [m.group(1) for m in _ENTRY.finditer(header_text, 0, pos) if m.group(1) != "__metadata__"]
+    return names[-1] if names else None
+
+
+_ENTRY = re.compile(r'"((?:[^"\\]|\\.)*)"\s*:\s*\{')
+
+
+def _read_header(path: str, size: int) -> tuple[dict, int]:
+    """(parsed JSON header, byte offset of the data) of a safetensors file, every cut reported."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise SafetensorsError(cut_message(path, "header", "the header length (u64)", 0, 8, size))
+        (n,) = struct.unpack("<Q", raw)
+        text = f.read(min(n, size - 8))
+    if n > size - 8:
+        where = _entry_at(text.decode("utf-8", errors="replace"), len(text))
+        raise SafetensorsError(cut_message(path, "JSON header", "the header", 8, n, size)
+                               + (f"; the cut falls in or after the entry of tensor {where!r}" if where else ""))
+    try:
+        return json.loads(text), 8 + n
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SafetensorsError(f"{path}: corrupt JSON header ({n} bytes at offset 8): {e}") from None
+
+
 class SafetensorsFile:
     """Lazy view of one .safetensors file: `names()`, `header(name)`, `get(name) -> np.ndarray` (read on demand)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         size = os.path.getsize(self.path)
-        with open(self.path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise SafetensorsError(f"{self.path}: truncated (no header length)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > size - 8:
-                raise SafetensorsError(f"{self.path}: truncated or corrupt (header of {n} bytes, file {size})")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise SafetensorsError(f"{self.path}: corrupt header: {e}") from None
+        header, self._data_start = _read_header(self.path, size)
         self.metadata = header.pop("__metadata__", {}) or {}
         self._entries = header
-        self._data_start = 8 + n
+        beyond = []
         for name, e in header.items():
             if e.get("dtype") not in DTYPES:
                 raise SafetensorsError(f"{self.path}: tensor {name!r} has unknown dtype {e.get('dtype')!r}")
             lo, hi = e["data_offsets"]
             want = int(np.prod(e["shape"], dtype=np.int64)) * DTYPES[e["dtype"]].itemsize
-            if hi - lo != want or self._data_start + hi > size:
-                raise SafetensorsError(f"{self.path}: tensor {name!r} is truncated or has inconsistent offsets")
+            if hi - lo != want or lo < 0:
+                raise SafetensorsError(f"{self.path}: corrupt header: tensor {name!r} ({e['dtype']} {e['shape']}) "
+                                       f"needs {want} bytes but its data_offsets {[lo, hi]} span {hi - lo}")
+            if self._data_start + hi > size:
+                beyond.append((lo, name, e))
+        if beyond:
+            lo, name, e = min(beyond)
+            msg = cut_message(self.path, "tensor data", f"tensor {name!r} ({e['dtype']} {e['shape']})",
+                              self._data_start + lo, e["data_offsets"][1] - lo, size)
+            raise SafetensorsError(msg + (f"; {len(beyond) - 1} more tensor(s) lie beyond the end"
+                                          if len(beyond) > 1 else ""))
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -81,7 +111,7 @@ class SafetensorsFile:
     def get(self, name: str) -> np.ndarray:
         e = self._entries[name]
         lo, hi = e["data_offsets"]
-        raw = read_range(self.path, self._data_start + lo, hi - lo)
+        raw = read_range(self.path, self._data_start + lo, hi - lo, f"tensor {name!r}")
         return raw.view(DTYPES[e["dtype"]]).reshape(e["shape"])
 
 

@@ -1,48 +1,55 @@
 """Atomic, streaming Orbax output.
 
-Checkpoint directory layout (format_version 1):
+Checkpoint directory layout (format_version 2):
 
     OUT/dsv4.json     model config, source and per-leaf format metadata (see `dsv4_jax.checkpoint`)
     OUT/target/       Orbax (v1 partial save): {embed, head, norm, hc_head, layers: {"00": {...}, ...}}
     OUT/mtp/          optional: {"0": {...block..., e_proj, h_proj, enorm, hnorm, norm, hc_head}}
     OUT/dspark/       optional: {main_proj, main_norm, norm, hc_head, markov_w1, markov_w2, conf_proj, stages: {"0": ...}}
 
-Quantized leaves are stored as {"codes", "scale"} (uint8 / int8 / float16 arrays, never float8_e8m0fnu
-or float4, weight_formats.md §4). Everything is written to a temporary directory `<OUT>.incomplete-<pid>` next to the
-target, which is renamed only when complete; on any error (or Ctrl-C) the temporary directory is removed.
+Quantized leaves are the model's own leaf type, `dsv4_jax.ops.quant.QArray` (numpy children): Orbax stores
+the node as {"codes", "scale"} in exactly the device dtypes (float8_e4m3fn / uint8 / int8 codes, uint8 e8m0 /
+float16 / float32 scales; never float8_e8m0fnu or float4, weight_formats.md §4) and dsv4.json names its format. Everything is written to a temporary directory `<OUT>.incomplete-<pid>` next to the
+target, which is renamed only when complete; on any error (or Ctrl-C) the temporary directory is removed
+(`dsv4_jax.outdir.AtomicDir`, the rule shared with dsv4-sweep: OUT may be missing or empty).
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp1
 
-from . import quant_formats as qf
+from dsv4_jax.ops.quant import QArray
 
 META_FILE = "dsv4.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 2: FP8 codes stored as float8_e4m3fn, no raw GGML leaves (1: uint8 FP8 codes, ggml_*)
 
 
 def nest(flat: dict[str, object]) -> dict:
-    """{"a.b": x} -> {"a": {"b": x}}; QTensors become {"codes", "scale"} dicts."""
+    """{"a.b": x} -> {"a": {"b": x}} (QArray leaves stay QArrays: Orbax saves their children)."""
     out: dict = {}
     for path, v in flat.items():
         d = out
         *parents, last = path.split(".")
         for p in parents:
             d = d.setdefault(p, {})
-        d[last] = v.arrays() if isinstance(v, qf.QTensor) else v
+        d[last] = v
     return out
+
+
+def _array_record(a) -> dict:
+    return {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name}
 
 
 def describe(v) -> dict:
     """Metadata record of one stored leaf."""
-    if isinstance(v, qf.QTensor):
-        return {"format": v.fmt, "shape": list(v.shape),
-                "arrays": {k: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name} for k, a in v.arrays().items()}}
+    if isinstance(v, QArray):
+        return {"format": v.fmt.name, "shape": list(v.shape),
+                "arrays": {"codes": _array_record(v.codes), "scale": _array_record(v.scale)}}
+    if not isinstance(v, np.ndarray):
+        raise TypeError(f"cannot store a {type(v).__name__} leaf (expected a numpy array or a QArray)")
     return {"format": "dense", "shape": list(v.shape), "dtype": np.dtype(v.dtype).name}
 
 
@@ -68,39 +75,6 @@ class ItemWriter:
     def finalize(self) -> None:
         with self._ctx:
             ocp1.partial.finalize(self.path)
-
-
-class AtomicDir:
-    """Context manager: a temporary sibling of `final`, renamed to `final` by `commit()`, removed on failure."""
-
-    def __init__(self, final: str | os.PathLike, overwrite: bool = False, create: bool = True):
-        self.final = os.path.abspath(os.fspath(final))
-        if os.path.exists(self.final) and not overwrite:
-            raise FileExistsError(f"{self.final} already exists (use --overwrite to replace it)")
-        parent, name = os.path.split(self.final)
-        os.makedirs(parent, exist_ok=True)
-        # not a hidden name: Orbax's partial finalize silently fails on dot-prefixed paths
-        self.tmp = os.path.join(parent, f"{name}.incomplete-{os.getpid()}")
-        self.overwrite = overwrite
-        self.create = create
-        self.committed = False
-
-    def __enter__(self) -> "AtomicDir":
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        if self.create:
-            os.makedirs(self.tmp)
-        return self
-
-    def commit(self) -> None:
-        if os.path.exists(self.final) and self.overwrite:
-            shutil.rmtree(self.final)
-        os.rename(self.tmp, self.final)
-        self.committed = True
-
-    def __exit__(self, *exc) -> bool:
-        if not self.committed:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        return False
 
 
 def write_json_atomic(path: str, obj: dict) -> None:

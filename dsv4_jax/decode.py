@@ -9,6 +9,10 @@ positions pos..pos+S−1 through every layer against the state and writes their 
     verify             pos unchanged; then commit(state, n_accept): pos += n_accept + 1
                        (the block's first token and its n_accept accepted drafts are kept)
 
+The entry points take a `ModelConfig` or the bundle `load_checkpoint` returns, and `backends=` (a
+`Backends`, or "auto" | "reference" | "pallas"; default: the config's), resolved before tracing;
+`process_block` itself takes a plain ModelConfig with concrete backends (its static jit key).
+
 Every step also returns what the drafters read: `hidden` = the last layer's HC streams before
 hc_head [B,S,n,D] (MTP) and `taps` = the mean over HC streams of the output of each tap layer
 [B,S,len(taps),D] (DSpark).
@@ -21,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .backends import Backends
+from .bundle import CheckpointConfig, target_config
 from .cache import DecodeState, init_state
 from .config import ModelConfig
 from .model.block import layer_step
@@ -89,11 +95,13 @@ def _lengths(tokens, lengths) -> np.ndarray:
     return lengths
 
 
-def extend(params: dict, config: ModelConfig, state: DecodeState, tokens, lengths=None, *, taps=()):
+def extend(params: dict, config: ModelConfig | CheckpointConfig, state: DecodeState, tokens, lengths=None, *,
+           taps=(), backends: Backends | str | None = None):
     """Chunked prefill: append right-padded tokens [B,S] (lengths[B] real ones) to every sequence.
 
     Returns (logits [B,S,V], state, aux); logits at padded positions are meaningless.
     """
+    config = target_config(config, backends)
     tokens = jnp.asarray(tokens, jnp.int32)
     lengths = _lengths(tokens, lengths)
     _check_room(state, np.asarray(state.pos) + lengths, "extend")
@@ -102,21 +110,24 @@ def extend(params: dict, config: ModelConfig, state: DecodeState, tokens, length
     return logits, advance(state, lengths), aux
 
 
-def prefill(params: dict, config: ModelConfig, tokens, lengths=None, *, max_len: int, max_block: int = 8,
-            taps=(), dtype=None):
+def prefill(params: dict, config: ModelConfig | CheckpointConfig, tokens, lengths=None, *, max_len: int,
+            max_block: int = 8, taps=(), dtype=None, backends: Backends | str | None = None):
     """Start a batch: tokens [B,S] right-padded, lengths [B] (default S). Returns (logits, state, aux).
 
     Each sequence's results equal its unpadded single-sequence results. `max_block` is the widest
     decode/verify block used later (k + 1 for k drafts).
     """
+    config = target_config(config, backends)
     tokens = jnp.asarray(tokens, jnp.int32)
     dtype = dtype or params["embed"].dtype
     state = init_state(config, tokens.shape[0], max_len, max_block, dtype)
     return extend(params, config, state, tokens, lengths, taps=taps)
 
 
-def decode_step(params: dict, config: ModelConfig, state: DecodeState, tokens, *, taps=(), check: bool = True):
+def decode_step(params: dict, config: ModelConfig | CheckpointConfig, state: DecodeState, tokens, *, taps=(),
+                check: bool = True, backends: Backends | str | None = None):
     """One token per sequence: tokens [B] -> (logits [B,V], state with pos + 1, aux)."""
+    config = target_config(config, backends)
     tokens = jnp.asarray(tokens, jnp.int32).reshape(-1, 1)
     if check:
         _check_room(state, np.asarray(state.pos) + 1, "decode_step")
@@ -125,12 +136,14 @@ def decode_step(params: dict, config: ModelConfig, state: DecodeState, tokens, *
     return logits[:, 0], advance(state, n), aux
 
 
-def verify(params: dict, config: ModelConfig, state: DecodeState, tokens, *, taps=(), check: bool = True):
+def verify(params: dict, config: ModelConfig | CheckpointConfig, state: DecodeState, tokens, *, taps=(),
+           check: bool = True, backends: Backends | str | None = None):
     """Score a block tokens [B, k+1] (last committed-next token + k drafts) without committing it.
 
     Returns (logits [B,k+1,V], state with the block's rows written but pos unchanged, aux).
     Follow with commit(state, n_accept).
     """
+    config = target_config(config, backends)
     tokens = jnp.asarray(tokens, jnp.int32)
     B, S = tokens.shape
     if S > state.max_block:

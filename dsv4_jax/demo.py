@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
-from .config import ModelConfig, YarnScaling, _schedule, HASH_MOE, MOE
+from .config import HASH_MOE, MOE, ModelConfig, YarnScaling, _schedule
+from .demo_io import load_bundle
+from .drafters.dspark import DSparkConfig
 
 ASSET_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny_demo")
 
@@ -45,8 +46,7 @@ def demo_config() -> ModelConfig:
         bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS, num_nextn_predict_layers=1)
 
 
-def demo_dspark_config():
-    from .drafters.dspark import DSparkConfig
+def demo_dspark_config() -> DSparkConfig:
     n = demo_config().num_layers
     return DSparkConfig(block_size=5, noise_token_id=ByteTokenizer.NOISE, target_layer_ids=(n - 3, n - 2, n - 1))
 
@@ -56,7 +56,7 @@ class Demo:
     config: ModelConfig
     params: dict
     tokenizer: ByteTokenizer
-    dspark: Any
+    dspark: DSparkConfig
     info: dict
 
 
@@ -68,7 +68,6 @@ def tiny_demo(path: str | None = None, dtype="float32") -> Demo:
     a k-token verify block differently from a 1-token decode step, which can flip near-ties).
     Pass dtype=None to keep the stored bf16.
     """
-    from .demo_io import load_bundle
     path = path or ASSET_DIR
     if not os.path.exists(os.path.join(path, "bundle.json")):
         raise FileNotFoundError(f"no tiny demo model at {path}: train one with `python experiments/train_tiny.py`")

@@ -1,24 +1,27 @@
 """Memory plan from abstract shapes: weights (+ drafter) + decode state per device, for a mesh.
 
-Nothing is allocated: sizes come from `params.param_specs` / `mtp_specs` / `dspark_specs` and
-`cache.state_shapes`; the per-device share of each array comes from the same logical-axis rules as
-the real placement (`dsv4_jax.sharding.partition_spec`, divisibility fallback to replication), so
-the plan is what `load_checkpoint(..., mesh=...)` would hold on each device.
+Nothing is allocated: every weight's bytes are those of its abstract leaf (`params.abstract_leaf`: a
+ShapeDtypeStruct, or a QArray of codes + scale ShapeDtypeStructs for a quantized leaf) built from
+`params.param_specs` / `mtp_specs` / `dspark_specs`, the decode state's from `cache.state_shapes`; the
+per-device share of each array comes from the placement rules themselves (`sharding.leaf_partition_spec`,
+divisibility fallback to replication), so the plan is what `load_checkpoint(..., mesh=...)` holds.
 
 Weight storage (`--dtype`):
     f32        every weight float32
     bf16       every weight bfloat16 (HC, norms, sinks, `ape`, router bias stay float32; tid2eid int32)
-    quantized  the official release (weight_formats.md §6): routed experts FP4 e2m1 codes (½ byte) +
-               e8m0 scale per 32; attention projections, indexer `wq_b`, shared expert (and the MTP /
-               DSpark projections) FP8 e4m3 codes + e8m0 scale per 128×128 block; embedding, head,
-               router, compressor and indexer `weights_proj` bf16; the float32 leaves as above.
+    quantized  the official release (`params.release_format`, weight_formats.md §6): routed experts FP4
+               e2m1 codes (½ byte) + e8m0 scale per 32; attention projections, indexer `wq_b`, shared
+               expert (and the MTP / DSpark projections) FP8 e4m3 codes + e8m0 scale per 128×128 block;
+               embedding, head, router, compressor and indexer `weights_proj` bf16; the float32 leaves as above.
+
+`--checkpoint DIR` loads a converted checkpoint with keep_quantized=True (on `--devices`' first mesh) and
+prints, per part, the plan of its stored formats next to the bytes measured on the device(s).
 
 Command: `dsv4-memplan --help` (also `python -m dsv4_jax.memplan`).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import re
@@ -30,92 +33,83 @@ import jax.numpy as jnp
 
 from . import params as P
 from .cache import layer_cache_shapes, state_shapes
+from .checkpoint import load_checkpoint
 from .config import MOE, PRESETS, SLIDING, ModelConfig, preset
-from .sharding import (DEFAULT_REPLICATED, MESH_AXES, default_mesh_shape, partition_spec, state_partition_specs)
+from .ops import quant
+from .sharding import (DEFAULT_REPLICATED, DEFAULT_RULES, MESH_AXES, default_mesh_shape, leaf_partition_spec,
+                       make_mesh, partition_spec, state_partition_specs)
 
 GIB = 1024 ** 3
 FORMATS = ("f32", "bf16", "quantized")
 H200_GIB = 139.0   # usable HBM of one H200 (weight_formats.md §6)
 
-# leaves stored as FP8 (+ e8m0 per 128×128) in the release; routed experts are FP4
-_FP8_LEAF = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
-                       r"|e_proj|h_proj|main_proj)$")
-_EXPERT_LEAF = re.compile(r"(^|\.)ffn\.experts\.w[123]$")
 _EMBED_LEAF = re.compile(r"^(embed|head)$")
 
 PARTS = ("routed experts", "attention + shared expert", "embedding + head", "other weights", "f32 + int32 leaves")
-
-
-@dataclasses.dataclass(frozen=True)
-class Array:
-    """One stored array of a leaf: shape, logical axes, bytes per element (may be ½ for packed FP4)."""
-
-    shape: tuple[int, ...]
-    axes: tuple
-    itemsize: float
-    path: str
-
-    @property
-    def nbytes(self) -> float:
-        return math.prod(self.shape) * self.itemsize
+_DENSE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "quantized": jnp.bfloat16}
 
 
 def part_of(path: str, spec: P.ParamSpec) -> str:
     """Which row of the plan a parameter leaf belongs to."""
     if spec.kind != "weight":
         return "f32 + int32 leaves"
-    if _EXPERT_LEAF.search(path):
+    if P.RELEASE_FP4.search(path):
         return "routed experts"
-    if _FP8_LEAF.search(path):
+    if P.RELEASE_FP8.search(path):
         return "attention + shared expert"
     if _EMBED_LEAF.search(path):
         return "embedding + head"
     return "other weights"
 
 
-def stored_arrays(path: str, spec: P.ParamSpec, fmt: str) -> list[Array]:
-    """The arrays a leaf is stored as in format `fmt` (codes + scales for quantized leaves)."""
+def storage_formats(fmt: str):
+    """The `params.with_formats` rule of a `--dtype` choice (None: every weight dense)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose from {FORMATS}")
-    shape, axes = tuple(spec.shape), tuple(spec.axes)
-    if spec.kind != "weight":
-        return [Array(shape, axes, 4, path)]
-    if fmt == "f32":
-        return [Array(shape, axes, 4, path)]
-    if fmt == "bf16" or not (_EXPERT_LEAF.search(path) or _FP8_LEAF.search(path)):
-        return [Array(shape, axes, 2, path)]
-    *lead, n, k = shape
-    if _EXPERT_LEAF.search(path):      # FP4 codes (2 per byte) + e8m0 per 32 along the input
-        return [Array(shape, axes, 0.5, path), Array((*lead, n, math.ceil(k / 32)), axes, 1, path)]
-    return [Array(shape, axes, 1, path),  # FP8 codes + e8m0 per 128×128 block
-            Array((*lead, math.ceil(n / 128), math.ceil(k / 128)), axes, 1, path)]
+    return P.release_format if fmt == "quantized" else None
 
 
-def shard_fraction(a: Array, sizes: dict, rules=None, replicated=DEFAULT_REPLICATED) -> int:
-    """How many devices one copy of the array is split over (1 = replicated)."""
-    if any(re.search(p, a.path) for p in replicated):
-        return 1
-    spec = partition_spec(a.shape, a.axes, sizes, rules)
+def _split(pspec, sizes: dict) -> int:
     n = 1
-    for entry in spec:
+    for entry in pspec:
         for ax in (entry if isinstance(entry, tuple) else (entry,)):
             if ax is not None:
                 n *= sizes[ax]
     return n
 
 
+def leaf_bytes(path: str, spec: P.ParamSpec, dtype, sizes: dict, rules=None,
+               replicated=DEFAULT_REPLICATED) -> tuple[float, float]:
+    """(total, per-device) bytes of one leaf as `params.abstract_leaf` describes it (codes + scale when
+    quantized), split as `sharding.leaf_partition_spec` places it."""
+    leaf = P.abstract_leaf(spec, dtype)
+    pspec = leaf_partition_spec(spec, sizes, rules, any(re.search(p, path) for p in replicated))
+    arrays = (leaf.codes, leaf.scale) if isinstance(leaf, quant.QArray) else (leaf,)
+    pspecs = (pspec.codes, pspec.scale) if isinstance(pspec, quant.QArray) else (pspec,)
+    total = per = 0.0
+    for a, ps in zip(arrays, pspecs):
+        b = math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+        total += b
+        per += b / _split(ps, sizes)
+    return total, per
+
+
 def _flat_specs(tree) -> dict[str, P.ParamSpec]:
     return P.flatten(jax.tree.map(lambda s: s, tree, is_leaf=lambda x: isinstance(x, P.ParamSpec)))
 
 
-def _weights(specs, fmt: str, sizes: dict, rules, prefix: str = "") -> dict[str, list[float]]:
-    """{part: [total bytes, per-device bytes]} of a ParamSpec tree."""
+def _weights(specs, fmt, sizes: dict, rules, dtype=None) -> dict[str, list[float]]:
+    """{part: [total bytes, per-device bytes]} of a ParamSpec tree stored as `fmt` (a --dtype choice, or a
+    `params.with_formats` rule / {path: format} with dense weights in `dtype`)."""
+    rule = storage_formats(fmt) if isinstance(fmt, str) else fmt
+    dtype = dtype or _DENSE.get(fmt if isinstance(fmt, str) else "", jnp.bfloat16)
+    if rule is not None:
+        specs = P.with_formats(specs, rule)
     out = {p: [0.0, 0.0] for p in PARTS}
     for path, spec in _flat_specs(specs).items():
-        part = part_of(path, spec)
-        for a in stored_arrays(path, spec, fmt):
-            out[part][0] += a.nbytes
-            out[part][1] += a.nbytes / shard_fraction(a, sizes, rules)
+        t, d = leaf_bytes(path, spec, dtype, sizes, rules)
+        out[part_of(path, spec)][0] += t
+        out[part_of(path, spec)][1] += d
     return out
 
 
@@ -181,7 +175,116 @@ def plan(config: ModelConfig, *, devices: int = 1, mesh_shape: tuple[int, ...] |
     return {"model": config.name, "weights": weights, "devices": devices, "mesh": sizes, "batch": batch,
             "context": context, "max_block": max_block, "drafter": drafter, "parts": parts,
             "weights_total": weights_total, "total": sum(v["total"] for v in parts.values()),
-            "per_device": sum(v["per_device"] for v in parts.values())}
+            "per_device": sum(v["per_device"] for v in parts.values()),
+            "notes": batch_split_notes(batch, sizes, rules)}
+
+
+def batch_split_notes(batch: int, sizes: dict, rules=None) -> list[str]:
+    """Why the decode state is split fewer ways than the mesh allows: mesh axes of the `batch` rule
+    (size > 1) that the batch does not divide, so the state is replicated along them."""
+    mesh_axes = [ax for ax in (DEFAULT_RULES if rules is None else rules).get("batch", ()) if sizes.get(ax, 1) > 1]
+    spec = partition_spec((batch,), ("batch",), sizes, rules)
+    used = [ax for e in spec for ax in (e if isinstance(e, tuple) else (e,)) if ax is not None]
+    skipped = [ax for ax in mesh_axes if ax not in used]
+    if not skipped:
+        return []
+    split = math.prod(sizes[ax] for ax in used)
+    full = math.prod(sizes[ax] for ax in mesh_axes)
+    axes = " x ".join(f"{ax!r} ({sizes[ax]})" for ax in skipped)
+    return [f"decode state: batch {batch} does not divide over mesh {'axes' if len(skipped) > 1 else 'axis'} "
+            f"{axes}, so the state falls back to replication along {'them' if len(skipped) > 1 else 'it'} "
+            f"(split {split} way{'s' if split > 1 else ''} instead of {full}); a batch that is a multiple of "
+            f"{full} splits it {full} ways"]
+
+
+# ---- a loaded checkpoint: estimate from its stored formats next to the bytes on the device(s) ---------------
+
+def _measure(tree) -> tuple[float, dict]:
+    """(logical bytes, {device: bytes of the shards it holds}) of a tree of device arrays / QArrays."""
+    total, per = 0.0, {}
+    for a in jax.tree.leaves(tree):
+        total += a.nbytes
+        for sh in a.addressable_shards:
+            per[sh.device] = per.get(sh.device, 0) + sh.data.nbytes
+    return total, per
+
+
+def _checkpoint_parts(config: ModelConfig, ckpt_config, params: dict) -> list[tuple[str, object, dict]]:
+    """(part name, ParamSpec tree with the checkpoint's formats, the loaded tree) per part."""
+    target = {k: v for k, v in params.items() if k not in ("mtp", "dspark")}
+    specs = P.with_formats(P.param_specs(config), P.formats_of(target))
+    flat_specs, flat = _flat_specs(specs), P.flatten(target)
+    out = []
+    for part in PARTS:
+        keys = [k for k, s in flat_specs.items() if part_of(k, s) == part]
+        out.append((part, {k: flat_specs[k] for k in keys}, {k: flat[k] for k in keys}))
+    for i, m in enumerate(params.get("mtp", [])):
+        out.append((f"drafter (mtp {i})", P.with_formats(P.mtp_specs(config), P.formats_of(m)), m))
+    if "dspark" in params:
+        d, meta = params["dspark"], ckpt_config.dspark
+        specs = P.dspark_specs(config, meta.n_stages, meta.n_taps, meta.markov_rank, meta.conf_bias)
+        out.append(("drafter (dspark)", P.with_formats(specs, P.formats_of(d)), d))
+    return out
+
+
+def measure_checkpoint(path, mesh_shape: tuple[int, ...] | None = None, rules=None) -> dict:
+    """Load a converted checkpoint with keep_quantized=True on a mesh (default: one device) and return, per
+    part, the plan's bytes for its stored formats ("estimate") next to the bytes of the arrays on the
+    devices ("measured": total = logical bytes, per_device = the most any device holds)."""
+    n = len(jax.devices())
+    shape = tuple(mesh_shape or (1, 1, 1))
+    if math.prod(shape) > n:
+        raise ValueError(f"mesh {shape} needs {math.prod(shape)} devices, have {n}")
+    mesh = make_mesh(shape, jax.devices()[:math.prod(shape)]) if math.prod(shape) > 1 else None
+    stats0 = _bytes_in_use()
+    ckpt_config, params = load_checkpoint(path, mesh=mesh, rules=rules, keep_quantized=True)
+    params = jax.block_until_ready(params)
+    config = getattr(ckpt_config, "target", ckpt_config)
+    sizes = dict(zip(MESH_AXES, shape))
+    dtype = jnp.dtype(params["head"].dtype)            # the compute dtype (a QArray's too)
+    parts = {}
+    for name, specs, tree in _checkpoint_parts(config, ckpt_config, params):
+        est = [0.0, 0.0]
+        for path_, spec in _flat_specs(specs).items():
+            t, d = leaf_bytes(path_, spec, dtype, sizes, rules)
+            est[0] += t
+            est[1] += d
+        total, per = _measure(tree)
+        parts[name] = {"estimate": {"total": est[0], "per_device": est[1]},
+                       "measured": {"total": total, "per_device": max(per.values(), default=0)}}
+    out = {"checkpoint": str(path), "model": config.name, "mesh": sizes, "dtype": dtype.name, "parts": parts,
+           "formats": sorted({f.name for f in P.formats_of(params).values()})}
+    for key in ("estimate", "measured"):
+        out[key] = {k: sum(p[key][k] for p in parts.values()) for k in ("total", "per_device")}
+    _, per = _measure(params)
+    out["measured"]["per_device"] = max(per.values(), default=0)
+    stats1 = _bytes_in_use()
+    if stats0 is not None and stats1 is not None:
+        out["measured"]["bytes_in_use_delta"] = stats1 - stats0      # allocator's view (GPU / TPU only)
+    return out
+
+
+def _bytes_in_use():
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else stats.get("bytes_in_use")
+
+
+def checkpoint_unit(m: dict) -> tuple[str, int]:
+    """GiB for real checkpoints, MiB below 1 GiB."""
+    return ("GiB", GIB) if m["measured"]["total"] >= GIB else ("MiB", 1024 ** 2)
+
+
+def checkpoint_table(m: dict) -> str:
+    """Text table of `measure_checkpoint`: per part, the plan next to the measured bytes (`checkpoint_unit`)."""
+    unit = checkpoint_unit(m)[1]
+    head = ["part", "estimate total", "measured total", "estimate / device", "measured / device"]
+    rows = [head]
+    for name, p in list(m["parts"].items()) + [("total", {"estimate": m["estimate"], "measured": m["measured"]})]:
+        rows.append([name] + [f"{p[k]['total'] / unit:.2f}" for k in ("estimate", "measured")]
+                    + [f"{p[k]['per_device'] / unit:.2f}" for k in ("estimate", "measured")])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(rows[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]])
 
 
 def _mesh_arg(text: str) -> tuple[int, ...]:
@@ -235,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-gib", type=float, default=H200_GIB,
                    help=f"per-device memory for the fits line (default {H200_GIB}, one H200)")
     p.add_argument("--json", action="store_true", help="print the plans as JSON (bytes) instead of tables")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="a converted checkpoint: load it with keep_quantized=True (on the first --mesh, default one "
+                        "device) and print the plan of its stored formats next to the bytes measured on the "
+                        "device(s); --preset and --dtype are then not used")
     return p
 
 
@@ -259,6 +366,16 @@ def main(argv: Iterable[str] | None = None) -> int:
     if a.batch < 1 or a.context < 1 or a.max_block < 1:
         print("dsv4-memplan: --batch, --context and --max-block must be positive", file=sys.stderr)
         return 2
+    if a.checkpoint:
+        m = measure_checkpoint(a.checkpoint, a.mesh[0] if a.mesh else None)
+        if a.json:
+            print(json.dumps(m, indent=1))
+            return 0
+        print(f"{m['checkpoint']}: {m['model']}, weights kept quantized ({', '.join(m['formats']) or 'none'}), "
+              f"compute dtype {m['dtype']}, mesh {'x'.join(str(v) for v in m['mesh'].values())}; "
+              f"{checkpoint_unit(m)[0]}")
+        print(checkpoint_table(m))
+        return 0
     config = preset(a.preset)
     meshes = a.mesh or [default_mesh_shape(n) for n in a.devices]
     out = []
@@ -274,6 +391,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     for fmt, plans in out:
         print(f"\nweights: {fmt}")
         print(table(plans, a.hbm_gib))
+    notes = {f"{p['devices']} dev ({'x'.join(str(v) for v in p['mesh'].values())}): {n}": None
+             for p in out[0][1] for n in p["notes"]}
+    for n in notes:
+        print(f"\nnote: {n}")
     return 0
 
 

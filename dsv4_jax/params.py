@@ -12,29 +12,37 @@ Tree layout (leaf names follow `dsv4_jax.names`, which maps them to every checkp
 Matrices use the `[out, in]` layout of the checkpoints (y = W x). Norm weights, HC parameters,
 sinks, compressor position biases and the router bias stay float32 whatever the compute dtype
 (HF `_keep_in_fp32_modules`, target_model.md §4); `tid2eid` is int32.
+
+A weight leaf may be stored quantized: `ParamSpec.quant` (an `ops.quant.QFormat`) makes its abstract leaf
+an `ops.quant.QArray` of ShapeDtypeStructs (`abstract_leaf`), and the same spec gives its sharding
+(`sharding.spec_sharding`), Orbax restore target (`checkpoint`) and bytes (`memplan`). `with_formats`
+sets formats on a spec tree from a rule such as `release_format` (the official FP8 / FP4 release).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import re
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from .config import CSA, HASH_MOE, SLIDING, ModelConfig
+from .config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig
+from .ops import quant
 from .schedule import segments
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """Shape, dtype kind and logical axis names of one leaf."""
+    """Shape, dtype kind and logical axis names of one leaf; `quant` = its storage format when quantized."""
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     kind: str = "weight"   # weight (compute dtype) | f32 (kept float32) | index (int32)
     init: str = "matrix"   # matrix | norm | vector | hc_scale | embed | tid2eid | bias
+    quant: quant.QFormat | None = None
 
     def dtype(self, compute_dtype) -> Any:
         return {"weight": compute_dtype, "f32": jnp.float32, "index": jnp.int32}[self.kind]
@@ -133,9 +141,11 @@ def param_specs(c: ModelConfig) -> dict[str, Any]:
             "head": ParamSpec((c.vocab_size, c.hidden_size), ("vocab", "embed"))}
 
 
-def abstract_params(c: ModelConfig, dtype=jnp.float32):
-    """Tree of jax.ShapeDtypeStruct: the parameters without allocating them."""
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype(dtype)), param_specs(c), is_leaf=_is_spec)
+def abstract_params(c: ModelConfig, dtype=jnp.float32, formats=None):
+    """Tree of jax.ShapeDtypeStruct (QArray of them for quantized leaves): the parameters without allocating
+    them. formats: see `with_formats` (e.g. `release_format`); default every leaf dense."""
+    specs = param_specs(c) if formats is None else with_formats(param_specs(c), formats)
+    return abstract_tree(specs, dtype)
 
 
 def logical_axes(c: ModelConfig):
@@ -241,7 +251,6 @@ def cast_params(params, c: ModelConfig, dtype):
 def drafter_block_specs(c: ModelConfig) -> dict[str, Any]:
     """One drafter block (MTP layer or DSpark stage): a full V4 block with ratio 0 (SWA) and a
     score-routed (non-hash) MoE (drafters.md §1.1, §2.1)."""
-    from .config import MOE
     one = c.replace(num_layers=1, layer_types=(SLIDING,), compress_ratios=(0,), mlp_layer_types=(MOE,))
     return layer_specs(one, 0)
 
@@ -268,3 +277,66 @@ def dspark_specs(c: ModelConfig, n_stages: int, n_taps: int, markov_rank: int, c
             "norm": _norm(D, "embed"), "hc_head": _hc_specs(c, c.hc_mult),
             "markov_w1": ParamSpec((V, R), ("vocab", "markov")), "markov_w2": ParamSpec((V, R), ("vocab", "markov")),
             "conf_proj": conf}
+
+
+# ---- quantized storage ---------------------------------------------------------------------------------------
+
+# The official release (weight_formats.md §3, §6): FP8 e4m3 + e8m0 per 128×128 for the attention projections,
+# indexer wq_b, shared expert and the drafters' projections; FP4 e2m1 + e8m0 per 32 for the routed experts;
+# everything else (embedding, head, router, compressors, indexer weights_proj, Markov heads) bf16.
+RELEASE_FP8 = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+                         r"|e_proj|h_proj|main_proj)$")
+RELEASE_FP4 = re.compile(r"(^|\.)ffn\.experts\.w[123]$")
+
+
+def release_format(path: str, spec: ParamSpec) -> quant.QFormat | None:
+    """Storage format of a leaf (flat dot path) in the official release; None = dense."""
+    if spec.kind != "weight":
+        return None
+    if RELEASE_FP4.search(path):
+        return quant.FP4
+    if RELEASE_FP8.search(path):
+        return quant.FP8
+    return None
+
+
+def with_formats(specs, formats: Callable[[str, ParamSpec], Any] | Mapping[str, Any]):
+    """The spec tree with `quant` set: formats(path, spec) -> QFormat | name | None, or {flat path: format}.
+    Only matrices of kind "weight" may be quantized."""
+    rule = formats if callable(formats) else (lambda path, _s: formats.get(path))
+
+    def one(path, s: ParamSpec):
+        flat = _flat_path(path)
+        fmt = rule(flat, s)
+        if fmt is None:
+            return dataclasses.replace(s, quant=None)
+        if s.kind != "weight" or len(s.shape) < 2:
+            raise ValueError(f"{flat}: only weight matrices can be quantized (kind {s.kind}, shape {s.shape})")
+        return dataclasses.replace(s, quant=quant.qformat(fmt))
+
+    return jax.tree_util.tree_map_with_path(one, specs, is_leaf=_is_spec)
+
+
+def abstract_leaf(spec: ParamSpec, dtype=jnp.float32, sharding=None):
+    """jax.ShapeDtypeStruct of a dense leaf, or a QArray of them for a quantized one (children codes / scale;
+    `sharding` then a QArray of shardings, e.g. `sharding.spec_sharding`)."""
+    if spec.quant is None:
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype(dtype), sharding=sharding)
+    return quant.abstract(spec.quant, spec.shape, spec.dtype(dtype), getattr(sharding, "codes", sharding),
+                          getattr(sharding, "scale", sharding))
+
+
+def abstract_tree(specs, dtype=jnp.float32):
+    """`abstract_leaf` of every ParamSpec of a tree (target, MTP or DSpark specs)."""
+    return jax.tree.map(lambda s: abstract_leaf(s, dtype), specs, is_leaf=_is_spec)
+
+
+def formats_of(tree) -> dict[str, quant.QFormat]:
+    """{flat path: format} of the QArray leaves of a parameter tree (the rule that rebuilds its specs)."""
+    return {_flat_path(path): v.fmt for path, v in jax.tree_util.tree_leaves_with_path(tree, is_leaf=quant.is_qarray)
+            if isinstance(v, quant.QArray)}
+
+
+def _flat_path(path) -> str:
+    """A jax key path as the flat dot path of `flatten` ("segments.0.1.attn.wq_a")."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)

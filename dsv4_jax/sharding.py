@@ -36,9 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from . import cache
 from . import params as P
 from .cache import DecodeState, state_shapes
 from .config import ModelConfig
+from .ops import quant
 
 MESH_AXES = ("data", "expert", "model")
 
@@ -141,40 +143,72 @@ def _replicated_path(path: str, replicated: Sequence[str]) -> bool:
     return any(re.search(p, path) for p in replicated)
 
 
+def leaf_partition_spec(spec: P.ParamSpec, sizes: Mapping[str, int], rules=None, replicated: bool = False):
+    """PartitionSpec of one leaf. A quantized spec gives QArray(codes spec, scale spec): the codes are split
+    like the dense twin (the rules applied to the codes' shape: the same spec unless FP4 packing breaks a
+    divisibility), the scale keeps a dim's mesh axes when every shard then holds whole blocks
+    (`ops.quant.block_grid`) and is replicated along it otherwise. At Flash sizes both equal the dense twin's
+    spec; in tiny configs FP8's single partial 128-block stays whole (still correct under GSPMD)."""
+    if replicated:
+        ps = PartitionSpec()
+        return ps if spec.quant is None else quant.QArray(ps, ps, spec.quant)
+    if spec.quant is None:
+        return partition_spec(spec.shape, spec.axes, sizes, rules)
+    codes_shape, _ = quant.stored_shapes(spec.quant, spec.shape)
+    codes = partition_spec(codes_shape, spec.axes, sizes, rules)
+    grid = quant.block_grid(spec.quant, spec.shape)
+    entries = tuple(codes) + (None,) * (len(grid) - len(codes))
+    scale = []
+    for g, e in zip(grid, entries):
+        n = math.prod(sizes[a] for a in (e if isinstance(e, tuple) else (e,)) if a is not None)
+        scale.append(e if g % n == 0 else None)
+    while scale and scale[-1] is None:
+        scale.pop()
+    return quant.QArray(codes, PartitionSpec(*scale), spec.quant)
+
+
+def _is_pspec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _named(mesh, tree):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=_is_pspec)
+
+
 def spec_tree_partition_specs(specs, sizes: Mapping[str, int], rules=None,
                               replicated: Sequence[str] | None = None):
-    """Tree of PartitionSpec parallel to a tree of ParamSpec (target, MTP or DSpark specs)."""
+    """Tree of PartitionSpec parallel to a tree of ParamSpec (target, MTP or DSpark specs; quantized specs
+    give QArray nodes of PartitionSpecs, parallel to the QArray leaves of the parameters)."""
     replicated = DEFAULT_REPLICATED if replicated is None else tuple(replicated)
 
     def one(path, s):
         flat = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        if _replicated_path(flat, replicated):
-            return PartitionSpec()
-        return partition_spec(s.shape, s.axes, sizes, rules)
+        return leaf_partition_spec(s, sizes, rules, _replicated_path(flat, replicated))
 
     return jax.tree_util.tree_map_with_path(one, specs, is_leaf=_is_spec)
 
 
-def param_partition_specs(config: ModelConfig, mesh, rules=None, replicated=None):
-    """Tree of PartitionSpec parallel to the parameters of `config` (mesh: Mesh, AbstractMesh or sizes)."""
-    return spec_tree_partition_specs(P.param_specs(config), mesh_sizes(mesh), rules, replicated)
+def _target_specs(config: ModelConfig, formats):
+    specs = P.param_specs(config)
+    return specs if formats is None else P.with_formats(specs, formats)
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh, rules=None, replicated=None):
-    """Tree of NamedSharding parallel to the parameters of `config`."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_partition_specs(config, mesh, rules, replicated),
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+def param_partition_specs(config: ModelConfig, mesh, rules=None, replicated=None, formats=None):
+    """Tree of PartitionSpec parallel to the parameters of `config` (mesh: Mesh, AbstractMesh or sizes).
+    formats: quantized leaves (`params.with_formats`: a rule or {path: format}, e.g. `params.formats_of(tree)`)."""
+    return spec_tree_partition_specs(_target_specs(config, formats), mesh_sizes(mesh), rules, replicated)
 
 
-def spec_sharding(spec: P.ParamSpec, mesh: Mesh, rules=None, path: str = "", replicated=None,
-                  shape: Sequence[int] | None = None) -> NamedSharding:
-    """NamedSharding of one ParamSpec leaf at flat `path` (shape: override, e.g. a codes array of it)."""
+def param_shardings(config: ModelConfig, mesh: Mesh, rules=None, replicated=None, formats=None):
+    """Tree of NamedSharding parallel to the parameters of `config` (QArray nodes for quantized leaves)."""
+    return _named(mesh, param_partition_specs(config, mesh, rules, replicated, formats))
+
+
+def spec_sharding(spec: P.ParamSpec, mesh: Mesh, rules=None, path: str = "", replicated=None):
+    """NamedSharding of one ParamSpec leaf at flat `path`; a QArray of two NamedShardings (codes, scale)
+    for a quantized spec."""
     replicated = DEFAULT_REPLICATED if replicated is None else tuple(replicated)
-    if _replicated_path(path, replicated):
-        return NamedSharding(mesh, PartitionSpec())
-    shape = tuple(spec.shape if shape is None else shape)
-    axes = spec.axes if len(shape) == len(spec.axes) else (None,) * len(shape)
-    return NamedSharding(mesh, partition_spec(shape, axes, mesh_sizes(mesh), rules))
+    return _named(mesh, leaf_partition_spec(spec, mesh_sizes(mesh), rules, _replicated_path(path, replicated)))
 
 
 # ---- decode state ----------------------------------------------------------------------------------
@@ -209,7 +243,6 @@ def shardings_like(state: DecodeState, mesh: Mesh, rules=None) -> DecodeState:
 def init_state(config: ModelConfig, mesh: Mesh, batch: int, max_len: int, max_block: int = 8,
                dtype=jnp.float32, rules=None) -> DecodeState:
     """`cache.init_state` created directly in its shardings (never whole on one device)."""
-    from . import cache
     if max_len <= 0 or max_block <= 0 or batch <= 0:
         raise ValueError(f"batch, max_len and max_block must be positive (got {batch}, {max_len}, {max_block})")
     shard = state_shardings(config, mesh, batch, max_len, max_block, dtype, rules)
@@ -220,29 +253,35 @@ def init_state(config: ModelConfig, mesh: Mesh, batch: int, max_len: int, max_bl
 # ---- placing trees ---------------------------------------------------------------------------------
 
 def shard_params(params, config: ModelConfig, mesh: Mesh, rules=None, replicated=None):
-    """device_put a target parameter tree (optionally with "mtp" / "dspark" entries) onto its shardings."""
+    """device_put a target parameter tree (optionally with "mtp" / "dspark" entries) onto its shardings;
+    QArray leaves (quantized weights) are placed like their dense twins, scales following their codes."""
     target = {k: v for k, v in params.items() if k not in ("mtp", "dspark")}
-    out = jax.device_put(target, param_shardings(config, mesh, rules, replicated))
+    out = _put(target, param_shardings(config, mesh, rules, replicated, P.formats_of(target)))
     if "mtp" in params:
-        sh = drafter_shardings(P.mtp_specs(config), mesh, rules, replicated)
-        out["mtp"] = [jax.device_put(m, sh) for m in params["mtp"]]
+        out["mtp"] = [_put(m, drafter_shardings(P.with_formats(P.mtp_specs(config), P.formats_of(m)), mesh, rules,
+                                                replicated)) for m in params["mtp"]]
     if "dspark" in params:
         d = params["dspark"]
-        out["dspark"] = jax.device_put(d, _dspark_shardings_like(d, config, mesh, rules, replicated))
+        out["dspark"] = _put(d, _dspark_shardings_like(d, config, mesh, rules, replicated))
     return out
+
+
+def _put(tree, shardings):
+    """device_put onto a sharding tree whose QArray nodes carry the leaves' own (static) dtype."""
+    like = jax.tree.map(lambda s, x: quant.QArray(s.codes, s.scale, x.fmt, x.dtype) if isinstance(s, quant.QArray)
+                        else s, shardings, tree, is_leaf=quant.is_qarray)
+    return jax.device_put(tree, like)
 
 
 def drafter_shardings(specs, mesh: Mesh, rules=None, replicated=None):
     """NamedShardings for a drafter ParamSpec tree (`params.mtp_specs`, `params.dspark_specs`)."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s),
-                        spec_tree_partition_specs(specs, mesh_sizes(mesh), rules, replicated),
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return _named(mesh, spec_tree_partition_specs(specs, mesh_sizes(mesh), rules, replicated))
 
 
 def _dspark_shardings_like(d: dict, config: ModelConfig, mesh: Mesh, rules, replicated):
     n_taps = d["main_proj"].shape[1] // config.hidden_size
     specs = P.dspark_specs(config, len(d["stages"]), n_taps, d["markov_w1"].shape[1], "bias" in d["conf_proj"])
-    return drafter_shardings(specs, mesh, rules, replicated)
+    return drafter_shardings(P.with_formats(specs, P.formats_of(d)), mesh, rules, replicated)
 
 
 def shard_state(state: DecodeState, mesh: Mesh, rules=None) -> DecodeState:
@@ -301,14 +340,19 @@ def _cluster_detected() -> bool:
 
 
 def describe(shardings) -> dict[str, str]:
-    """{flat path: str(PartitionSpec)} of a sharding tree (for logs and docs)."""
-    flat = P.flatten(jax.tree.map(lambda s: str(s.spec), shardings,
-                                  is_leaf=lambda x: isinstance(x, NamedSharding)))
+    """{flat path: str(PartitionSpec)} of a sharding tree (for logs and docs); a quantized leaf gives
+    "path.codes" and "path.scale" entries."""
+    flat = {}
+    for path, s in P.flatten(shardings).items():
+        if isinstance(s, quant.QArray):
+            flat[path + ".codes"], flat[path + ".scale"] = str(s.codes.spec), str(s.scale.spec)
+        else:
+            flat[path] = str(s.spec)
     return dict(sorted(flat.items()))
 
 
 __all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "MESH_AXES", "constrain", "default_mesh_shape",
-           "describe", "drafter_shardings", "init_state", "initialize_distributed", "make_mesh", "mesh_sizes",
+           "describe", "drafter_shardings", "init_state", "initialize_distributed", "leaf_partition_spec", "make_mesh", "mesh_sizes",
            "param_partition_specs", "param_shardings", "partition_spec", "shard_batch", "shard_params",
            "shard_state", "shardings_like", "spec_sharding", "spec_tree_partition_specs", "state_partition_specs",
            "state_shardings"]

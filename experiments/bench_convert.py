@@ -138,7 +138,7 @@ def run_one(fmt: str, src: str, d: str, dequant: bool) -> dict:
     from dsv4_jax.convert import pipeline as PP, plan as PL
     from dsv4_jax.convert.gguf_io import GGUFSource
     from dsv4_jax.convert.hf_source import SafetensorsSource
-    from dsv4_jax.convert.writer import AtomicDir
+    from dsv4_jax.outdir import AtomicDir
     from dsv4_jax.params import ParamSpec
     source = SafetensorsSource(src) if os.path.isdir(src) else GGUFSource(src)
     names = [n for n in source.names() if n.endswith(".weight")]

@@ -3,14 +3,14 @@
 Model: `flash()` layer dimensions (D 4096, 64 heads × 512, q_lora 1024, 8 O-LoRA groups, 256 experts of
 2048, top-6, 129 280 vocabulary) with the layer count reduced to fit one GPU: Flash's 3 leading layers
 (SWA, SWA, CSA — all hash-routed) plus `--pairs` HCA/CSA pairs (default 1: 5 layers, ≈68 GB of bf16
-weights), so every layer type runs. Random weights are made on the device (jax.random), in bf16 and in
-the quantized storage the model executes ("fp8-experts": routed experts as FP8 e4m3 codes + a float32
-scale per 128×128 block, read in-tile by the MoE kernels; everything else bf16). Decode states are
-synthetic: caches filled with random rows and `pos` set to the context length (a 64K prefill is not
+weights), so every layer type runs. Random weights are made on the device (`dsv4_jax.random_init`), in
+bf16 and in the quantized storage the model executes ("fp8-experts": routed experts as FP8 e4m3 codes + a
+float32 scale per 128×128 block, read in-tile by the MoE kernels; everything else bf16). Decode states
+are synthetic: caches filled with random rows and `pos` set to the context length (a 64K prefill is not
 needed to measure what a step at 64K reads).
 
-Measured in one run, each against its bytes bound (`bytes_bound`) and the device's measured read
-bandwidth (a large `jnp.sum`):
+Measured in one run, each against its bytes bound (`dsv4_jax.traffic.bytes_bound`) and the device's
+measured read bandwidth (a large `jnp.sum`):
   prefill   a chunk of B·chunk = --prefill-tokens tokens appended at the end of a context of C tokens:
             tokens/s;
   decode    one token per sequence (`decode.process_block`, S = 1, the jitted call `decode_step` makes):
@@ -25,14 +25,15 @@ bandwidth (a large `jnp.sum`):
   profile   a jax.profiler trace of decode steps (top ops by device time, when the trace can be read)
             and per-component timing (embedding, attention per layer type, MoE per routing type, head);
   goals     the issue's H200 goals at batch 1, with the measured value and met / missed by how much.
-Every case runs with kernels off ("reference": the jnp paths) and on ("pallas": `DSV4_KERNELS`; on CPU
-the Pallas kernels run in interpret mode, so kernel timings there are meaningless).
+Every case runs with kernels off ("reference": the jnp paths) and on ("pallas"), chosen by the config's
+static `Backends` (`--kernels`, `dsv4_jax.backends`), so the two variants are two jit cache entries side
+by side; on CPU the Pallas kernels run in interpret mode, so kernel timings there are meaningless.
 
-Forced acceptance: while tracing the rounds, `spec.sampling.verify_greedy` is wrapped so that every
-proposed draft is accepted (n_accept = max(real n_accept, n_draft) = n_draft) and the bonus token is the
-target's argmax after the last draft. The real drafter runs (its cost is paid: MTP chain, DSpark stages,
-Markov and confidence heads), the real verification is still computed, and every round commits k+1
-tokens (target and drafter states advance exactly as at full acceptance); only the accept decision is
+Forced acceptance: the rounds run with `loop.Options(forced_acceptance=True)` (`ops.sampling.verify_forced`):
+every proposed draft is accepted (n_accept = max(real n_accept, n_draft) = n_draft) and the bonus token is
+the target's argmax after the last draft. The real drafter runs (its cost is paid: MTP chain, DSpark
+stages, Markov and confidence heads), the real verification is still computed, and every round commits
+k+1 tokens (target and drafter states advance exactly as at full acceptance); only the accept decision is
 overridden, so the cost side is measured independently of the random weights' acceptance. The MTP block
 and the 3 DSpark stages share one set of routed-expert arrays (same buffers passed several times) to fit
 memory; a round reads them once per block as it would distinct weights (far larger than any cache).
@@ -52,21 +53,20 @@ from __future__ import annotations
 
 import os
 
-# The 5-layer model needs ~83 GB of weights plus temporaries: let XLA use most of the GPU's memory.
+# The 5-layer model needs ~83 GB of weights plus temporaries: let XLA use most of the GPU's memory (read once,
+# when jax starts its GPU client; it selects no code path).
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -76,30 +76,32 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dsv4_jax import backends  # noqa: E402
 from dsv4_jax import params as P  # noqa: E402
 from dsv4_jax.cache import EMPTY, init_state, state_bytes  # noqa: E402
 from dsv4_jax.config import CSA, HCA, SLIDING, ModelConfig, flash  # noqa: E402
 from dsv4_jax.decode import process_block  # noqa: E402
-from dsv4_jax.drafters import dspark, mtp  # noqa: E402
+from dsv4_jax.drafters import registry  # noqa: E402
 from dsv4_jax.model import hyper  # noqa: E402
 from dsv4_jax.model.attention import attention_step  # noqa: E402
 from dsv4_jax.model.block import ffn_sublayer  # noqa: E402
 from dsv4_jax.model.norms import rms_norm  # noqa: E402
 from dsv4_jax.model.target import embed, head  # noqa: E402
+from dsv4_jax.ops.sampling import verify_forced  # noqa: E402
+from dsv4_jax.random_init import random_experts, random_tree  # noqa: E402
 from dsv4_jax.schedule import segments  # noqa: E402
-from dsv4_jax.spec import loop, sampling  # noqa: E402
+from dsv4_jax.spec import loop  # noqa: E402
+from dsv4_jax import traffic  # noqa: E402
+from dsv4_jax.traffic import bytes_bound, stored_bytes  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-FORMATS = ("bf16", "fp8-experts", "release")     # release: bytes only (FP4 experts are dequantized at load)
-RUNNABLE_FORMATS = ("bf16", "fp8-experts")
-IMPLS = ("reference", "pallas")
+RUNNABLE_FORMATS = ("bf16", "fp8-experts")      # traffic.FORMATS also has "release": bytes only
+EXPERT_FORMAT = {"bf16": "dense", "fp8-experts": "fp8"}   # random_init expert storage of each weight format
+IMPLS = ("reference", "pallas")                  # the default --kernels variants (backends.CHOICES)
 SECTIONS = ("prefill", "decode", "verify", "spec", "loop", "profile")
 GOALS = {"decode_bw_fraction": 0.75, "verify6_over_decode": 1.3, "loop_overhead_us": 20.0}
 DSPARK_MARKOV_RANK = 256                         # drafters.md §2.1 (Flash)
-HOST_INIT_MAX = 1 << 20                          # leaves with fewer elements are drawn with numpy
-_EXPERT_LEAF = re.compile(r"(^|\.)ffn\.experts\.w[123]$")
-_RELEASE_FP8_LEAF = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$")
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -125,184 +127,25 @@ def small_flash(pairs: int = 1) -> ModelConfig:
                      yarn=dataclasses.replace(c.yarn, original_max_position_embeddings=64))
 
 
-# ---- bytes bound ----------------------------------------------------------------------------------
+# ---- weights on the device -----------------------------------------------------------------------
 
-def expected_active_experts(n_experts: int, top_k: int, n_tokens: int) -> float:
-    """Distinct experts a layer reads for n_tokens tokens under uniform routing: E·(1 − (1 − k/E)^T).
-
-    Exactly k for one token (the k choices of a token are distinct)."""
-    if n_tokens <= 1:
-        return float(min(top_k, n_experts)) * n_tokens
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** n_tokens)
-
-
-def _elem_bytes(path: str, spec: P.ParamSpec, fmt: str) -> float:
-    """Bytes per element of a parameter leaf as stored in format `fmt` (scales amortised per element)."""
-    if spec.kind != "weight":
-        return 4.0                                         # float32 HC / norms / sinks / ape / router bias; int32
-    if fmt == "bf16":
-        return 2.0
-    if fmt == "fp8-experts":
-        return 1.0 + 4.0 / (128 * 128) if _EXPERT_LEAF.search(path) else 2.0
-    if fmt == "release":                                   # dsv4_jax.memplan "quantized" storage
-        if _EXPERT_LEAF.search(path):
-            return 0.5 + 1.0 / 32                          # FP4 e2m1 + e8m0 per 32
-        return 1.0 + 1.0 / (128 * 128) if _RELEASE_FP8_LEAF.search(path) else 2.0
-    raise ValueError(f"unknown weight format {fmt!r}; choose from {FORMATS}")
-
-
-def weight_bytes_read(config: ModelConfig, fmt: str, n_tokens: int) -> dict:
-    """Bytes of weights one step over n_tokens tokens (batch × block) must read, by part."""
-    E, k, V = config.n_routed_experts, config.num_experts_per_tok, config.vocab_size
-    active = expected_active_experts(E, k, n_tokens)
-    out = {"routed_experts": 0.0, "embedding_rows": 0.0, "head": 0.0, "other": 0.0}
-    for path, spec in P.flatten(P.param_specs(config)).items():
-        n = math.prod(spec.shape)
-        b = _elem_bytes(path, spec, fmt)
-        if _EXPERT_LEAF.search(path):
-            out["routed_experts"] += n * b * active / E
-        elif path == "embed":
-            out["embedding_rows"] += n * b * min(n_tokens, V) / V
-        elif path.endswith("gate.tid2eid"):
-            out["other"] += n * b * min(n_tokens, V) / V
-        elif path == "head":
-            out["head"] += n * b
-        else:
-            out["other"] += n * b
-    out["active_experts_per_layer"] = active
-    out["total"] = out["routed_experts"] + out["embedding_rows"] + out["head"] + out["other"]
-    return out
-
-
-def cache_bytes_read(config: ModelConfig, context: int, cache_itemsize: int = 2) -> dict:
-    """Cache bytes one sequence's decode step at `context` committed tokens must read (target_model.md §6).
-
-    Every layer: its W window rows (W·d); a CSA layer: all ⌊C/4⌋ indexer keys (d_I each) plus the
-    min(index_topk, ⌊C/4⌋) selected rows (d each); an HCA layer: all ⌊C/m⌋ rows (d each).
-    """
-    d, dI, W = config.head_dim, config.index_head_dim, config.sliding_window
-    out = {"window": 0, "indexer_keys": 0, "csa_selected_rows": 0, "hca_rows": 0}
-    for lt, m in zip(config.layer_types, config.compress_ratios):
-        out["window"] += min(W, context) * d * cache_itemsize
-        if lt == CSA:
-            rows = context // m
-            out["indexer_keys"] += rows * dI * cache_itemsize
-            out["csa_selected_rows"] += min(config.index_topk, rows) * d * cache_itemsize
-        elif lt == HCA:
-            out["hca_rows"] += context // m * d * cache_itemsize
-    out["total"] = sum(out.values())
-    return out
-
-
-def bytes_bound(config: ModelConfig, fmt: str, batch: int, context: int, tokens: int = 1,
-                cache_itemsize: int = 2) -> dict:
-    """Bytes a step of `tokens` tokens per sequence (1 = decode, k+1 = verify) must read from memory.
-
-    bound = weights + batch · cache, with (target_model.md §6, "weight bytes read per decoded token"
-    and "KV read per decode step"):
-      weights = Σ over parameter leaves of elements × bytes/element(fmt), except
-                routed experts × a/E, a = E·(1 − (1 − k/E)^T) distinct experts for T = batch·tokens
-                tokens under uniform routing (= k for one token), embedding and tid2eid × T rows / V;
-                the head [V, D] is read whole; float32 / int32 leaves count 4 bytes.
-                bytes/element: bf16 2; fp8-experts 1 + 4/128² for routed experts (f32 scale per
-                128×128 block; --small dims use smaller blocks, whose extra scale bytes are not
-                counted), 2 otherwise; release (dsv4_jax.memplan "quantized", not runnable
-                here) FP4 experts 0.5 + 1/32, FP8 attention / shared expert 1 + 1/128², rest 2.
-      cache   = per layer W·d (window) + CSA: ⌊C/4⌋·d_I + min(topk, ⌊C/4⌋)·d + HCA: ⌊C/128⌋·d,
-                × cache_itemsize (bf16 state: 2); a block's own new rows are not counted.
-    For flash() at batch 1 this gives 26.6 GB of bf16 weights per token (§6: 26.5 GB = 13.27 B
-    active parameters × 2; the rest is the float32 HC / norm leaves), 20.1 GB with fp8-experts, and
-    11.2 GB in the release format (§6 quotes ≈10.2 GB counting every non-expert weight at 1 byte;
-    memplan's storage keeps the head, compressors and router in bf16: +1.0 GB); the cache term is
-    21.75 MiB at 4K, 62.9 MiB at 32K and 204 MiB at 128K (§6 table: 22 / 63 / 204 MiB).
-    """
-    w = weight_bytes_read(config, fmt, batch * tokens)
-    c = cache_bytes_read(config, context, cache_itemsize)
-    return {"weights": w["total"], "cache": batch * c["total"], "total": w["total"] + batch * c["total"],
-            "active_experts_per_layer": w["active_experts_per_layer"],
-            "weight_parts": {k: v for k, v in w.items() if k not in ("total", "active_experts_per_layer")},
-            "cache_parts_per_sequence": c}
-
-
-# ---- random weights on the device -----------------------------------------------------------------
-
-def _normal(key, shape, dtype):
-    """N(0, 1) in dtype; arrays with leading axes are drawn per [.., N, K] matrix (keeps each draw < 2^31)."""
-    if len(shape) <= 2:
-        return jax.random.normal(key, shape, dtype)
-    lead = math.prod(shape[:-2])
-    keys = jax.random.split(key, lead)
-    return jax.vmap(lambda k: jax.random.normal(k, shape[-2:], dtype))(keys).reshape(shape)
-
-
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "init", "n_experts", "top_k"))
-def _random_leaf(key, shape, dtype, init, n_experts=0, top_k=0):
-    """One leaf with `params.init_params`' distributions, generated on the device ("codes": N(0, 1))."""
-    if init == "tid2eid":
-        noise = jax.random.uniform(key, shape[:-1] + (n_experts,))
-        return jnp.argsort(noise, axis=-1)[..., :top_k].astype(jnp.int32)
-    gen = dtype if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize >= 2 else jnp.bfloat16
-    if init == "hc_scale":
-        return (0.5 + jax.random.uniform(key, shape, gen)).astype(dtype)
-    x = _normal(key, shape, gen)
-    scale, shift = {"norm": (0.1, 1.0), "embed": (1.0, 0.0), "vector": (0.5, 0.0), "bias": (0.1, 0.0),
-                    "codes": (1.0, 0.0)}.get(init, (1.0 / math.sqrt(shape[-1]), 0.0))
-    return (x * scale + shift).astype(dtype)
-
-
-def _quantized_experts(key, specs: dict, config: ModelConfig) -> dict:
-    """Routed experts in the kernels' FP8 storage (`kernels/quant.py`): codes float8_e4m3fn ~ N(0, 1) and a
-    float32 scale 1/sqrt(fan_in) per 128×128 block (smaller blocks when a dimension is below 128)."""
-    out = {}
-    for i, name in enumerate(("w1", "w2", "w3")):
-        shape = tuple(specs[name].shape)
-        *lead, N, K = shape
-        br, bc = min(128, N), min(128, K)
-        out[name] = _random_leaf(jax.random.fold_in(key, i), shape, jnp.dtype(jnp.float8_e4m3fn), "codes")
-        out[name + "_scale"] = jnp.full((*lead, N // br, K // bc), 1.0 / math.sqrt(K), jnp.float32)
-    return out
-
-
-def random_tree(specs, config: ModelConfig, key, fmt: str, shared_experts: dict | None = None):
-    """A parameter tree for a ParamSpec tree, made on the device; `shared_experts` replaces every
-    `ffn.experts` subtree (the drafter blocks share one set of routed experts)."""
-    counter = [0]
-
-    def build(node, name):
-        if isinstance(node, P.ParamSpec):
-            counter[0] += 1
-            dtype = jnp.dtype(node.dtype(jnp.bfloat16))
-            if math.prod(node.shape) < HOST_INIT_MAX:      # small leaves: numpy on the host, no compile
-                rng = np.random.default_rng([int(jax.random.key_data(key).ravel()[-1]), counter[0]])
-                return jnp.asarray(P._init_leaf(node, rng, dtype, config).astype(dtype))
-            return _random_leaf(jax.random.fold_in(key, counter[0]), tuple(node.shape), dtype, node.init,
-                                config.n_routed_experts, config.num_experts_per_tok)
-        if isinstance(node, list):
-            return [build(v, name) for v in node]
-        if name == "experts" and shared_experts is not None:
-            return shared_experts
-        if name == "experts" and fmt == "fp8-experts":
-            counter[0] += 1
-            return _quantized_experts(jax.random.fold_in(key, counter[0]), node, config)
-        return {k: build(v, k) for k, v in node.items()}
-
-    return build(specs, "")
+def drafter_specs(config: ModelConfig, drafters) -> dict:
+    """ParamSpec trees of the benchmarked drafters: one MTP block, a 3-stage DSpark (markov rank 256)."""
+    rank = DSPARK_MARKOV_RANK if config.hidden_size >= 1024 else 8
+    specs = {"mtp": [P.mtp_specs(config)], "dspark": P.dspark_specs(config, 3, 3, rank, False)}
+    return {name: specs[name] for name in drafters}
 
 
 def build_params(config: ModelConfig, fmt: str, drafters: tuple[str, ...], seed: int = 0) -> dict:
-    """Target (+ MTP block, + 3-stage DSpark with markov rank 256) weights in format fmt, on the device."""
-    key = jax.random.key(seed)
-    params = random_tree(P.param_specs(config), config, jax.random.fold_in(key, 0), fmt)
+    """Target (+ drafter_specs) weights in format fmt, on the device (`dsv4_jax.random_init`); the drafter
+    blocks share one set of routed experts."""
+    key, ex = jax.random.key(seed), EXPERT_FORMAT[fmt]
+    params = random_tree(P.param_specs(config), config, jax.random.fold_in(key, 0), jnp.bfloat16, ex)
     if drafters:
-        block = P.drafter_block_specs(config)
-        ex, k1 = block["ffn"]["experts"], jax.random.fold_in(key, 1)
-        shared = _quantized_experts(k1, ex, config) if fmt == "fp8-experts" else random_tree(ex, config, k1, fmt)
-        if "mtp" in drafters:
-            params["mtp"] = [random_tree(P.mtp_specs(config), config, jax.random.fold_in(key, 2), fmt, shared)]
-        if "dspark" in drafters:
-            rank = DSPARK_MARKOV_RANK if config.hidden_size >= 1024 else 8
-            params["dspark"] = random_tree(P.dspark_specs(config, 3, 3, rank, False), config,
-                                           jax.random.fold_in(key, 3), fmt, shared)
+        shared = random_experts(jax.random.fold_in(key, 1), P.drafter_block_specs(config)["ffn"]["experts"],
+                                jnp.bfloat16, ex)
+        for i, (name, specs) in enumerate(drafter_specs(config, drafters).items()):
+            params[name] = random_tree(specs, config, jax.random.fold_in(key, 2 + i), jnp.bfloat16, ex, shared)
     return jax.block_until_ready(params)
 
 
@@ -316,24 +159,16 @@ def tree_bytes(tree) -> int:
     return total
 
 
-def stored_bytes(specs, fmt: str, prefix: str = "") -> float:
-    """Bytes of a ParamSpec tree stored in fmt (all leaves, no activity fraction)."""
-    return sum(math.prod(s.shape) * _elem_bytes(prefix + p, s, fmt) for p, s in P.flatten(specs).items())
-
-
 def memory_plan(config: ModelConfig, fmt: str, drafters, batches, contexts, margin: int, max_block: int) -> dict:
     """Bytes of what the run holds at once: weights, drafters (one shared expert set), largest decode state."""
     GB = 1e9
     target = stored_bytes(P.param_specs(config), fmt)
     drafter = 0.0
     if drafters:
-        block = P.drafter_block_specs(config)
-        experts = stored_bytes({"ffn": {"experts": block["ffn"]["experts"]}}, fmt)
-        if "mtp" in drafters:
-            drafter += stored_bytes(P.mtp_specs(config), fmt) - experts
-        if "dspark" in drafters:
-            rank = DSPARK_MARKOV_RANK if config.hidden_size >= 1024 else 8
-            drafter += stored_bytes(P.dspark_specs(config, 3, 3, rank, False), fmt) - 3 * experts
+        experts = stored_bytes({"ffn": {"experts": P.drafter_block_specs(config)["ffn"]["experts"]}}, fmt)
+        for specs in drafter_specs(config, drafters).values():
+            n_blocks = sum(1 for p in P.flatten(specs) if p.endswith("ffn.experts.w1"))
+            drafter += stored_bytes(specs, fmt) - n_blocks * experts
         drafter += experts
     state = state_bytes(config, max(batches), max(contexts) + margin, max_block, jnp.bfloat16)["total"]
     return {"format": fmt, "target_weights_GB": target / GB, "drafter_weights_GB": drafter / GB,
@@ -365,45 +200,12 @@ def random_tokens(key, shape, vocab: int):
     return jax.random.randint(key, shape, 2, vocab, jnp.int32)
 
 
-# ---- variants: kernels on/off, forced acceptance -------------------------------------------------
+# ---- variants: kernels on/off --------------------------------------------------------------------
 
-@contextlib.contextmanager
-def kernels(impl: str):
-    """Select the kernels (DSV4_KERNELS is read while tracing) for calls made inside the block."""
-    old = os.environ.get("DSV4_KERNELS")
-    os.environ["DSV4_KERNELS"] = impl
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DSV4_KERNELS", None)
-        else:
-            os.environ["DSV4_KERNELS"] = old
-
-
-def variant(config: ModelConfig, impl: str, tag: str = "") -> ModelConfig:
-    """A config whose name carries the variant, so jit caches keep kernels-on/off traces apart."""
-    return config.replace(name=f"{config.name}+{impl}{tag}")
-
-
-_VERIFY_GREEDY = sampling.verify_greedy
-
-
-def _forced_verify_greedy(target_logits, drafts, n_draft):
-    """verify_greedy, then accept every proposed draft; the bonus token is the argmax after the last one."""
-    a_real, _ = _VERIFY_GREEDY(target_logits, drafts, n_draft)
-    a = jnp.maximum(a_real, n_draft)                                 # a_real ≤ n_draft: a = n_draft
-    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
-    return a, jnp.take_along_axis(best, a[:, None], axis=1)[:, 0]
-
-
-@contextlib.contextmanager
-def forced_acceptance():
-    sampling.verify_greedy = _forced_verify_greedy
-    try:
-        yield
-    finally:
-        sampling.verify_greedy = _VERIFY_GREEDY
+def variant(config: ModelConfig, impl: str) -> ModelConfig:
+    """The config with kernels `impl` ("auto" | "reference" | "pallas") in its static backends field:
+    part of every jit key, so the variants compile side by side."""
+    return config.with_backends(backends.resolve(impl))
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -477,10 +279,9 @@ class Bench:
         def step(st):
             return process_block(self.params, cfg, st, toks, n)[1]
 
-        with kernels(impl):
-            us, all_us, first, _ = timed_chain(step, st, self.a.iters)
+        us, all_us, first, _ = timed_chain(step, st, self.a.iters)
         bound = bytes_bound(self.config, self.fmt, batch, context, S)
-        row = {"dtype": self.fmt, "kernels": impl, "batch": batch, "context": context, "tokens": S,
+        row = {"dtype": self.fmt, "kernels": impl, "backends": cfg.backends.describe(), "batch": batch, "context": context, "tokens": S,
                "us": us, "us_all": all_us, "first_call_s": first, "bound_bytes": bound["total"],
                "bound_weight_bytes": bound["weights"], "bound_cache_bytes": bound["cache"],
                "active_experts_per_layer": bound["active_experts_per_layer"],
@@ -506,13 +307,7 @@ class Bench:
     def carry(self, cfg, opts: loop.Options, batch: int, context: int):
         B, k = batch, opts.k
         st = self.state(batch, context)
-        dt = jnp.bfloat16
-        if opts.drafter == "mtp":
-            dstate = mtp.init(cfg, B, st.max_len, self.max_block, dt)
-        elif opts.drafter == "dspark":
-            dstate = dspark.init(self.params["dspark"], cfg, B, dt)
-        else:
-            dstate = ()
+        dstate = registry.get(opts.drafter).init(self.params, cfg, opts.setup, B, st.max_len, jnp.bfloat16)
         last = self.tokens(B, 1)[:, 0]
         z = lambda *s: jnp.zeros(s, jnp.int32)
         out = jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(last)
@@ -522,17 +317,16 @@ class Bench:
                                            proposed_at=z(B, k), length_hist=z(B, k + 1)), round=z())
 
     def options(self, drafter: str, k: int) -> loop.Options:
-        taps, dcfg = (), None
-        if drafter == "dspark":
-            dcfg = dspark.resolve(self.config, self.params["dspark"])
-            taps, k = dcfg.target_layer_ids, min(k, dcfg.block_size)
-        return loop.Options(drafter=drafter, k=k, greedy=True, max_new_tokens=1 + self.a.loop_rounds * (k + 1),
-                            eos_token_id=-1, taps=taps, dspark=dcfg)
+        """Greedy rounds with forced acceptance (every proposed draft accepted; module docstring)."""
+        setup = registry.get(drafter).configure(self.params, self.config, k)
+        return loop.Options(drafter=drafter, k=setup.k, greedy=True,
+                            max_new_tokens=1 + self.a.loop_rounds * (setup.k + 1), eos_token_id=-1,
+                            taps=setup.taps, settings=setup.settings, forced_acceptance=True)
 
     def rounds(self, impl: str, drafter: str, k: int, batch: int, context: int, modes=("device",)) -> dict:
         """Time R forced-acceptance rounds in each mode: device (while_loop), host (Python loop, sync per
         round), async (the jitted round dispatched back to back, one wait at the end)."""
-        cfg = variant(self.config, impl, "+forced")
+        cfg = variant(self.config, impl)
         opts = self.options(drafter, k)
         knobs = loop.Knobs(temperature=jnp.float32(1e-6), top_p=jnp.float32(1.0), p_min=jnp.float32(0.0),
                            confidence=jnp.float32(0.0))
@@ -541,29 +335,28 @@ class Bench:
                 "async": lambda c: _async_rounds(self.params, cfg, c, knobs, opts, self.a.loop_rounds)}
         row = {"dtype": self.fmt, "kernels": impl, "drafter": drafter, "k": opts.k, "batch": batch,
                "context": context, "rounds": None}
-        with kernels(impl), forced_acceptance():
-            for mode in modes:
-                ts, first = [], None
-                for rep in range(self.a.loop_reps + 1):
-                    c = jax.block_until_ready(self.carry(cfg, opts, batch, context))
-                    t = time.perf_counter()
-                    c = jax.block_until_ready(runs[mode](c))
-                    dt = time.perf_counter() - t
-                    if rep == 0:
-                        first = dt
-                    else:
-                        ts.append(dt)
-                n_rounds = int(c.round) if mode != "async" else self.a.loop_rounds
-                accepted = int(np.asarray(c.stats.accepted).sum())
-                drafted = int(np.asarray(c.stats.drafted).sum())
-                row["rounds"] = n_rounds
-                row[f"{mode}_us_per_round"] = statistics.median(ts) / n_rounds * 1e6
-                row[f"{mode}_first_call_s"] = first
-                if mode == "device":
-                    seq_rounds = int(np.asarray(c.stats.rounds).sum())          # summed over the batch
-                    row["tokens_per_round"] = (accepted + seq_rounds) / max(1, seq_rounds)   # per sequence
-                    row["acceptance"] = accepted / drafted if drafted else None
-                del c
+        for mode in modes:
+            ts, first = [], None
+            for rep in range(self.a.loop_reps + 1):
+                c = jax.block_until_ready(self.carry(cfg, opts, batch, context))
+                t = time.perf_counter()
+                c = jax.block_until_ready(runs[mode](c))
+                dt = time.perf_counter() - t
+                if rep == 0:
+                    first = dt
+                else:
+                    ts.append(dt)
+            n_rounds = int(c.round) if mode != "async" else self.a.loop_rounds
+            accepted = int(np.asarray(c.stats.accepted).sum())
+            drafted = int(np.asarray(c.stats.drafted).sum())
+            row["rounds"] = n_rounds
+            row[f"{mode}_us_per_round"] = statistics.median(ts) / n_rounds * 1e6
+            row[f"{mode}_first_call_s"] = first
+            if mode == "device":
+                seq_rounds = int(np.asarray(c.stats.rounds).sum())          # summed over the batch
+                row["tokens_per_round"] = (accepted + seq_rounds) / max(1, seq_rounds)   # per sequence
+                row["acceptance"] = accepted / drafted if drafted else None
+            del c
         return row
 
     def spec_case(self, impl, drafter, k, batch, context) -> dict:
@@ -597,19 +390,17 @@ class Bench:
         st = self.state(batch, context)
         steps = self.a.trace_steps
         out = {"dtype": self.fmt, "kernels": impl, "batch": batch, "context": context, "steps": steps}
-        with kernels(impl):
-            st = jax.block_until_ready(process_block(self.params, cfg, st, toks, n)[1])
-            if trace_dir is None:
-                import tempfile
-                trace_dir = tempfile.mkdtemp(prefix="bench_decode_trace_")
-            d = os.path.join(trace_dir, f"{self.fmt}_{impl}_B{batch}_C{context}")
-            try:
-                with jax.profiler.trace(d):
-                    for _ in range(steps):
-                        st = jax.block_until_ready(process_block(self.params, cfg, st, toks, n)[1])
-            except Exception as e:  # noqa: BLE001 - a missing profiler must not stop the run
-                out["error"] = f"profiler unavailable: {type(e).__name__}: {str(e)[:200]}"
-                return out
+        st = jax.block_until_ready(process_block(self.params, cfg, st, toks, n)[1])
+        if trace_dir is None:
+            trace_dir = tempfile.mkdtemp(prefix="bench_decode_trace_")
+        d = os.path.join(trace_dir, f"{self.fmt}_{impl}_B{batch}_C{context}")
+        try:
+            with jax.profiler.trace(d):
+                for _ in range(steps):
+                    st = jax.block_until_ready(process_block(self.params, cfg, st, toks, n)[1])
+        except Exception as e:  # noqa: BLE001 - a missing profiler must not stop the run
+            out["error"] = f"profiler unavailable: {type(e).__name__}: {str(e)[:200]}"
+            return out
         out["trace_dir"] = d
         out.update(summarize_trace(d, steps, self.a.top))
         return out
@@ -623,16 +414,15 @@ class Bench:
         st = self.state(batch, context)
         X = jax.random.normal(self.key, (batch, 1, c.hc_mult, c.hidden_size), jnp.float32).astype(jnp.bfloat16)
         rows = []
-        with kernels(impl):
-            for name, fn, args, count in component_fns(self.params, cfg, st, self.tokens(batch, 1), X,
-                                                       self.a.component_reps):
-                try:
-                    us, _, first, _ = timed_chain(lambda _x: fn(*args), 0, self.a.iters)
-                    us /= self.a.component_reps
-                    rows.append({"component": name, "count": count, "us_each": us, "us_total": us * count,
-                                 "first_call_s": first})
-                except Exception as e:  # noqa: BLE001
-                    rows.append({"component": name, "count": count, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        for name, fn, args, count in component_fns(self.params, cfg, st, self.tokens(batch, 1), X,
+                                                   self.a.component_reps):
+            try:
+                us, _, first, _ = timed_chain(lambda _x: fn(*args), 0, self.a.iters)
+                us /= self.a.component_reps
+                rows.append({"component": name, "count": count, "us_each": us, "us_total": us * count,
+                             "first_call_s": first})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"component": name, "count": count, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         total = sum(r.get("us_total", 0.0) for r in rows)
         for r in rows:
             if "us_total" in r:
@@ -708,7 +498,7 @@ def component_fns(params: dict, cfg: ModelConfig, st, toks, X, reps: int):
 def _async_rounds(params, cfg, c, knobs, opts, n: int):
     """n jitted rounds dispatched back to back (no host sync in between)."""
     for _ in range(n):
-        c = loop._round_jit(params, cfg, c, knobs, opts)
+        c = loop.round_jit(params, cfg, c, knobs, opts)
     return c
 
 
@@ -1093,8 +883,9 @@ def parse_args(argv=None):
     ap.add_argument("--pairs", type=int, default=None, help="HCA/CSA pairs after the 3 leading layers (default 1: 5 layers)")
     ap.add_argument("--dtypes", type=_names(RUNNABLE_FORMATS), default=None,
                     help="weight storage, comma list (default bf16,fp8-experts)")
-    ap.add_argument("--kernels", type=_names(IMPLS), default=None,
-                    help="kernel variants, comma list; the last is the 'kernels on' one (default reference,pallas)")
+    ap.add_argument("--kernels", type=_names(backends.CHOICES), default=None,
+                    help="kernel variants, comma list of auto | reference | pallas (dsv4_jax.backends; each fills the "
+                         "config's static backends field); the last is the 'kernels on' one (default reference,pallas)")
     ap.add_argument("--batches", type=_ints, default=None, help="default 1,8,32 (--small: 1,2); the first is the goal batch")
     ap.add_argument("--contexts", type=_ints, default=None,
                     help="default 4096,65536 (--small: 64,256); the first is the goal context")
@@ -1173,11 +964,12 @@ def main(argv=None) -> dict:
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(dev.device_kind),
             "backend": jax.default_backend(), "jax": jax.__version__, "host": platform.node(),
             "python": platform.python_version(), "command": command, "small": a.small,
-            "pallas_interpret_mode": jax.default_backend() != "gpu", "bandwidth": bw,
+            "pallas_interpret_mode": variant(config, "pallas").backends.interpret, "bandwidth": bw,
+            "backends": {impl: variant(config, impl).backends.describe() for impl in a.kernels},
             "config": {k: v for k, v in config.to_dict().items() if k != "yarn"},
             "plan": {k: v for k, v in vars(a).items() if k not in ("out", "trace_dir")},
-            "bytes_bound_formula": bytes_bound.__doc__.strip(),
-            "forced_acceptance": _forced_verify_greedy.__doc__,
+            "bytes_bound_formula": traffic.__doc__.strip(),
+            "forced_acceptance": verify_forced.__doc__,
             "notes": ["decode states are synthetic (random rows, pos = context); the bound counts what a step at "
                       "that context must read", "CPU runs use Pallas interpret mode: 'pallas' timings there are "
                       "not kernel speed", "the MTP block and DSpark stages share one routed-expert set"]}

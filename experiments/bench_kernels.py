@@ -1,7 +1,8 @@
 """Benchmark the Pallas kernels against their XLA references (issue 10).
 
 MoE experts (SwiGLU FFN of the routed experts: gate/up + down + weighted combine) at decode shapes
-(T tokens, k of E experts, D -> I), bf16 and weight-quantized (fp8 128x128 blocks, int8 per channel):
+(T tokens, k of E experts, D -> I), bf16 and weight-quantized (fp8 128x128 blocks, int8 per channel, FP4 e2m1 + e8m0
+per 32 as released; `ops.quant.QArray` leaves):
   kernel_decode (active experts only), kernel_prefill (grouped matmul), ref_gather (gathered einsum,
   ops.moe.experts_gather), ref_ragged (sort + lax.ragged_dot, ops.moe.experts_sorted).
 Lightning indexer (scores + validity + top-k) over R compressed rows (context = 4R), H heads x dI:
@@ -38,10 +39,9 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def _dense_experts(path, limit=10.0):
-    """A jitted reference expert path (ops.moe) on possibly quantized experts (dequantized in the jit)."""
+    """A jitted reference expert path (ops.moe) on dense or QArray experts (dequantized inside the path)."""
     def run(x, i, w, pp):
-        e = quant.dequantize_experts(pp, x.dtype)
-        return path(x, i, w, e["w1"], e["w2"], e["w3"], limit)
+        return path(x, i, w, pp["w1"], pp["w2"], pp["w3"], limit)
     return jax.jit(run)
 
 
@@ -70,8 +70,10 @@ def moe_cases(a, bw):
     w1 = (jax.random.normal(key, (E, I, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
     p = {"w1": w1, "w3": w1 * 0.5, "w2": jnp.swapaxes(w1, 1, 2)}
     blk = (min(128, I), min(128, D))
-    fmts = {"bf16": p, "fp8_blk128": quant.quantize_experts(p, "fp8", blk),
-            "int8_chan": quant.quantize_experts(p, "int8", (1, None))}
+    fmts = {"bf16": p}
+    for name, fmt in (("fp8_blk128", quant.QFormat("e4m3", blk, "f32")), ("int8_chan", quant.INT8),
+                      ("fp4_e2m1_b32", quant.FP4)):
+        fmts[name] = {n: quant.quantize(m, fmt) for n, m in p.items()}
     interp = jax.default_backend() != "gpu"
     rows = []
     for T in a.tokens:

@@ -10,7 +10,10 @@
 
 Corpus: this interpreter's standard-library .py files (a fixed ~5 % of files held out), byte-level
 vocabulary (dsv4_jax.demo.ByteTokenizer). Each stage is seeded and resumable: it checkpoints with
-Orbax under OUT/ckpt_<stage> and continues from there when restarted with the same arguments.
+Orbax under OUT/ckpt_<stage> and continues from there when restarted with the same arguments. The
+drafter stages use the training step, loop and objectives of `dsv4-train-drafter`
+(dsv4_jax.training.drafter_train / drafter_tasks); `dsv4-train-drafter --model tiny-demo` trains a
+drafter for the bundled model from any text.
 """
 from __future__ import annotations
 
@@ -20,15 +23,15 @@ import os
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 import dsv4_jax as d
+from dsv4_jax.backends import CHOICES
 from dsv4_jax.demo import ByteTokenizer, demo_config, demo_dspark_config
 from dsv4_jax.demo_io import load_bundle, save_bundle
 from dsv4_jax.params import init_dspark, init_mtp
-from dsv4_jax.training import data, objectives
+from dsv4_jax.training import data, drafter_tasks as T, drafter_train as DT, objectives, text_data as TD
+from dsv4_jax.training.evaluate import evaluate_bundle, format_table
 from dsv4_jax.training.loop import train
 
 STAGES = ("target", "mtp", "dspark", "export", "evaluate", "all")
@@ -61,55 +64,40 @@ def stage_target(args, config):
 
 
 def _frozen(args):
-    config, target, _ = load_bundle(_bundle_dir(args.out, "target"), jnp.float32)
-    return config, target
+    config, params, _ = load_bundle(_bundle_dir(args.out, "target"), jnp.float32)
+    return config, {k: v for k, v in params.items() if k not in ("mtp", "dspark")}
+
+
+def _train_drafter(args, config, target, task, params, seed: int, stage: str):
+    """The drafter stages run the same step and loop as dsv4-train-drafter (training.drafter_train, the
+    objectives of training.drafter_tasks): float32, target states computed in the step, seeded windows."""
+    stream = data.corpus("train", ByteTokenizer.BOS)
+    hyper = DT.Hyper(steps=args.steps, batch=args.batch, seq_len=args.length, lr=args.lr,
+                     warmup=min(50, max(args.steps // 10, 1)), compute_dtype="float32", seed=seed)
+
+    def batch_fn(step):
+        starts = TD.window_starts(len(stream), args.length, args.batch, seed, step)
+        out = {"tokens": TD.windows(stream, starts, args.length)[None]}
+        anchors = T.anchors_for(task, args.length, (1, args.batch), seed, step)
+        return out if anchors is None else dict(out, anchors=anchors)
+
+    t0 = time.time()
+    params = DT.run(task=task, config=config, hyper=hyper, target=target, params=params, batch_fn=batch_fn,
+                    ckpt_dir=os.path.join(args.out, f"ckpt_{stage}"), log=_logger(args.out, stage), desc=stage).params
+    save_bundle(_bundle_dir(args.out, stage), config, params, {"train_s": time.time() - t0, "steps": args.steps})
 
 
 def stage_mtp(args, config):
     config, target = _frozen(args)
-    stream = data.corpus("train", ByteTokenizer.BOS)
-    batches = data.batches(stream, args.batch, args.length, args.seed + 1)
-    fz = jax.jit(lambda t: objectives.frozen_target(target, config, t))
-
-    def feed():
-        for b in batches:
-            b = jnp.asarray(b)
-            S, lg, _ = fz(b)
-            yield b, S, lg
-
-    t0 = time.time()
-    mtp = train(lambda m, b: objectives.mtp_loss(m, target, config, *b)[:1] + (
-                    {"acc": objectives.mtp_loss(m, target, config, *b)[1]},),
-                init_mtp(config, args.seed + 1)[0], feed(), steps=args.steps, lr=args.lr,
-                ckpt_dir=os.path.join(args.out, "ckpt_mtp"), desc="mtp", log=_logger(args.out, "mtp"))
-    save_bundle(_bundle_dir(args.out, "mtp"), config, mtp, {"train_s": time.time() - t0, "steps": args.steps})
+    _train_drafter(args, config, target, T.MTPTask(), init_mtp(config, args.seed + 1)[0], args.seed + 1, "mtp")
 
 
 def stage_dspark(args, config):
     config, target = _frozen(args)
     dcfg = demo_dspark_config()
-    stream = data.corpus("train", ByteTokenizer.BOS)
-    batches = data.batches(stream, args.batch, args.length, args.seed + 2)
-    fz = jax.jit(lambda t: objectives.frozen_target(target, config, t, dcfg.target_layer_ids))
-    rng = np.random.default_rng(args.seed + 2)
-    L, g, A = args.length, dcfg.block_size, args.anchors
-
-    def feed():
-        for b in batches:
-            b = jnp.asarray(b)
-            _, lg, taps = fz(b)
-            anchors = rng.integers(8, L - g - 1, (b.shape[0], A)).astype(np.int32)
-            yield b, taps, lg, jnp.asarray(anchors)
-
-    def loss(dp, batch):
-        tokens, taps, lg, anchors = batch
-        return objectives.dspark_loss(dp, target, config, dcfg, tokens, taps, lg, anchors)
-
-    t0 = time.time()
-    dp = train(loss, init_dspark(config, args.seed + 2, n_stages=2, n_taps=3, markov_rank=32), feed(),
-               steps=args.steps, lr=args.lr, ckpt_dir=os.path.join(args.out, "ckpt_dspark"), desc="dspark",
-               log=_logger(args.out, "dspark"))
-    save_bundle(_bundle_dir(args.out, "dspark"), config, dp, {"train_s": time.time() - t0, "steps": args.steps})
+    task = T.DSparkTask(dcfg, n_stages=2, markov_rank=32, anchors=args.anchors)
+    params = init_dspark(config, args.seed + 2, n_stages=2, n_taps=len(dcfg.target_layer_ids), markov_rank=32)
+    _train_drafter(args, config, target, task, params, args.seed + 2, "dspark")
 
 
 def stage_export(args, config):
@@ -128,9 +116,8 @@ def stage_export(args, config):
 
 
 def stage_evaluate(args, config):
-    from dsv4_jax.training.evaluate import evaluate_bundle, format_table
     res = evaluate_bundle(args.to or os.path.join(args.out, "bundle"), n_prompts=args.eval_prompts,
-                          max_new=args.eval_new, repeats=args.eval_repeats)
+                          max_new=args.eval_new, repeats=args.eval_repeats, backends=args.kernels)
     path = os.path.join(args.out, "eval.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
@@ -154,6 +141,8 @@ def main(argv=None):
     ap.add_argument("--eval-new", type=int, default=128)
     ap.add_argument("--eval-repeats", type=int, default=3,
                     help="evaluate: timed calls per prompt (the fastest counts; timings on shared CPUs vary)")
+    ap.add_argument("--kernels", choices=CHOICES, default="reference",
+                    help="evaluate: implementation of the hot ops (dsv4_jax.backends; default reference)")
     args = ap.parse_args(argv)
     for v, name in ((args.batch, "--batch"), (args.length, "--length"), (args.anchors, "--anchors"),
                     (args.eval_prompts, "--eval-prompts"), (args.eval_new, "--eval-new"),

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax  # noqa: E402
@@ -146,12 +147,12 @@ class ArraySource:
             out, inn = shape
             codes = rng.integers(0, 256, (out, inn // 2), dtype=np.uint8)
             scale = rng.integers(120, 128, (out, inn // 32), dtype=np.uint8)
-            return qf.QTensor(qf.FP4, codes, scale, shape)
+            return qf.host(codes, scale, qf.FP4)
         if leaf.path in FP8_LEAVES and len(shape) == 2:
             codes = rng.integers(0, 256, shape, dtype=np.uint8)
             codes[(codes & 0x7F) == 0x7F] = 0                      # no NaN codes
             scale = rng.integers(118, 126, (-(-shape[0] // 128), -(-shape[1] // 128)), dtype=np.uint8)
-            return qf.QTensor(qf.FP8, codes, scale, shape)
+            return qf.host(codes.view(ml_dtypes.float8_e4m3fn), scale, qf.FP8)
         return (rng.standard_normal(shape) * 0.3).astype(np.float32)
 
     def names(self):
@@ -226,7 +227,39 @@ def check_restore(meshes, with_forward: bool = True) -> dict:
                 "shards_checked": sum(len(flat_got[k].addressable_shards) for k in flat_got)}
             if with_forward:
                 r["forward"] = _maxdiff(dsv4_jax.forward(gt, cfg.target, S.shard_batch(tokens, mesh)), want_logits)
+            r["quantized"] = _check_quantized_restore(ckpt, config, mesh, single, tokens if with_forward else None,
+                                                      want_logits)
     return out
+
+
+def _check_quantized_restore(ckpt, config, mesh, single, tokens, want_logits) -> dict:
+    """keep_quantized=True onto the mesh: QArray leaves placed as `param_shardings(formats=...)` says, FP8 / FP4
+    codes split like their dense twins, values (dequantized) equal to the single-device dense load."""
+    from dsv4_jax.ops import quant
+    _, got = dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32, mesh=mesh, keep_quantized=True)
+    target = {k: v for k, v in got.items() if k != "mtp"}
+    formats = P.formats_of(target)
+    want_sh = P.flatten(S.param_shardings(config, mesh, formats=formats))
+    dense_sh = P.flatten(S.param_shardings(config, mesh))
+    flat, flat_single = P.flatten(target), P.flatten(single)
+    bad, n_q, split_codes = [], 0, 0
+    for k, v in flat.items():
+        if not isinstance(v, quant.QArray):
+            continue
+        n_q += 1
+        sh = want_sh[k]
+        ok = (v.codes.sharding.spec == sh.codes.spec and v.scale.sharding.spec == sh.scale.spec
+              and np.array_equal(np.asarray(quant.dequantize(v)), np.asarray(flat_single[k])))
+        if v.fmt == quant.FP8 or k.endswith(("experts.w1", "experts.w3")):   # codes shape = dense shape (or I/2)
+            ok &= v.codes.sharding.spec == dense_sh[k].spec
+        split_codes += not v.codes.sharding.is_fully_replicated
+        if not ok:
+            bad.append(k)
+    r = {"quantized_leaves": n_q, "split_codes": split_codes, "bad": bad[:10], "formats": sorted({f.name for f in
+                                                                                                formats.values()})}
+    if tokens is not None:
+        r["forward"] = _maxdiff(dsv4_jax.forward(target, config, S.shard_batch(tokens, mesh)), want_logits)
+    return r
 
 
 # ---- speculative loop ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""experiments/bench_decode.py at reduced sizes: report format and shapes, and the bytes bound.
+"""experiments/bench_decode.py at reduced sizes: report format and shapes; the bytes bound it reports
+(`dsv4_jax.traffic`) and the random weights it runs on (`dsv4_jax.random_init`).
 
 The bound is recomputed here from the config's dimensions (target_model.md §6), not with the
-script's own functions. The run uses a 3-layer CPU model (SWA, SWA, CSA) and one variant per section
+library's own functions. The run uses a 3-layer CPU model (SWA, SWA, CSA) and one variant per section
 to stay fast; the bound test covers the 5-layer schedule with an HCA layer.
 """
 import importlib.util
@@ -9,9 +10,17 @@ import json
 import math
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import dsv4_jax as d
+from dsv4_jax import params as P
+from dsv4_jax import traffic
+from dsv4_jax.ops import quant
+from dsv4_jax.random_init import random_params_on_device
+from dsv4_jax.schedule import segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +100,7 @@ def _expected_cache_bytes(c, context):
 def test_bytes_bound_matches_dimensions(fmt, batch, context, tokens):
     c = bench.small_flash(1)
     assert set(c.layer_types) == {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
-    got = bench.bytes_bound(c, fmt, batch, context, tokens)
+    got = traffic.bytes_bound(c, fmt, batch, context, tokens)
     want_w = _expected_weight_bytes(c, fmt, batch * tokens)
     want_c = batch * _expected_cache_bytes(c, context)
     assert got["weights"] == pytest.approx(want_w, rel=1e-9)
@@ -104,14 +113,16 @@ def test_bytes_bound_flash_anchors():
     non-expert weight at 1 byte — memplan's storage keeps the head (1.06 GB), compressors and router in
     bf16, hence 11.2 GB; KV read 22 / 63 / 204 MiB at 4K / 32K / 128K."""
     c = d.flash()
-    bf16 = bench.bytes_bound(c, "bf16", 1, 4096)
+    bf16 = traffic.bytes_bound(c, "bf16", 1, 4096)
     assert bf16["weights"] / 1e9 == pytest.approx(26.5, rel=0.01)
-    release = bench.bytes_bound(c, "release", 1, 4096)
+    release = traffic.bytes_bound(c, "release", 1, 4096)
     assert 10.2 < release["weights"] / 1e9 < 10.2 + 1.06 + 0.1
     assert release["weight_parts"]["routed_experts"] / 1e9 == pytest.approx(6.49 * (0.5 + 1 / 32), rel=0.01)
     assert bf16["cache"] / 2 ** 20 == pytest.approx(22, rel=0.02)
-    assert bench.bytes_bound(c, "bf16", 1, 32768)["cache"] / 2 ** 20 == pytest.approx(63, rel=0.01)
-    assert bench.bytes_bound(c, "bf16", 1, 131072)["cache"] / 2 ** 20 == pytest.approx(204, rel=0.01)
+    assert traffic.bytes_bound(c, "bf16", 1, 32768)["cache"] / 2 ** 20 == pytest.approx(63, rel=0.01)
+    assert traffic.bytes_bound(c, "bf16", 1, 131072)["cache"] / 2 ** 20 == pytest.approx(204, rel=0.01)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        traffic.bytes_bound(c, "fp16", 1, 4096)
 
 
 def test_reduced_flash_keeps_every_layer_type():
@@ -121,6 +132,38 @@ def test_reduced_flash_keeps_every_layer_type():
     assert set(c.layer_types) == {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
     assert c.mlp_layer_types == ("hash_moe",) * 3 + ("moe",) * 2
     assert (c.hidden_size, c.n_routed_experts, c.moe_intermediate_size) == (4096, 256, 2048)
+
+
+# ---- random weights made on the device -------------------------------------------------------------------
+
+@pytest.mark.parametrize("expert_format", ["dense", "fp8"])
+def test_random_params_on_device_follow_the_specs(expert_format):
+    c = bench.small_flash(0)
+    params = random_params_on_device(c, jax.random.key(0), jnp.bfloat16, expert_format)
+    specs, got = P.flatten(P.param_specs(c)), P.flatten(params)
+    experts = {p for p in specs if p.endswith(("ffn.experts.w1", "ffn.experts.w2", "ffn.experts.w3"))}
+    assert len(experts) == 3 * sum(seg.pattern for seg in segments(c))     # w1, w2, w3 per stacked layer slot
+    assert set(got) == set(specs)
+    for p, spec in specs.items():
+        x = got[p]
+        assert x.shape == spec.shape, p
+        if p in experts and expert_format == "fp8":
+            assert isinstance(x, quant.QArray) and x.codes.dtype == jnp.float8_e4m3fn and x.dtype == jnp.bfloat16
+            N, K = spec.shape[-2:]
+            assert x.fmt.block == (min(128, N), min(128, K))
+            scale = x.scale
+            assert scale.dtype == jnp.float32 and scale.shape == spec.shape[:-2] + (N // min(128, N), K // min(128, K))
+            np.testing.assert_allclose(np.asarray(scale), 1 / math.sqrt(K))
+        else:
+            assert x.dtype == jnp.dtype(spec.dtype(jnp.bfloat16)), p
+    # the distributions of params.init_params: norms 1 ± 0.1, matrices N(0, 1/fan_in), distinct expert ids
+    norm = np.asarray(got["norm"], np.float32)
+    assert abs(norm.mean() - 1) < 0.03 and 0.07 < norm.std() < 0.13
+    w = np.asarray(got["segments.0.0.attn.wq_b"], np.float32)
+    assert w.std() * math.sqrt(w.shape[-1]) == pytest.approx(1.0, rel=0.05)
+    ids = np.asarray(got["segments.0.0.ffn.gate.tid2eid"])
+    assert ids.dtype == np.int32 and ids.min() >= 0 and ids.max() < c.n_routed_experts
+    assert all(len(set(row)) == c.num_experts_per_tok for row in ids.reshape(-1, ids.shape[-1])[:50])
 
 
 # ---- the report ------------------------------------------------------------------------------------------

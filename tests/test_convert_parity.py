@@ -3,12 +3,19 @@ logits equal to the HF reference on the same (dequantized) weights (fp32, ≤ 1e
 
 Lossy storage (bf16 / fp8 / fp4 / q8_0 / K-quants) is lossy in the fixture itself: the reference model
 is loaded with exactly the dequantized values, so the comparison stays exact up to fp32 rounding.
+Kept-quantized checkpoints (the converter's default) loaded with keep_quantized=True (QArray leaves on the
+device) give the logits of the same checkpoint dequantized to f32 (≤ 1e-5), the same greedy continuation,
+and the same MTP / DSpark drafter outputs, at the bytes of their codes + scales.
 """
+import gc
 import json
+import warnings
 import os
+import re
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,13 +24,19 @@ from flax import traverse_util
 from gguf import GGMLQuantizationType as T
 
 import dsv4_jax
+from dsv4_jax import memplan, params as P
 from dsv4_jax.checkpoint import CheckpointConfig
 from dsv4_jax.convert.cli import main
+from dsv4_jax.convert.pipeline import LossyConversionWarning
+from dsv4_jax.drafters import dspark as dspark_drafter, mtp as mtp_drafter
+from dsv4_jax.ops import quant
 
 from . import convert_fixtures as fx
 from . import hf_reference as ref
 
 TOL = 1e-4
+KEEP_TOL = 1e-5          # keep_quantized=True vs the same checkpoint dequantized to f32
+NAME = "convert-test"    # one config name: every checkpoint of the fixture shares compiled steps
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +75,104 @@ def _flat(tree):
     return traverse_util.flatten_dict(tree, sep=".")
 
 
-def test_official_fp8_fp4_with_mtp(model, sd, ids, tmp_path):
+def _live_bytes() -> int:
+    gc.collect()
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+def _greedy(params, cfg, ids, steps: int = 5):
+    """(logits of ids [B,S,V], greedy continuation [B,steps] of the prompt ids[:, :S-steps]). The model is causal
+    (a position sees only earlier tokens, compressed rows and indexer choices included), so every call runs the
+    one compiled forward of shape [B,S]: the continuation's not-yet-generated tail is padding."""
+    S = ids.shape[1]
+    logits = np.asarray(dsv4_jax.forward(params, cfg, ids))
+    buf = np.asarray(ids).copy()
+    buf[:, S - steps:] = 0
+    for i in range(S - steps, S):
+        buf[:, i] = np.asarray(dsv4_jax.forward(params, cfg, buf))[:, i - 1].argmax(-1)
+    return logits, buf[:, S - steps:]
+
+
+def _drafter_logits(params, cfg, ids, meta) -> dict:
+    """MTP row logits (random target hiddens + the next tokens) and DSpark base logits, confidences and greedy
+    drafts (random taps) of the loaded drafters."""
+    out = {}
+    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((*ids.shape, cfg.hc_mult, cfg.hidden_size)),
+                         jnp.float32)
+    target = {k: v for k, v in params.items() if k not in ("mtp", "dspark")}
+    if "mtp" in params:
+        out["mtp"] = np.asarray(jax.jit(lambda m, t, h, x: mtp_drafter.rows(
+            m, t, cfg, mtp_drafter.init(cfg, x.shape[0], 64, 2, jnp.float32).cache, h, x, jnp.zeros((x.shape[0],), jnp.int32),
+            jnp.full((x.shape[0],), x.shape[1], jnp.int32))[1])(params["mtp"][0], target, hidden, ids))
+    if "dspark" in params:
+        d = params["dspark"]
+        dcfg = dspark_drafter.resolve(cfg, d, meta)
+        taps = jnp.asarray(np.random.default_rng(5).standard_normal(
+            (ids.shape[0], 8, len(dcfg.target_layer_ids), cfg.hidden_size)), jnp.float32)
+
+        def run(d, t, taps, anchor):
+            ds = dspark_drafter
+            st = ds.observe(d, t, cfg, ds.init(d, cfg, anchor.shape[0], jnp.float32), taps,
+                            jnp.zeros_like(anchor), jnp.full_like(anchor, taps.shape[1]))
+            pos = jnp.full_like(anchor, taps.shape[1])
+            y, U = ds.block_outputs(d, t, cfg, dcfg, st, pos, anchor)
+            drafts, _, n, conf = ds.propose(d, t, cfg, dcfg, st, pos, anchor, jax.random.key(0), 3,
+                                            temperature=0.0, top_p=1.0, threshold=0.0, greedy=True)
+            return U, drafts, conf
+        U, drafts, conf = jax.jit(run)(d, target, taps, ids[:, -1])
+        out.update(dspark=np.asarray(U), dspark_drafts=np.asarray(drafts), dspark_conf=np.asarray(conf))
+    return out
+
+
+def _stored_bytes(meta: dict) -> tuple[int, int]:
+    """(all leaves, quantized leaves) bytes as stored in a checkpoint (dsv4.json records)."""
+    total = quantized = 0
+    for rec in meta["items"].values():
+        for leaf in rec["leaves"].values():
+            if leaf["format"] == "dense":
+                total += int(np.prod(leaf["shape"])) * np.dtype(leaf["dtype"]).itemsize
+            else:
+                b = sum(int(np.prod(a["shape"])) * np.dtype(a["dtype"]).itemsize for a in leaf["arrays"].values())
+                total += b
+                quantized += b
+    return total, quantized
+
+
+def check_kept(ckpt, ids, formats: set, steps: int = 5):
+    """keep_quantized=True against keep_quantized=False (dequantized to f32) of one checkpoint: leaf types and
+    formats, logits ≤ KEEP_TOL, identical greedy continuation, MTP / DSpark outputs; and, at the default
+    dtype, the device bytes of the loaded tree (every new live buffer) ≤ 1.1 × the stored codes + scales."""
+    meta = json.loads((ckpt / "dsv4.json").read_text())
+    total, quantized = _stored_bytes(meta)
+    ids = jnp.asarray(np.asarray(ids), jnp.int32)
+    before = _live_bytes()
+    _, kb = dsv4_jax.load_checkpoint(ckpt, keep_quantized=True)            # default dtype: as stored
+    grown = _live_bytes() - before
+    q_bytes = sum(x.nbytes for x in jax.tree.leaves(kb, is_leaf=quant.is_qarray) if isinstance(x, quant.QArray))
+    assert q_bytes == quantized and grown <= 1.1 * total, (q_bytes, quantized, grown, total)
+    del kb
+    _, dense = dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32)
+    cfg_q, kept = dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32, keep_quantized=True)
+    assert {f.name for f in P.formats_of(kept).values()} == formats, P.formats_of(kept)
+    assert not any(isinstance(x, quant.QArray) for x in jax.tree.leaves(dense, is_leaf=quant.is_qarray))
+    cfg = _target(cfg_q).replace(name=NAME)
+    ld, td = _greedy({k: v for k, v in dense.items() if k not in ("mtp", "dspark")}, cfg, ids, steps)
+    lq, tq = _greedy({k: v for k, v in kept.items() if k not in ("mtp", "dspark")}, cfg, ids, steps)
+    assert float(np.abs(lq - ld).max()) <= KEEP_TOL * max(1.0, float(np.abs(ld).max()))
+    np.testing.assert_array_equal(tq, td)
+    dmeta = getattr(cfg_q, "dspark", None)
+    a, b = _drafter_logits(kept, cfg, ids, dmeta), _drafter_logits(dense, cfg, ids, dmeta)
+    assert set(a) == ({"mtp"} if "mtp" in kept else set()) | ({"dspark", "dspark_drafts", "dspark_conf"}
+                                                              if "dspark" in kept else set())
+    for k in a:
+        if k == "dspark_drafts":
+            np.testing.assert_array_equal(a[k], b[k])
+        else:
+            assert float(np.abs(a[k] - b[k]).max()) <= KEEP_TOL * max(1.0, float(np.abs(b[k]).max())), k
+    return kept, lq
+
+
+def test_official_fp8_fp4_with_mtp(model, sd, ids, tmp_path, capsys):
     rng = np.random.default_rng(0)
     tensors, deq = fx.official_tensors(sd)
     mtp = fx.official_mtp(rng, tensors)
@@ -77,11 +187,16 @@ def test_official_fp8_fp4_with_mtp(model, sd, ids, tmp_path):
     np.testing.assert_array_equal(np.asarray(m["hc_head"]["fn"]), mtp["mtp.0.hc_head_fn"])
     assert params["segments"][0][0]["ffn"]["gate"]["tid2eid"].dtype == jnp.int32
 
-    # keep-quantized: codes on disk, exactly the same values after load_checkpoint(dtype=f32)
-    assert main(["hf", str(tmp_path / "hf"), str(tmp_path / "keep"), "--keep-quantized", "-q"]) == 0
+    # the default keeps the codes on disk (no lossy step: no warning), exactly the same values after
+    # load_checkpoint(dtype=f32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LossyConversionWarning)
+        assert main(["hf", str(tmp_path / "hf"), str(tmp_path / "keep"), "-q"]) == 0
     meta = json.loads((tmp_path / "keep" / "dsv4.json").read_text())
+    assert meta["format_version"] == 2 and meta["conversion"]["keep_quantized"]
     leaves = meta["items"]["target"]["leaves"]
     assert leaves["layers.01.attn.wq_a"]["format"] == "fp8_e4m3_b128"
+    assert leaves["layers.01.attn.wq_a"]["arrays"]["codes"]["dtype"] == "float8_e4m3fn"
     assert leaves["layers.01.ffn.experts.w1"]["format"] == "fp4_e2m1_b32"
     assert leaves["layers.01.ffn.experts.w1"]["arrays"]["codes"]["dtype"] == "uint8"
     assert leaves["layers.00.ffn.gate.tid2eid"]["dtype"] == "int32"
@@ -97,6 +212,17 @@ def test_official_fp8_fp4_with_mtp(model, sd, ids, tmp_path):
     assert pb["norm"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(pb["segments"][1][0]["attn"]["wq_a"], np.float32),
                                   np.asarray(p32["segments"][1][0]["attn"]["wq_a"]))
+    # kept quantized on the device: FP8 / FP4 QArrays (target and MTP block), same logits, tokens, MTP rows
+    kept, _ = check_kept(tmp_path / "keep", ids, {"fp8_e4m3_b128", "fp4_e2m1_b32"})
+    assert kept["segments"][1][0]["attn"]["wq_a"].fmt == quant.FP8
+    assert kept["mtp"][0]["ffn"]["experts"]["w1"].fmt == quant.FP4 and kept["mtp"][0]["e_proj"].fmt == quant.FP8
+    # dsv4-memplan --checkpoint: the plan of the stored formats next to the bytes measured on the device
+    capsys.readouterr()
+    assert memplan.main(["--checkpoint", str(tmp_path / "keep"), "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["formats"] == ["fp4_e2m1_b32", "fp8_e4m3_b128"] and "drafter (mtp 0)" in m["parts"]
+    for part, v in m["parts"].items():
+        assert v["estimate"] == v["measured"] and v["measured"]["total"] > 0, (part, v)
 
 
 def test_transformers_format(model, sd, ids, tmp_path):
@@ -108,7 +234,7 @@ def test_transformers_format(model, sd, ids, tmp_path):
     check_logits(model, sd, tmp_path / "out", ids)
 
 
-def test_official_dspark_separate_dir_and_merge(sd, tmp_path):
+def test_official_dspark_separate_dir_and_merge(sd, ids, tmp_path):
     rng = np.random.default_rng(1)
     tensors, _ = fx.official_tensors(sd)
     fx.write_official(tmp_path / "hf", tensors, fx.official_config())
@@ -128,6 +254,9 @@ def test_official_dspark_separate_dir_and_merge(sd, tmp_path):
     np.testing.assert_array_equal(np.asarray(d["conf_proj"]["bias"]), deq["mtp.2.confidence_head.proj.bias"])
     np.testing.assert_array_equal(np.asarray(d["stages"][1]["ffn"]["experts"]["w3"][5]),
                                   deq["mtp.1.ffn.experts.5.w3.weight"])
+    kept, _ = check_kept(tmp_path / "out", ids, {"fp8_e4m3_b128", "fp4_e2m1_b32"})   # DSpark stages kept quantized
+    assert kept["dspark"]["main_proj"].fmt == quant.FP8 and kept["dspark"]["stages"][2]["ffn"]["experts"]["w2"].fmt \
+        == quant.FP4
 
     # the same drafter merged onto an existing target-only checkpoint
     assert main(["hf", str(tmp_path / "hf"), str(tmp_path / "base"), "-q", "--keep-quantized"]) == 0
@@ -161,12 +290,28 @@ def test_gguf_llamacpp(model, sd, ids, tmp_path):
     for g in ("token_embd.weight", "output.weight", "output_norm.weight"):   # copies of the main model's
         mt[g] = tensors[g]
     fx.write_gguf(tmp_path / "mtp.gguf", mt, n_blocks=4, nextn=1)
-    # one real subprocess call of the installed console script
+    # one real subprocess call of the installed console script: the default keeps Q8_0 / MXFP4 (-> FP4) codes and
+    # requantizes the K-quants (Q6_K, Q4_K) to Q8_0, saying so
     r = subprocess.run([sys.executable, "-m", "dsv4_jax.convert.cli", "gguf", str(tmp_path / "m.gguf"),
-                        str(tmp_path / "out"), "--mtp", str(tmp_path / "mtp.gguf"), "--dtype", "f32"],
-                       capture_output=True, text=True)
+                        str(tmp_path / "keep"), "--mtp", str(tmp_path / "mtp.gguf")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "B/s" in r.stderr                     # the progress bar reports throughput
+    assert "LossyConversionWarning" in r.stderr and "ggml_Q6_K -> q8_0" in r.stderr and "ggml_Q4_K -> q8_0" in r.stderr
+    assert not re.search(r"^\s+(q8_0|fp4_e2m1_b32|bfloat16) -> ", r.stderr, re.M)   # Q8_0 / MXFP4 / BF16 kept exactly
+    meta = json.loads((tmp_path / "keep" / "dsv4.json").read_text())
+    leaves = meta["items"]["target"]["leaves"]
+    assert leaves["layers.01.ffn.experts.w1"]["format"] == "fp4_e2m1_b32"       # MXFP4, lossless repack
+    assert leaves["layers.01.ffn.experts.w2"]["format"] == "q8_0"               # Q6_K, requantized
+    assert leaves["layers.01.attn.wq_a"]["format"] == "q8_0"                    # Q8_0 as stored
+    kept, logits = check_kept(tmp_path / "keep", ids, {"q8_0", "fp4_e2m1_b32"})
+    # what the K-quant -> Q8_0 repack changes against the GGUF's own values (fixture: ~4e-3 of a tensor's max)
+    fx.load_state(model, deq)
+    want = ref.logits(model, torch.as_tensor(np.asarray(ids))).numpy()
+    repack = float(np.abs(logits - want).max())
+    assert TOL < repack < 0.1 * float(np.abs(want).max()), repack
+    # exact conversion (--dtype f32): every value as the GGUF's own dequantization
+    assert main(["gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--mtp", str(tmp_path / "mtp.gguf"),
+                 "--dtype", "f32", "-q"]) == 0
     cfg, params = check_logits(model, deq, tmp_path / "out", ids)
     m = params["mtp"][0]
     np.testing.assert_array_equal(np.asarray(m["e_proj"]), eh_deq[:, :fx.D])
@@ -205,12 +350,13 @@ def test_gguf_ds4_with_drafters(model, sd, ids, tmp_path):
                  ("mtp.2.hc_head_base", "hc_head_base"), ("mtp.2.hc_head_scale", "hc_head_scale")):
         dt[f"dspark.{g}.weight"] = (dsp[o], None)
     fx.write_gguf(tmp_path / "dspark.gguf", dt, n_blocks=3)
+    # exact: IQ2_XXS / Q2_K dequantized in f32 (the default would requantize them to Q8_0)
     assert main(["gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--mtp", str(tmp_path / "mtp.gguf"),
-                 "--dspark", str(tmp_path / "dspark.gguf"), "--keep-quantized", "-q"]) == 0
+                 "--dspark", str(tmp_path / "dspark.gguf"), "--dtype", "f32", "-q"]) == 0
     meta = json.loads((tmp_path / "out" / "dsv4.json").read_text())
-    assert meta["items"]["target"]["leaves"]["layers.01.ffn.experts.w1"]["format"] == "ggml_IQ2_XXS"
-    assert meta["items"]["target"]["leaves"]["layers.01.ffn.experts.w2"]["format"] == "ggml_Q2_K"
-    assert meta["items"]["target"]["leaves"]["layers.01.attn.wq_a"]["format"] == "q8_0"
+    assert meta["items"]["target"]["leaves"]["layers.01.ffn.experts.w1"]["format"] == "dense"
+    assert meta["items"]["target"]["leaves"]["layers.01.attn.wq_a"]["dtype"] == "float32"
+    assert "lossy" not in meta["conversion"]
     cfg, params = check_logits(model, deq, tmp_path / "out", ids)
     assert cfg.mtp_layers == 1 and cfg.dspark.n_stages == 3 and not cfg.dspark.conf_bias
     np.testing.assert_array_equal(np.asarray(params["mtp"][0]["hnorm"]), mtp["mtp.0.hnorm.weight"])
@@ -224,8 +370,10 @@ def test_split_gguf(sd, tmp_path):
     fx.write_gguf(tmp_path / "m.gguf", tensors, split_max_tensors=60)
     shards = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("m-"))
     assert len(shards) >= 2 and shards[0].endswith("-00001-of-%05d.gguf" % len(shards)), shards
-    assert main(["gguf", str(tmp_path / shards[0]), str(tmp_path / "a"), "--keep-quantized", "-q"]) == 0
-    assert main(["gguf", str(tmp_path / "one.gguf"), str(tmp_path / "b"), "--keep-quantized", "-q"]) == 0
+    with pytest.warns(LossyConversionWarning, match="ggml_Q6_K -> q8_0"):
+        assert main(["gguf", str(tmp_path / shards[0]), str(tmp_path / "a"), "--keep-quantized", "-q"]) == 0
+    with pytest.warns(LossyConversionWarning):
+        assert main(["gguf", str(tmp_path / "one.gguf"), str(tmp_path / "b"), "-q"]) == 0
     _, pa = dsv4_jax.load_checkpoint(tmp_path / "a", dtype=jnp.float32)
     _, pb = dsv4_jax.load_checkpoint(tmp_path / "b", dtype=jnp.float32)
     a, b = _flat(dsv4_jax.params.flatten(pa)), _flat(dsv4_jax.params.flatten(pb))

@@ -9,7 +9,7 @@ import dsv4_jax
 from dsv4_jax import config as C
 from dsv4_jax.model import forward
 from dsv4_jax.model.block import layer_sequence
-from dsv4_jax.model.target import embed, head
+from dsv4_jax.model.target import embed, forward_jit, head
 from dsv4_jax.params import ParamSpec, abstract_params, cast_params, param_specs
 from dsv4_jax.schedule import locate, segments
 
@@ -134,16 +134,16 @@ def test_bf16_forward_close_to_fp32(model):
 
 def test_jit_compiled_once_per_config(model):
     cfg, params, tokens, logits = model
-    n0 = forward._cache_size()
+    n0 = forward_jit._cache_size()
     again = forward(params, small_config(), tokens[::-1].copy())   # equal (not identical) config, new values
-    assert forward._cache_size() == n0
+    assert forward_jit._cache_size() == n0
     assert not np.allclose(np.asarray(again), np.asarray(logits))
     other = C._tiny_base(name="one_layer", ratios=[0], n_hash=0)
     p1 = np_init(other, 3)
     forward(p1, other, tokens)
-    assert forward._cache_size() == n0 + 1
+    assert forward_jit._cache_size() == n0 + 1
     forward(p1, C._tiny_base(name="one_layer", ratios=[0], n_hash=0), tokens)
-    assert forward._cache_size() == n0 + 1
+    assert forward_jit._cache_size() == n0 + 1
 
 
 def test_scanned_segments_equal_unrolled_layers(model):

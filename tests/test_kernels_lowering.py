@@ -10,6 +10,7 @@ import pytest
 
 from dsv4_jax.kernels import lightning_indexer as li
 from dsv4_jax.kernels import moe_decode, moe_prefill, routing
+from dsv4_jax.ops import quant
 
 S = jax.ShapeDtypeStruct
 E, I, D, K = 16, 64, 128, 6
@@ -22,19 +23,20 @@ def _lowers_to_triton(fn, *args, **kw):
     assert "triton" in text.lower()
 
 
-def _experts(dtype, scales):
-    p = {n: S((E, I, D) if n != "w2" else (E, D, I), dtype) for n in ("w1", "w2", "w3")}
-    if scales:
-        p.update({"w1_scale": S((E, I // 32, D // 32), jnp.float32), "w3_scale": S((E, I // 32, D // 32), jnp.float32),
-                  "w2_scale": S((E, D // 32, I // 32), jnp.float32)})
-    return p
+def _experts(fmt):
+    """Abstract expert weights: bf16 arrays (fmt None) or QArrays of ShapeDtypeStructs."""
+    shapes = {n: (E, I, D) if n != "w2" else (E, D, I) for n in ("w1", "w2", "w3")}
+    if fmt is None:
+        return {n: S(s, jnp.bfloat16) for n, s in shapes.items()}
+    return {n: quant.abstract(fmt, s, jnp.bfloat16) for n, s in shapes.items()}
 
 
-@pytest.mark.parametrize("dtype,scales", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True), (jnp.int8, True)])
+@pytest.mark.parametrize("fmt", [None, quant.QFormat("e4m3", (32, 32), "f32"), quant.FP8, quant.FP4, quant.Q8_0,
+                                 quant.INT8], ids=lambda f: "bf16" if f is None else f.name)
 @pytest.mark.parametrize("mod", [moe_decode.experts_decode, moe_prefill.experts_prefill])
-def test_moe_lowers(dtype, scales, mod):
+def test_moe_lowers(fmt, mod):
     _lowers_to_triton(mod, S((3, D), jnp.bfloat16), S((3, K), jnp.int32), S((3, K), jnp.float32),
-                      _experts(dtype, scales), limit=10.0, interpret=False)
+                      _experts(fmt), limit=10.0, interpret=False)
 
 
 @pytest.mark.parametrize("hashed", [False, True])

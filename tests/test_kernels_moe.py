@@ -28,13 +28,18 @@ def _case(T, E, k, D, I, dtype, seed=0, same_expert=False):
     return x, idx, w, p
 
 
+def _dense(p, dtype):
+    """Expert weights dequantized to dense arrays (the reference the kernels are checked against)."""
+    return {n: quant.dense(m, dtype) for n, m in p.items()}
+
+
 def _gather_ref(x, idx, w, p):
-    e = quant.dequantize_experts(p, x.dtype)
+    e = _dense(p, x.dtype)
     return ops_moe.experts_gather(x, idx, w, e["w1"], e["w2"], e["w3"], LIMIT)
 
 
 def _sorted_ref(x, idx, w, p):
-    e = quant.dequantize_experts(p, x.dtype)
+    e = _dense(p, x.dtype)
     return ops_moe.experts_sorted(x, idx, w, e["w1"], e["w2"], e["w3"], LIMIT)
 
 
@@ -84,25 +89,32 @@ def test_align_layout():
     np.testing.assert_array_equal(np.asarray(row_token)[[0, 1, 2, 4, 5, 6]], [0, 2, 1, 0, 1, 2])
 
 
-@pytest.mark.parametrize("fmt,block,path", [("int8", (1, None), "decode"), ("fp8", (8, 16), "prefill"),
-                                            pytest.param("fp8", (8, 16), "decode", marks=pytest.mark.slow),
-                                            pytest.param("int8", (16, 8), "prefill", marks=pytest.mark.slow)])
-def test_quantized_matches_dequantized_reference(fmt, block, path):
-    x, idx, w, p = _case(5, 6, 2, 32, 16, jnp.bfloat16, seed=7)
-    q = quant.quantize_experts(p, fmt, block)
-    assert q["w1"].dtype.itemsize == 1
+FP8_F32_8x16 = quant.QFormat("e4m3", (8, 16), "f32")
+INT8_F32_16x8 = quant.QFormat("int8", (16, 8), "f32")
+
+
+@pytest.mark.parametrize("fmt,path", [(quant.INT8, "decode"), (FP8_F32_8x16, "prefill"), (quant.FP4, "decode"),
+                                      (quant.FP4, "prefill"), pytest.param(quant.Q8_0, "prefill", marks=pytest.mark.slow),
+                                      pytest.param(quant.FP8, "decode", marks=pytest.mark.slow),
+                                      pytest.param(FP8_F32_8x16, "decode", marks=pytest.mark.slow),
+                                      pytest.param(INT8_F32_16x8, "prefill", marks=pytest.mark.slow)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_quantized_matches_dequantized_reference(fmt, path):
+    """QArray experts (codes + scales) in the kernels == the dequantized weights in the jnp reference."""
+    x, idx, w, p = _case(3, 6, 2, 32, 32, jnp.bfloat16, seed=7)
+    q = {n: quant.quantize(m, fmt) for n, m in p.items()}
+    assert q["w1"].codes.dtype.itemsize == 1 and q["w1"].fmt == fmt
     if path == "decode":
-        out = moe_decode.experts_decode(x, idx, w, q, limit=LIMIT, interpret=True, blocks=(8, 16, 8, 16))
+        out = moe_decode.experts_decode(x, idx, w, q, limit=LIMIT, interpret=True, blocks=(8, 32, 8, 32))
     else:
-        out = moe_prefill.experts_prefill(x, idx, w, q, limit=LIMIT, interpret=True, blocks=(16, 16, 16))
+        out = moe_prefill.experts_prefill(x, idx, w, q, limit=LIMIT, interpret=True, blocks=(16, 32, 32))
     _close(out, _gather_ref(x, idx, w, q), jnp.bfloat16)
 
 
 def test_quantize_roundtrip_error_is_small():
     wt = jax.random.normal(jax.random.key(0), (3, 32, 64))
-    for fmt, tol in (("int8", 0.02), ("fp8", 0.1)):
-        c, s = quant.quantize(wt, fmt, (8, 16))
-        rel = jnp.abs(quant.dequantize_blocks(c, s) - wt).max() / jnp.abs(wt).max()
+    for fmt, tol in ((INT8_F32_16x8, 0.02), (FP8_F32_8x16, 0.1), (quant.FP4, 0.3), (quant.Q8_0, 0.02)):
+        rel = jnp.abs(quant.dequantize(quant.quantize(wt, fmt)) - wt).max() / jnp.abs(wt).max()
         assert float(rel) < tol, (fmt, float(rel))
 
 

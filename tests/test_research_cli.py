@@ -41,9 +41,24 @@ def bundle(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sweep_out(bundle, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("sweep") / "res")
+    out = str(tmp_path_factory.mktemp("sweep") / "new" / "res")      # its parent does not exist yet
     assert sweep.main(["--model", bundle, "--out", out, "--spec", "none,mtp,dspark", *RUN]) == 0
     return out
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def test_outputs_have_normal_permissions(sweep_out):
+    """Directories (the created parent included) 0777 and files 0666 less the umask, not mkdtemp's 0700."""
+    for d in (os.path.dirname(sweep_out), sweep_out):
+        assert os.stat(d).st_mode & 0o777 == 0o777 & ~_umask()
+    for f in os.listdir(sweep_out):
+        assert os.stat(os.path.join(sweep_out, f)).st_mode & 0o777 == 0o666 & ~_umask(), f
+    assert os.listdir(os.path.dirname(sweep_out)) == ["res"]          # no temporary directory left
 
 
 def test_sweep_writes_documented_outputs(sweep_out):
@@ -61,6 +76,8 @@ def test_sweep_writes_documented_outputs(sweep_out):
         assert key in meta["env"]
     assert meta["env"]["command"].startswith("dsv4-sweep --model")
     assert meta["suite"] == "tiny" and meta["n_prompts"] == 1
+    assert meta["model"]["drafters"] == ["mtp", "dspark"]
+    assert meta["model"]["backends"] == "moe=reference, routing=reference, indexer=reference"   # --kernels default
     rows = summary["settings"]
     assert [r["spec_type"] for r in rows] == ["none", "mtp", "dspark"]
     for r in rows:
@@ -86,6 +103,7 @@ def test_sweep_writes_documented_outputs(sweep_out):
 
 def test_batch_eval_writes_documented_outputs(bundle, sweep_out, tmp_path):
     out = str(tmp_path / "batch")
+    os.mkdir(out)                      # an existing empty --out is accepted (the rule of dsv4_jax.outdir)
     assert batch_eval.main(["--model", bundle, "--out", out, "--batch-size", "1", "--num-prompts", "2", *RUN]) == 0
     assert sorted(os.listdir(out)) == ["batch_eval.json", "batch_eval.md", "latency.png", "results.jsonl",
                                        "throughput.png"]
@@ -111,10 +129,10 @@ def test_padded_generation_equals_generate(bundle, sweep_out):
     prompt = m.encode("def f(x):")
     assert len(prompt) < meta["pad_to"]
     for setting in (Setting("none"), Setting("dspark", 1)):
-        want, _ = d.generate(m.params, m.config, [prompt], 8, drafter=setting.drafter, draft_n_max=1,
-                             dspark_meta=m.dspark_meta, max_len=meta["max_len"])
-        got, stats = generate_padded(m.params, m.config, [prompt], 8, pad_to=meta["pad_to"], max_len=meta["max_len"],
-                                     setting=setting, dspark_meta=m.dspark_meta)
+        want, _ = d.generate(m.params, m.bundle, [prompt], 8, drafter=setting.drafter, draft_n_max=1,
+                             max_len=meta["max_len"])
+        got, stats = generate_padded(m.params, m.bundle, [prompt], 8, pad_to=meta["pad_to"], max_len=meta["max_len"],
+                                     setting=setting)
         assert got == want and stats["generated"] == len(got[0])
 
 
@@ -123,13 +141,14 @@ def test_padded_generation_equals_generate(bundle, sweep_out):
     (["--draft-n-max", "-1"], "must be >= 1"),
     (["--draft-n-max", "0"], "must be >= 1"),
     (["--p-min", "1.5"], "--p-min: values must be in [0, 1]"),
-    (["--temperature", "-0.5"], "--temperature: values must be in"),
+    (["--temperature", "-0.5"], "--temperature: values must be >= 0, got -0.5"),
     (["--batch-size", "0"], "--batch-size: values must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--draft-n-max", "x"], "not an integer"),
     (["--categories", "poetry"], "unknown category"),
     (["--prompt-template", "no placeholder"], "{prompt}"),
+    (["--kernels", "triton"], "invalid choice: 'triton'"),
 ])
 def test_sweep_rejects_bad_options(args, message, tmp_path, capsys):
     out = tmp_path / "never"
@@ -167,6 +186,13 @@ def test_bad_prompt_files_and_dirs(tmp_path, capsys):
         sweep.main(["--random-tiny", "--out", str(full)])
     assert "not empty" in capsys.readouterr().err
     assert os.listdir(full) == ["x"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for target, message in ((afile, "exists and is not a directory"), (afile / "sub" / "out", "is a file")):
+        with pytest.raises(SystemExit):
+            sweep.main(["--random-tiny", "--out", str(target), "--no-compile-cache"])
+        assert message in capsys.readouterr().err
+    assert afile.read_text() == "x"
 
 
 def test_model_without_a_drafter_and_missing_default_model(tmp_path, capsys, monkeypatch):

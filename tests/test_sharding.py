@@ -158,6 +158,11 @@ def _assert_restore(restore):
         assert r["split_leaves"] > 0 and r["shards_checked"] >= 8 * r["leaves"], (name, r)
         if "forward" in r:
             assert r["forward"] <= TOL, (name, r)
+        q = r["quantized"]                       # keep_quantized=True: QArrays sharded like their dense twins
+        assert q["bad"] == [] and q["split_codes"] > 0, (name, q)
+        assert q["formats"] == ["fp4_e2m1_b32", "fp8_e4m3_b128"] and q["quantized_leaves"] >= 10, (name, q)
+        if "forward" in q:
+            assert q["forward"] <= TOL, (name, q)
 
 
 def test_sharded_matches_single_device():
@@ -244,3 +249,24 @@ def test_memplan_cli(capsys):
     proc = subprocess.run([sys.executable, "-m", "dsv4_jax.memplan", "--help"], capture_output=True, text=True,
                           cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
     assert proc.returncode == 0 and "dsv4-memplan" in proc.stdout
+
+
+def test_memplan_notes_an_unsplittable_batch(capsys):
+    """Batch 8 on 16 expert devices cannot split: the state is replicated, and the plan says why."""
+    config = C.tiny()
+    p16 = M.plan(config, devices=16, weights="bf16", batch=8, context=256)
+    state = p16["parts"]["decode state"]
+    assert state["per_device"] == state["total"]
+    (note,) = p16["notes"]
+    assert "batch 8" in note and "'expert' (16)" in note and "replication" in note and "instead of 16" in note
+    p8 = M.plan(config, devices=8, weights="bf16", batch=8, context=256)
+    assert p8["notes"] == []
+    assert p8["parts"]["decode state"]["per_device"] * 8 == pytest.approx(p8["parts"]["decode state"]["total"])
+    half = M.plan(config, devices=16, mesh_shape=(2, 8, 1), weights="bf16", batch=6, context=256)
+    (note,) = half["notes"]          # 6 splits over data (2), not over expert (8)
+    assert "'expert' (8)" in note and "split 2 ways instead of 16" in note
+    assert half["parts"]["decode state"]["per_device"] * 2 == pytest.approx(half["parts"]["decode state"]["total"])
+    assert M.main(["--preset", "tiny", "--devices", "8,16", "--dtype", "bf16", "--batch", "8",
+                   "--context", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "note: 16 dev (1x16x1): decode state: batch 8" in out and "note: 8 dev" not in out

@@ -115,12 +115,15 @@ def test_evaluate_bundle_reports_speedups_and_where_they_are_bounded():
     assert s["all_lossless"] and s["best_dspark"]["k"] == 1
     assert set(res["block_ms"]) == {"1", "2"} and all(v > 0 for v in res["block_ms"].values())
     assert s["verify_block_cost_in_decode_steps"]["1"] == pytest.approx(1.0)
-    assert set(res["dspark_ms"]) == {"propose", "observe"}
+    assert set(res["drafter_ms"]) == {"mtp", "dspark"}
+    for name, ms in res["drafter_ms"].items():
+        assert set(ms) == {"propose", "observe"}
+        run = next(r for r in res["runs"] if r["drafter"] == name)
+        assert run["round_ms"]["verify"] == pytest.approx(res["block_ms"]["2"])
+        assert run["round_ms"]["propose"] == pytest.approx(ms["propose"]["1"])
+        assert run["round_ms"]["propose"] > 0 and run["round_ms"]["observe"] > 0
+        assert sum(run["round_ms"].values()) == pytest.approx(1e3 * run["decode_s"] / run["rounds"])
     dspark = next(r for r in res["runs"] if r["drafter"] == "dspark")
-    assert dspark["round_ms"]["verify"] == pytest.approx(res["block_ms"]["2"])
-    assert dspark["round_ms"]["propose"] == pytest.approx(res["dspark_ms"]["propose"]["1"])
-    assert dspark["round_ms"]["propose"] > 0 and dspark["round_ms"]["observe"] > 0
-    assert sum(dspark["round_ms"].values()) == pytest.approx(1e3 * dspark["decode_s"] / dspark["rounds"])
     assert s["best_dspark"]["speedup_bound_free_drafter"] == pytest.approx(
         dspark["mean_accepted_length"] * res["block_ms"]["1"] / res["block_ms"]["2"])
     table = format_table(res).splitlines()

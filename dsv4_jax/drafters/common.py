@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import MOE, SLIDING, ModelConfig
-from ..spec.sampling import filtered_probs
+from ..ops.sampling import filtered_probs
 
 
 @functools.lru_cache(maxsize=None)

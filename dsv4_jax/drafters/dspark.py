@@ -34,6 +34,8 @@ from ..model.block import ffn_sublayer
 from ..model.compressor import write_ring
 from ..model.norms import rms_norm
 from ..model.rope import apply_rope, inv_freq
+from ..ops.linear import embed, linear
+from .base import DraftSetup, Drafter
 from .common import block_config, draw
 
 RULES = ("per-position", "cumulative")
@@ -94,7 +96,7 @@ def context_features(dparams: dict, config: ModelConfig, taps: jax.Array) -> jax
     """c_p = RMSNorm(main_proj · concat_l taps_l): taps [B,S,n_taps,D] -> [B,S,D]."""
     B, S = taps.shape[:2]
     flat = taps.reshape(B, S, -1)
-    return rms_norm(flat @ dparams["main_proj"].T, dparams["main_norm"], config.rms_norm_eps)
+    return rms_norm(linear(flat, dparams["main_proj"]), dparams["main_norm"], config.rms_norm_eps)
 
 
 def observe(dparams: dict, target: dict, config: ModelConfig, st: DSparkState, taps: jax.Array, start: jax.Array,
@@ -141,12 +143,12 @@ def block_outputs(dparams: dict, target: dict, config: ModelConfig, dcfg: DSpark
     B, g = anchor_tok.shape[0], dcfg.block_size
     tokens = jnp.concatenate([anchor_tok[:, None], jnp.full((B, g - 1), dcfg.noise_token_id, jnp.int32)], axis=1)
     positions = anchor_pos[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
-    e = target["embed"][tokens]
+    e = embed(target["embed"], tokens)
     X = jnp.broadcast_to(e[:, :, None, :], e.shape[:2] + (config.hc_mult, e.shape[-1]))
     for s, stage in enumerate(dparams["stages"]):
         X = _stage(X, stage, st.ctx_kv[s], st.ctx_pos[s], config, tokens, positions, anchor_pos, dcfg.context)
     y = hyper.hc_head(X, dparams["hc_head"], config)
-    U = rms_norm(y, dparams["norm"], config.rms_norm_eps) @ target["head"].T
+    U = linear(rms_norm(y, dparams["norm"], config.rms_norm_eps), target["head"])
     return y, U.astype(jnp.float32)
 
 
@@ -175,11 +177,43 @@ def propose(dparams: dict, target: dict, config: ModelConfig, dcfg: DSparkConfig
     prev = anchor_tok
     drafts, probs, confs = [], [], []
     for j in range(k):
-        e = w1[prev]                                                     # [B,R]
-        logits = U[:, j] + (e @ w2.T).astype(jnp.float32)
+        e = embed(w1, prev)                                              # [B,R]
+        logits = U[:, j] + linear(e, w2).astype(jnp.float32)
         tok, q, _ = draw(keys[j], logits, temperature, top_p, greedy)
         confs.append(confidence(dparams, y[:, j], e))
         drafts.append(tok), probs.append(q)
         prev = tok
     conf = jnp.stack(confs, axis=1)
     return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1), kept_drafts(conf, threshold, dcfg.confidence_rule), conf
+
+
+class DSparkDrafter(Drafter):
+    """DSpark behind the loop's drafter interface (`drafters.base`); settings: the run's DSparkConfig.
+
+    configure's meta: a DSparkConfig, the DSparkMeta of a checkpoint bundle, or None (defaults fitted to
+    the weights; `resolve`). Drafts per round are capped at the block size."""
+
+    name = "dspark"
+    weights = "dspark"
+    weights_help = "DSpark weights"
+    stop_knob = "confidence_threshold"
+
+    def configure(self, params, config, k, meta=None) -> DraftSetup:
+        self.require_weights(params)
+        dcfg = resolve(config, params["dspark"], meta)
+        return DraftSetup(k=min(k, dcfg.block_size), taps=dcfg.target_layer_ids, settings=dcfg)
+
+    def init(self, params, config, setup, batch, max_len, dtype):
+        return init(params["dspark"], config, batch, dtype)
+
+    def observe(self, params, config, setup, state, aux, tokens, start, n_valid):
+        return observe(params["dspark"], params, config, state, aux["taps"], start, n_valid)
+
+    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
+        drafts, q, n_draft, _ = propose(params["dspark"], params, config, setup.settings, state, pos, last, key,
+                                        setup.k, temperature=knobs.temperature, top_p=knobs.top_p,
+                                        threshold=knobs.confidence, greedy=greedy)
+        return drafts, q, n_draft
+
+
+DRAFTER = DSparkDrafter()

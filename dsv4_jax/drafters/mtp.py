@@ -21,6 +21,8 @@ from ..config import ModelConfig
 from ..model import hyper
 from ..model.block import layer_step
 from ..model.norms import rms_norm
+from ..ops.linear import embed, linear
+from .base import DraftSetup, Drafter
 from .common import block_config, chain_length, draw
 
 
@@ -46,13 +48,13 @@ def rows(mtp: dict, target: dict, config: ModelConfig, cache: dict, hidden: jax.
     """
     eps = config.rms_norm_eps
     R = tokens.shape[1]
-    e = rms_norm(target["embed"][tokens], mtp["enorm"], eps) @ mtp["e_proj"].T            # [B,R,D]
-    h = rms_norm(hidden, mtp["hnorm"], eps) @ mtp["h_proj"].T                             # [B,R,n,D]
+    e = linear(rms_norm(embed(target["embed"], tokens), mtp["enorm"], eps), mtp["e_proj"])   # [B,R,D]
+    h = linear(rms_norm(hidden, mtp["hnorm"], eps), mtp["h_proj"])                          # [B,R,n,D]
     X0 = (h + e[:, :, None, :]).astype(hidden.dtype)
     positions = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
     X1, cache = layer_step(X0, mtp, cache, block_config(config), 0, tokens, positions, start, n_valid)
     y = rms_norm(hyper.hc_head(X1, mtp["hc_head"], config), mtp["norm"], eps)
-    return X1, (y @ target["head"].T).astype(jnp.float32), cache
+    return X1, linear(y, target["head"]).astype(jnp.float32), cache
 
 
 def _last(x: jax.Array, n: jax.Array) -> jax.Array:
@@ -89,3 +91,29 @@ def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax
         drafts.append(tok), probs.append(q), tops.append(top1)
     n = chain_length(jnp.stack(tops, axis=1), p_min)
     return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1), n
+
+
+class MTPDrafter(Drafter):
+    """MTP behind the loop's drafter interface (`drafters.base`); uses the first MTP block params["mtp"][0]."""
+
+    name = "mtp"
+    weights = "mtp"
+    weights_help = "MTP weights"
+    stop_knob = "p_min"
+
+    def configure(self, params, config, k, meta=None) -> DraftSetup:
+        self.require_weights(params)
+        return DraftSetup(k=k)
+
+    def init(self, params, config, setup, batch, max_len, dtype):
+        return init(config, batch, max_len, setup.k + 1, dtype)
+
+    def observe(self, params, config, setup, state, aux, tokens, start, n_valid):
+        return observe(params["mtp"][0], params, config, state, aux["hidden"], tokens, start, n_valid)
+
+    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
+        return propose(params["mtp"][0], params, config, state, pos, key, setup.k, temperature=knobs.temperature,
+                       top_p=knobs.top_p, p_min=knobs.p_min, greedy=greedy)
+
+
+DRAFTER = MTPDrafter()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .base import DraftSetup, Drafter
+
 
 def propose(oracle: dict, vocab_size: int, pos: jax.Array, k: int):
     """Drafts for the k positions after `last` (= tokens[pos]): (drafts [B,k], q [B,k,V], n_draft [B])."""
@@ -18,3 +20,21 @@ def propose(oracle: dict, vocab_size: int, pos: jax.Array, k: int):
     d = jnp.take_along_axis(table, idx, axis=1)
     d = jnp.where(oracle["wrong"], (d + 1) % vocab_size, d).astype(jnp.int32)
     return d, jax.nn.one_hot(d, vocab_size, dtype=jnp.float32), jnp.full(pos.shape, k, jnp.int32)
+
+
+class OracleDrafter(Drafter):
+    """The oracle behind the loop's drafter interface (`drafters.base`); stateless."""
+
+    name = "oracle"
+    weights = "oracle"
+    weights_help = "its reference table {'tokens': [B,T], 'wrong': [B,k]}"
+
+    def configure(self, params, config, k, meta=None) -> DraftSetup:
+        self.require_weights(params)
+        return DraftSetup(k=k)
+
+    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
+        return propose(params["oracle"], config.vocab_size, pos, setup.k)
+
+
+DRAFTER = OracleDrafter()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from ..cache import EMPTY
 from ..config import CSA, SLIDING, ModelConfig
+from ..ops.linear import grouped_linear, linear
 from . import compressor, indexer
 from .norms import rms_norm
 from .rope import apply_rope, inv_freq, layer_rope_kind
@@ -21,14 +22,14 @@ def project_q(h: jax.Array, p: dict, config: ModelConfig, positions: jax.Array, 
     """c_q = RMSNorm(W_qa h) [B,S,q_lora]; q = RoPE(unweighted-norm_per_head(W_qb c_q)) [B,S,H,d]."""
     B, S, _ = h.shape
     eps = config.rms_norm_eps
-    qr = rms_norm(h @ p["wq_a"].T, p["q_norm"], eps)
-    q = (qr @ p["wq_b"].T).reshape(B, S, config.num_heads, config.head_dim)
+    qr = rms_norm(linear(h, p["wq_a"]), p["q_norm"], eps)
+    q = linear(qr, p["wq_b"]).reshape(B, S, config.num_heads, config.head_dim)
     return qr, apply_rope(rms_norm(q, None, eps), positions, freqs)
 
 
 def project_kv(h: jax.Array, p: dict, config: ModelConfig, positions: jax.Array, freqs) -> jax.Array:
     """k = v = RoPE(RMSNorm(W_kv h)): [B,S,D] -> [B,S,d]."""
-    return apply_rope(rms_norm(h @ p["wkv"].T, p["kv_norm"], config.rms_norm_eps), positions, freqs)
+    return apply_rope(rms_norm(linear(h, p["wkv"]), p["kv_norm"], config.rms_norm_eps), positions, freqs)
 
 
 def attend(q: jax.Array, keys: jax.Array, mask: jax.Array, sinks: jax.Array,
@@ -60,9 +61,8 @@ def grouped_output(o: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
     """u_g = Wa_g · concat(heads of group g); out = W_ob · concat_g u_g. [B,S,H,d] -> [B,S,D]."""
     B, S, H, d = o.shape
     G, R = config.o_groups, config.o_lora_rank
-    wa = p["wo_a"].reshape(G, R, H * d // G)
-    u = jnp.einsum("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wa)
-    return u.reshape(B, S, G * R) @ p["wo_b"].T
+    u = grouped_linear(o.reshape(B, S, G, H * d // G), p["wo_a"], G)                      # [B,S,G,R]
+    return linear(u.reshape(B, S, G * R), p["wo_b"])
 
 
 def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:

@@ -11,14 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..ops.linear import linear
 from .norms import rms_norm
 from .rope import apply_rope
 
 
 def project(h: jax.Array, p: dict) -> tuple[jax.Array, jax.Array]:
     """(a, z) without the position bias: [B,S,D] -> 2 × [B,S,cd] (z in float32)."""
-    a = h @ p["wkv"].T
-    z = (h @ p["wgate"].T).astype(jnp.float32)
+    a = linear(h, p["wkv"])
+    z = linear(h, p["wgate"]).astype(jnp.float32)
     return a, z
 
 

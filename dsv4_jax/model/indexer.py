@@ -1,8 +1,9 @@
 """Lightning indexer of CSA layers (target_model.md §2.7); the math is `dsv4_jax.ops.indexer`.
 
 Scores of the compressed rows come from the config's indexer backend ("reference": `ops.indexer.scores`,
-"pallas": `kernels.lightning_indexer.scores`, the validity mask fused); the top-k selection is the exact
-`ops.indexer.topk` on both (lower row index first on ties).
+"pallas": `kernels.lightning_indexer.scores`, "pallas_tpu": `kernels.tpu_indexer.scores`, the validity mask
+fused in both kernels); the top-k selection is the exact `ops.indexer.topk` on all (lower row index first
+on ties).
 """
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ import numpy as np
 
 from ..backends import require
 from ..config import ModelConfig
-from ..kernels import lightning_indexer
+from ..kernels import lightning_indexer, tpu_indexer
 from ..ops import indexer as ops
+from ..ops.linear import linear
 from .rope import apply_rope
 
 
 def index_queries(qr: jax.Array, p: dict, config: ModelConfig, positions: jax.Array, freqs: np.ndarray):
     """q^I = RoPE_compress((W_qb^I c_q).view(nI, dI)); no norm. qr [B,S,q_lora] -> [B,S,nI,dI]."""
     B, S, _ = qr.shape
-    q = (qr @ p["wq_b"].T).reshape(B, S, config.index_n_heads, config.index_head_dim)
+    q = linear(qr, p["wq_b"]).reshape(B, S, config.index_n_heads, config.index_head_dim)
     return apply_rope(q, positions, freqs)
 
 
@@ -31,9 +33,10 @@ def masked_scores(q: jax.Array, keys: jax.Array, h: jax.Array, p: dict, config: 
     q [B,S,nI,dI], keys [B,T,dI], h [B,S,D] (the normed layer input), positions int [B,S].
     """
     om = ops.omega(h, p["weights_proj"], config.index_n_heads)
-    if require(config.backends.indexer, "indexer") == "pallas":
-        return lightning_indexer.scores(q, keys, om, positions, n_rows, ratio=ratio,
-                                        interpret=config.backends.interpret)
+    impl = require(config.backends.indexer, "indexer")
+    if impl in ("pallas", "pallas_tpu"):
+        kernel = tpu_indexer.scores if impl == "pallas_tpu" else lightning_indexer.scores
+        return kernel(q, keys, om, positions, n_rows, ratio=ratio, interpret=config.backends.interpret)
     sc = ops.scores(q, keys, om)
     return jnp.where(ops.validity(sc.shape, positions, n_rows, ratio), sc, -jnp.inf)
 

@@ -2,9 +2,11 @@
 
 The config's static backends pick the implementation: routing "reference" (`ops.moe.route_from_logits`)
 or "pallas" (`kernels.routing`); routed experts "reference" (gather the active experts for few tokens,
-sorted `ragged_dot` for many) or "pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens,
-`kernels.moe_prefill` above). Quantized experts ("w1_scale", ... present) are dequantized on the
-reference path and tile by tile in the kernels.
+sorted `ragged_dot` for many), "pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens,
+`kernels.moe_prefill` above) or "pallas_tpu" (`kernels.tpu_moe.routed`: Mosaic decode / grouped matmul).
+Every weight may be dense or an `ops.quant.QArray`: the router and shared expert go through `ops.linear`;
+routed experts are dequantized after gathering the active experts' codes (reference gather path), per
+expert-pure row tile (reference sorted path), or tile by tile in the kernels.
 """
 from __future__ import annotations
 
@@ -13,14 +15,14 @@ import jax.numpy as jnp
 
 from ..backends import require
 from ..config import HASH_MOE, ModelConfig
-from ..kernels import moe_decode, moe_prefill, routing
+from ..kernels import moe_decode, moe_prefill, routing, tpu_moe
 from ..ops import moe as ops
-from ..ops import quant
+from ..ops.linear import linear
 
 
 def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str):
     """x [T,D], tokens int [T] -> (expert ids int32 [T,k], weights f32 [T,k])."""
-    logits = (x @ p["weight"].T).astype(jnp.float32)
+    logits = linear(x, p["weight"]).astype(jnp.float32)
     hashed = mlp_type == HASH_MOE
     bias = None if hashed else p["bias"]
     hash_idx = p["tid2eid"][tokens] if hashed else None
@@ -32,15 +34,22 @@ def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_typ
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
-    """Σ_j w[t,j] · expert_{idx[t,j]}(x[t]): x [T,D], idx / w [T,k] -> [T,D]."""
+    """The experts entry: Σ_j w[t,j] · expert_{idx[t,j]}(x[t]). x [T,D], idx int [T,k] (ids into p's
+    expert axis), w f32 [T,k], p {"w1" [E,I,D], "w2" [E,D,I], "w3" [E,I,D]} dense or QArray -> [T,D].
+
+    Pure per call (no collectives): under expert parallelism call it per shard with the local experts
+    (ids made local, weights of foreign experts zeroed)."""
     limit = config.swiglu_limit
-    if require(config.backends.moe, "moe") == "pallas":
+    impl = require(config.backends.moe, "moe")
+    if impl == "pallas_tpu" and tpu_moe.supports(p):     # else (Q8_0 experts) the reference path below
+        return tpu_moe.routed(x, idx, w, p, limit=limit, interpret=config.backends.interpret)
+    if impl == "pallas":
         kernel = moe_decode.experts_decode if x.shape[0] <= moe_decode.DECODE_MAX_TOKENS else \
             moe_prefill.experts_prefill
         return kernel(x, idx, w, p, limit=limit, interpret=config.backends.interpret)
-    e = quant.dequantize_experts(p, x.dtype)
-    path = ops.experts_gather if ops.prefer_gather(idx.size, config.n_routed_experts) else ops.experts_sorted
-    return path(x, idx, w, e["w1"], e["w2"], e["w3"], limit)
+    n_experts = p["w1"].shape[0]
+    path = ops.experts_gather if ops.prefer_gather(idx.size, n_experts) else ops.experts_sorted
+    return path(x, idx, w, p["w1"], p["w2"], p["w3"], limit)
 
 
 def shared_expert(x: jax.Array, p: dict, config: ModelConfig) -> jax.Array:

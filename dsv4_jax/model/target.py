@@ -6,7 +6,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..backends import Backends
+from ..bundle import CheckpointConfig, target_config
 from ..config import ModelConfig
+from ..ops.linear import embed as embed_rows
+from ..ops.linear import linear
 from ..schedule import segments
 from . import hyper
 from .block import layer_sequence
@@ -15,14 +19,14 @@ from .norms import rms_norm
 
 def embed(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
     """tokens int [B,S] -> X [B,S,n,D]: the embedding copied to every stream."""
-    e = params["embed"][tokens]
+    e = embed_rows(params["embed"], tokens)
     return jnp.broadcast_to(e[:, :, None, :], e.shape[:2] + (config.hc_mult, e.shape[-1]))
 
 
 def head(params: dict, config: ModelConfig, X: jax.Array) -> jax.Array:
     """X [B,S,n,D] -> logits [B,S,V] (hc_head collapse, final norm, untied head)."""
     h = rms_norm(hyper.hc_head(X, params["hc_head"], config), params["norm"], config.rms_norm_eps)
-    return h @ params["head"].T
+    return linear(h, params["head"])
 
 
 def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: list | None = None):
@@ -66,8 +70,18 @@ def hidden_states(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.A
     return run_segments(params, config, X, fn)[0]
 
 
+def forward(params: dict, config: ModelConfig | CheckpointConfig, tokens: jax.Array, *,
+            backends: Backends | str | None = None) -> jax.Array:
+    """Full-sequence logits, no cache. tokens int32 [B,S] -> logits [B,S,V] in the parameters' dtype.
+
+    config: a ModelConfig or the bundle `load_checkpoint` returns; backends: the kernels (a `Backends`,
+    or "auto" | "reference" | "pallas"; default: the config's own), resolved here, outside traced code.
+    """
+    return forward_jit(params, target_config(config, backends), tokens)
+
+
 @functools.partial(jax.jit, static_argnums=1)
-def forward(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Full-sequence logits, no cache. tokens int32 [B,S] -> logits [B,S,V] in the parameters' dtype."""
+def forward_jit(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """`forward` for a ModelConfig whose backends are concrete (the config is the static jit key)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     return head(params, config, hidden_states(params, config, tokens))

@@ -7,5 +7,8 @@ compute the same formulas from one source:
 - `moe`       routing from router logits (sqrt-softplus, bias top-k / hash ids, normalised weights), SwiGLU
               with clamps, the gather (few tokens) and sorted / grouped (many tokens) expert paths
 - `indexer`   lightning-indexer scores, validity, exact top-k selection (lower index first on ties)
-- `quant`     on-device dequantization of the stored weight formats
+- `quant`     the quantized weight leaf type `QArray` (codes + scales, static `QFormat`), its formats (FP8 e4m3
+              128×128, FP4 e2m1 packed, Q8_0, int8 per channel), exact dequantization, quantization
+- `linear`    the weight entry y = x Wᵀ (grouped, embedding gather) for dense or QArray weights
+- `sampling`  temperature / top-p distributions, greedy and lossless rejection-sampling verification
 """

@@ -10,10 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .linear import linear
+
 
 def omega(h: jax.Array, weights_proj: jax.Array, n_heads: int) -> jax.Array:
-    """ω = (W_ω h) · nI^-0.5 in float32: h [B,S,D], weights_proj [nI,D] -> [B,S,nI]."""
-    return (h @ weights_proj.T).astype(jnp.float32) * n_heads ** -0.5
+    """ω = (W_ω h) · nI^-0.5 in float32: h [B,S,D], weights_proj [nI,D] (dense or QArray) -> [B,S,nI]."""
+    return linear(h, weights_proj).astype(jnp.float32) * n_heads ** -0.5
 
 
 def scores(q: jax.Array, keys: jax.Array, om: jax.Array) -> jax.Array:

@@ -1,113 +1,327 @@
-"""On-device dequantization of stored weight formats, and weight-only quantization for the kernels.
+"""Quantized weights as one pytree leaf type, `QArray`: formats, dequantization, quantization.
 
-Checkpoint formats kept by `dsv4-convert --keep-quantized` (weight_formats.md §3-4; host-side twins in
-`dsv4_jax.convert.quant_formats`):
-  fp8_e4m3_b128  codes uint8 [..., out, in] (e4m3fn bits), scale uint8 (e8m0) [..., ⌈out/128⌉, ⌈in/128⌉]
-  fp4_e2m1_b32   codes uint8 [..., out, in/2] (low nibble = element 2k), scale uint8 (e8m0) [..., out, in/32]
-  q8_0           codes int8 [..., in], scale float16 [..., in/32]
-FP8 and FP4 values times power-of-two scales are exact in bfloat16 and float32; q8_0 is exact in float32.
+A quantized matrix W [..., N, K] (N output rows, K the contraction dim: the checkpoints' [out, in]) is
+codes + scales, W[..., n, k] = code(codes[..., n, k]) · scale(scale[..., n // br, k // bc]), described
+by a static `QFormat(codes, block, scale)`:
 
-Kernel weight-only formats (`quantize`): a matrix W [..., N, K] (N output rows, K contraction) is
-(codes, scales): codes int8 or float8_e4m3fn [..., N, K], scales float32 [..., N/br, K/bc];
-W ≈ codes · scales[n // br, k // bc]. Per-channel is (br, bc) = (1, K); DeepSeek's FP8 release is
-(128, 128). Kernels dequantize tile by tile, so the weights cross HBM at 1 byte per element.
+    codes  "e4m3"  float8_e4m3fn [..., N, K]
+           "e2m1"  uint8 [..., N, K/2]: two e2m1 values per byte, low nibble = element 2k (official packing)
+           "int8"  int8 [..., N, K]
+    block  (br, bc): rows × columns sharing one scale; 0 = the whole dim (per channel: (1, 0))
+    scale  "e8m0" uint8 holding 2^(b − 127) (b = 0: 2^-127, b = 255: NaN) | "f16" float16 | "f32" float32,
+           shape [..., ⌈N/br⌉, ⌈K/bc⌉]; leading dims (experts, stacked layers) are never blocked
+
+Named formats (weight_formats.md §1.3, §3, §6):
+
+    fp8_e4m3_b128  e4m3, (128, 128), e8m0   the official FP8 linears
+    fp4_e2m1_b32   e2m1, (1, 32), e8m0      the official FP4 routed experts (= GGML MXFP4, nibbles reordered)
+    q8_0           int8, (1, 32), f16       GGML Q8_0
+    int8_channel   int8, (1, 0), f32        int8 per output channel
+
+Every code × scale product is exact in float32 (FP8 / FP4 also in bfloat16), so dequantization is exact.
+
+`QArray(codes, scale, fmt, dtype)` is a registered pytree node: children `codes`, `scale` (arrays; or
+`jax.ShapeDtypeStruct`s in abstract trees, `NamedSharding`s / `PartitionSpec`s in sharding trees); static
+`fmt` and `dtype` (what it dequantizes to: the compute dtype). Its logical shape is derived from the codes,
+so it stays right when `lax.scan`, `vmap` or indexing slice the children's leading axes. Orbax saves it as
+{codes, scale} and restores it into an abstract QArray target. The model reads weights through
+`ops.linear` and `ops.moe`, which accept dense arrays or QArrays; kernels read `q.codes`, `q.scale`,
+`q.fmt.codes`, `resolved_block(q.fmt, q.shape)`.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
-_U8 = np.arange(256, dtype=np.uint8)
-_E8M0 = _U8.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
-_E4M3 = _U8.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-_FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-DEVICE_FORMATS = ("fp8_e4m3_b128", "fp4_e2m1_b32", "q8_0")
+CODES = {"e4m3": np.dtype(jnp.float8_e4m3fn), "e2m1": np.dtype(np.uint8), "int8": np.dtype(np.int8)}
+SCALES = {"e8m0": np.dtype(np.uint8), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+QMAX = {"e4m3": 448.0, "e2m1": 6.0, "int8": 127.0}     # largest code magnitude
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def dequant_fp8(codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """codes uint8 [..., out, in], scale uint8 [..., ⌈out/128⌉, ⌈in/128⌉] -> dtype [..., out, in]."""
-    out, inn = codes.shape[-2:]
-    s = jnp.asarray(_E8M0)[scale]
-    s = jnp.repeat(jnp.repeat(s, 128, axis=-2)[..., :out, :], 128, axis=-1)[..., :inn]
-    return (jnp.asarray(_E4M3)[codes] * s).astype(dtype)
+@dataclasses.dataclass(frozen=True)
+class QFormat:
+    """How a quantized matrix is stored (see the module docstring); hashable, a static part of QArray."""
+
+    codes: str
+    block: tuple[int, int]
+    scale: str
+
+    def __post_init__(self):
+        if self.codes not in CODES or self.scale not in SCALES:
+            raise ValueError(f"unknown quantization format codes={self.codes!r} scale={self.scale!r}; codes in "
+                             f"{sorted(CODES)}, scales in {sorted(SCALES)}")
+        if len(self.block) != 2 or min(self.block) < 0:
+            raise ValueError(f"block must be (rows, cols) with 0 = whole dim, got {self.block}")
+        object.__setattr__(self, "block", tuple(int(b) for b in self.block))
+
+    @property
+    def pack(self) -> int:
+        """Elements per code along the last axis (2 for packed e2m1)."""
+        return 2 if self.codes == "e2m1" else 1
+
+    @property
+    def name(self) -> str:
+        for n, f in FORMATS.items():
+            if f == self:
+                return n
+        return f"{self.codes}_{self.scale}_{self.block[0]}x{self.block[1]}"
+
+    def __str__(self) -> str:
+        return self.name
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def dequant_fp4(codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """codes uint8 [..., out, in/2], scale uint8 [..., out, in/32] -> dtype [..., out, in]."""
-    t = jnp.asarray(_FP4)
-    vals = jnp.stack([t[codes & 0xF], t[codes >> 4]], axis=-1).reshape(*codes.shape[:-1], -1)
-    s = jnp.asarray(_E8M0)[scale]
-    return (vals.reshape(*s.shape, 32) * s[..., None]).reshape(vals.shape).astype(dtype)
+FP8 = QFormat("e4m3", (128, 128), "e8m0")
+FP4 = QFormat("e2m1", (1, 32), "e8m0")
+Q8_0 = QFormat("int8", (1, 32), "f16")
+INT8 = QFormat("int8", (1, 0), "f32")
+FORMATS = {"fp8_e4m3_b128": FP8, "fp4_e2m1_b32": FP4, "q8_0": Q8_0, "int8_channel": INT8}
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def dequant_q8_0(codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """codes int8 [..., in], scale float16 [..., in/32] -> dtype [..., in]."""
-    c = codes.astype(jnp.float32).reshape(*scale.shape, 32)
-    return (c * scale.astype(jnp.float32)[..., None]).reshape(codes.shape).astype(dtype)
+def qformat(fmt: str | QFormat) -> QFormat:
+    """A QFormat from itself, a named format or a generic name `<codes>_<scale>_<br>x<bc>`."""
+    if isinstance(fmt, QFormat):
+        return fmt
+    if fmt in FORMATS:
+        return FORMATS[fmt]
+    try:
+        codes, scale, block = fmt.split("_")
+        br, bc = block.split("x")
+        return QFormat(codes, (int(br), int(bc)), scale)
+    except (ValueError, AttributeError):
+        raise ValueError(f"unknown quantization format {fmt!r}; named formats: {sorted(FORMATS)}") from None
 
 
-def dequantize(fmt: str, arrays: dict, dtype) -> jax.Array:
-    """Dequantize one stored tensor ({"codes", "scale"}) of device format `fmt` to `dtype`."""
-    fn = {"fp8_e4m3_b128": dequant_fp8, "fp4_e2m1_b32": dequant_fp4, "q8_0": dequant_q8_0}.get(fmt)
-    if fn is None:
-        raise ValueError(f"no device dequantizer for format {fmt!r}; known: {DEVICE_FORMATS}")
-    return fn(arrays["codes"], arrays["scale"], jnp.dtype(dtype))
+def resolved_block(fmt: QFormat, shape) -> tuple[int, int]:
+    """(br, bc) of a logical [..., N, K] shape (0 replaced by the dim)."""
+    br, bc = fmt.block
+    return br or shape[-2], bc or shape[-1]
 
 
-# ---- weight-only quantization of expert matrices (kernel formats) ----
+def stored_shapes(fmt: QFormat, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(codes shape, scale shape) of a logical [..., N, K] matrix."""
+    *lead, n, k = shape
+    br, bc = resolved_block(fmt, shape)
+    if k % fmt.pack:
+        raise ValueError(f"{fmt}: last dim {k} is not a multiple of {fmt.pack}")
+    return (*lead, n, k // fmt.pack), (*lead, -(-n // br), -(-k // bc))
 
 
-FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
-EXPERT_MATRICES = ("w1", "w2", "w3")
+def block_grid(fmt: QFormat, shape) -> tuple[int, ...]:
+    """Whole blocks per dim, 1 where a dim ends in a partial block: a split of this grid splits codes and
+    scales consistently (every shard holds whole blocks), so it is what shardings are computed on."""
+    *lead, n, k = shape
+    br, bc = resolved_block(fmt, shape)
+    return (*lead, n // br if n % br == 0 else 1, k // bc if k % bc == 0 else 1)
 
 
-def quantize(w: jax.Array, fmt: str = "int8", block: tuple[int, int | None] = (1, None)):
-    """w [..., N, K] -> (codes [..., N, K], scales f32 [..., N/br, K/bc]); block (br, bc), bc None = K."""
-    dtype, qmax = FORMATS[fmt]
-    *lead, N, K = w.shape
-    br, bc = block[0], block[1] or K
-    if N % br or K % bc:
-        raise ValueError(f"block {block} does not divide [{N}, {K}]")
-    blocks = w.astype(jnp.float32).reshape(*lead, N // br, br, K // bc, bc)
-    amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
-    scales = jnp.where(amax > 0, amax / qmax, 1.0)
-    q = blocks / scales[..., :, None, :, None]
-    q = jnp.round(q) if fmt == "int8" else q
-    return q.reshape(w.shape).astype(dtype), scales
+def _nbytes(a) -> int:
+    return math.prod(a.shape) * np.dtype(a.dtype).itemsize
 
 
-def scale_block(codes_shape, scales_shape) -> tuple[int, int]:
-    """(br, bc) of a (codes, scales) pair."""
-    return codes_shape[-2] // scales_shape[-2], codes_shape[-1] // scales_shape[-1]
+@jax.tree_util.register_pytree_with_keys_class
+class QArray:
+    """A quantized weight (module docstring): children codes, scale; static fmt, dtype."""
+
+    __slots__ = ("codes", "scale", "fmt", "dtype")
+
+    def __init__(self, codes, scale, fmt: QFormat | str, dtype=jnp.float32):
+        self.codes, self.scale = codes, scale
+        self.fmt = qformat(fmt)
+        self.dtype = np.dtype(dtype)
+
+    # -- logical (dense twin) view
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, last = self.codes.shape
+        return (*lead, last * self.fmt.pack)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.codes.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes + scales (what the weight occupies)."""
+        return _nbytes(self.codes) + _nbytes(self.scale)
+
+    def astype(self, dtype) -> "QArray":
+        """The same codes dequantizing to `dtype` (no data touched)."""
+        return QArray(self.codes, self.scale, self.fmt, dtype)
+
+    def __repr__(self) -> str:
+        return (f"QArray({self.fmt.name}, shape={self.shape}, dtype={self.dtype.name}, "
+                f"codes={getattr(self.codes, 'dtype', '?')}{tuple(getattr(self.codes, 'shape', ()))}, "
+                f"scale={getattr(self.scale, 'dtype', '?')}{tuple(getattr(self.scale, 'shape', ()))})")
+
+    # -- pytree
+    def tree_flatten_with_keys(self):
+        return (((jax.tree_util.GetAttrKey("codes"), self.codes), (jax.tree_util.GetAttrKey("scale"), self.scale)),
+                (self.fmt, self.dtype))
+
+    def tree_flatten(self):
+        return (self.codes, self.scale), (self.fmt, self.dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        q = object.__new__(cls)          # no conversion: jax passes placeholders and tracers through here
+        q.codes, q.scale = children
+        q.fmt, q.dtype = aux
+        return q
 
 
-def dequantize_blocks(codes: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
-    br, bc = scale_block(codes.shape, scales.shape)
-    s = jnp.repeat(jnp.repeat(scales, br, axis=-2), bc, axis=-1)
-    return (codes.astype(jnp.float32) * s).astype(dtype)
+def is_qarray(x) -> bool:
+    return isinstance(x, QArray)
 
 
-def quantize_experts(p: dict, fmt: str = "int8", block: tuple[int, int | None] = (1, None)) -> dict:
-    """{"w1","w2","w3"} -> same keys holding codes plus "w1_scale", "w2_scale", "w3_scale"."""
-    out = {}
-    for name in EXPERT_MATRICES:
-        out[name], out[name + "_scale"] = quantize(p[name], fmt, block)
-    return out
+def check(q: QArray, what: str = "weight") -> QArray:
+    """Raise ValueError unless the children's shapes and dtypes fit the format."""
+    want_c, want_s = stored_shapes(q.fmt, q.shape)
+    dc, ds = CODES[q.fmt.codes], SCALES[q.fmt.scale]
+    got = ((tuple(q.codes.shape), np.dtype(q.codes.dtype)), (tuple(q.scale.shape), np.dtype(q.scale.dtype)))
+    if got != ((want_c, dc), (want_s, ds)):
+        raise ValueError(f"{what}: {q.fmt.name} needs codes {dc.name}{want_c} and scale {ds.name}{want_s}, got "
+                         f"codes {got[0][1].name}{got[0][0]} and scale {got[1][1].name}{got[1][0]}")
+    return q
 
 
-def is_quantized(p: dict) -> bool:
-    return "w1_scale" in p
+def abstract(fmt: QFormat | str, shape, dtype, codes_sharding=None, scale_sharding=None) -> QArray:
+    """QArray of jax.ShapeDtypeStruct children for a logical [..., N, K] shape (an Orbax restore target
+    when shardings are given; `jax.eval_shape` gives the same)."""
+    fmt = qformat(fmt)
+    cs, ss = stored_shapes(fmt, shape)
+    return QArray(jax.ShapeDtypeStruct(cs, CODES[fmt.codes], sharding=codes_sharding),
+                  jax.ShapeDtypeStruct(ss, SCALES[fmt.scale], sharding=scale_sharding), fmt, dtype)
 
 
-def dequantize_experts(p: dict, dtype) -> dict:
-    if not is_quantized(p):
-        return p
-    return {n: dequantize_blocks(p[n], p[n + "_scale"], dtype) for n in EXPERT_MATRICES}
+# ---- decoding (jnp; also used inside the Pallas kernels: plain integer / bitcast ops) -------------------
+
+def decode_e8m0(s: jax.Array) -> jax.Array:
+    """uint8 b -> float32 2^(b − 127), exact: b = 0 is the subnormal 2^-127, b = 255 NaN (weight_formats.md §3)."""
+    b = s.astype(jnp.int32)
+    bits = jnp.where(b == 0, 0x00400000, b << 23)
+    bits = jnp.where(b == 255, 0x7FC00000, bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def decode_e2m1(n: jax.Array) -> jax.Array:
+    """4-bit codes (int, 0..15) -> float32 e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives (bit 3 = sign)."""
+    n = n.astype(jnp.int32)
+    e, m = (n >> 1) & 3, n & 1
+    mag = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))   # e = 0: 0 or 0.5 (subnormal)
+    return jax.lax.bitcast_convert_type(mag | ((n & 8) << 28), jnp.float32)
+
+
+def unpack_e2m1(codes: jax.Array) -> jax.Array:
+    """uint8 [..., K/2] -> float32 [..., K]: element 2k from the low nibble of byte k, 2k+1 from the high one."""
+    vals = jnp.stack([decode_e2m1(codes & 0xF), decode_e2m1(codes >> 4)], axis=-1)
+    return vals.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+
+
+def decode_codes(codes: jax.Array, fmt: QFormat) -> jax.Array:
+    """Codes -> float32 values of the logical shape (before scaling)."""
+    if fmt.codes == "e2m1":
+        return unpack_e2m1(codes)
+    return codes.astype(jnp.float32)
+
+
+def decode_scale(scale: jax.Array, fmt: QFormat) -> jax.Array:
+    return decode_e8m0(scale) if fmt.scale == "e8m0" else scale.astype(jnp.float32)
+
+
+def expand_scale(s: jax.Array, block: tuple[int, int], n: int, k: int) -> jax.Array:
+    """Scales [..., ⌈n/br⌉, ⌈k/bc⌉] -> one per element [..., n, k] (partial last blocks cut)."""
+    br, bc = block
+    s = jnp.repeat(s, br, axis=-2)[..., :n, :] if br > 1 else s
+    return jnp.repeat(s, bc, axis=-1)[..., :k] if bc > 1 else s
+
+
+def dequantize(q: QArray, dtype=None) -> jax.Array:
+    """The dense weight [..., N, K] in `dtype` (default q.dtype). Exact (see the module docstring)."""
+    *_, n, k = q.shape
+    vals = decode_codes(q.codes, q.fmt)
+    s = expand_scale(decode_scale(q.scale, q.fmt), resolved_block(q.fmt, q.shape), n, k)
+    return (vals * s).astype(q.dtype if dtype is None else dtype)
+
+
+def dense(w, dtype=None) -> jax.Array:
+    """A weight leaf as a dense array: QArrays dequantized (inside the caller's jit), arrays as they are."""
+    if isinstance(w, QArray):
+        return dequantize(w, dtype)
+    return w if dtype is None else w.astype(dtype)
+
+
+# ---- indexing without dequantizing the whole weight ----------------------------------------------------
+
+def take(q: QArray, idx) -> QArray:
+    """q[idx] along the leading axis (experts, layers: never blocked): codes and scales gathered."""
+    if q.ndim < 3:
+        raise ValueError(f"take indexes a leading (unblocked) axis; {q.fmt.name} weight of shape {q.shape} has none")
+    return QArray(q.codes[idx], q.scale[idx], q.fmt, q.dtype)
+
+
+def take_rows(q: QArray, ids: jax.Array, dtype=None) -> jax.Array:
+    """Rows ids [...] of a [N, K] weight (embedding lookup) -> dense [..., K]: only those rows are decoded."""
+    if q.ndim != 2:
+        raise ValueError(f"take_rows needs a [N, K] weight, got shape {q.shape}")
+    n, k = q.shape
+    br, bc = resolved_block(q.fmt, q.shape)
+    vals = decode_codes(q.codes[ids], q.fmt)                               # [..., K]
+    s = decode_scale(q.scale[ids // br], q.fmt)                            # [..., ⌈K/bc⌉]
+    s = jnp.repeat(s, bc, axis=-1)[..., :k] if bc > 1 else s
+    return (vals * s).astype(q.dtype if dtype is None else dtype)
+
+
+# ---- quantization (jnp): tests, benchmarks, and weights quantized on the device --------------------------
+
+def _block_amax(w: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """max |w| per block: [..., N, K] -> [..., ⌈N/br⌉, ⌈K/bc⌉] (partial blocks zero-padded)."""
+    *lead, n, k = w.shape
+    br, bc = block
+    pn, pk = -(-n // br) * br, -(-k // bc) * bc
+    a = jnp.pad(jnp.abs(w.astype(jnp.float32)), [(0, 0)] * len(lead) + [(0, pn - n), (0, pk - k)])
+    return jnp.max(a.reshape(*lead, pn // br, br, pk // bc, bc), axis=(-3, -1))
+
+
+def quantize(w: jax.Array, fmt: QFormat | str, dtype=None) -> QArray:
+    """Dense w [..., N, K] -> QArray. e8m0 scales are 2^⌈log2(amax / qmax)⌉ (the release's rounding up),
+    linear scales amax / qmax; codes round to nearest (even), e2m1 / e4m3 by the float cast."""
+    fmt = qformat(fmt)
+    *_, n, k = w.shape
+    block = resolved_block(fmt, w.shape)
+    amax = _block_amax(w, block)
+    qmax = QMAX[fmt.codes]
+    if fmt.scale == "e8m0":
+        e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / qmax)).astype(jnp.int32)
+        scale = jnp.clip(e + 127, 1, 254).astype(jnp.uint8)
+    else:
+        scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(SCALES[fmt.scale])
+    x = w.astype(jnp.float32) / expand_scale(decode_scale(scale, fmt), block, n, k)
+    if fmt.codes == "int8":
+        codes = jnp.clip(jnp.round(x), -127, 127).astype(jnp.int8)
+    elif fmt.codes == "e4m3":
+        codes = jnp.clip(x, -448, 448).astype(jnp.float8_e4m3fn)
+    else:
+        f4 = jnp.clip(x, -6, 6).astype(jnp.float4_e2m1fn)
+        nib = jax.lax.bitcast_convert_type(f4, jnp.uint4).astype(jnp.uint8)
+        codes = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    return QArray(codes, scale, fmt, w.dtype if dtype is None else dtype)
+
+
+def quantize_tree(tree, formats, dtype=None):
+    """Quantize the leaves of a weight tree: formats(path, leaf) -> QFormat | None (None: kept dense).
+
+    path is the flat dot path ("segments.0.1.attn.wq_a"); see `params.release_format` for the release."""
+    def one(path, x):
+        flat = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        fmt = formats(flat, x)
+        return x if fmt is None else quantize(x, fmt, dtype)
+
+    return jax.tree_util.tree_map_with_path(one, tree)

@@ -12,14 +12,13 @@ results.jsonl (one line per batch × setting), throughput.png, latency.png.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from typing import Sequence
 
 from . import common, report
 from .common import OptionError
 from .models import add_model_args
-from .runner import RunPlan, Setting, batches, effective_draft_n_max, run_batch, warm_up
+from .runner import BASELINE, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, run_batch, warm_up
 from .sweep import plan_run, prepare_run
 
 EXAMPLES = """examples:
@@ -59,14 +58,7 @@ def parse_settings(a: argparse.Namespace) -> tuple[list[Setting], list[int]]:
     sizes = common.int_list(a.batch_size, "--batch-size", 1)
     if a.num_prompts < 1:
         raise OptionError(f"--num-prompts must be >= 1, got {a.num_prompts}")
-    out = []
-    for t, b in itertools.product(temps, sizes):
-        if "none" in specs:
-            out.append(Setting("none", 0, temperature=t, batch_size=b))
-        out += [Setting("mtp", k, p_min=p, temperature=t, batch_size=b) for k in ks for p in p_mins if "mtp" in specs]
-        out += [Setting("dspark", k, confidence_threshold=c, temperature=t, batch_size=b) for k in ks for c in confs
-                if "dspark" in specs]
-    return out, ks
+    return grid_settings(specs, ks, {"p_min": p_mins, "confidence_threshold": confs}, temps, sizes), ks
 
 
 def cycle_to(prompts: list[dict], n: int) -> list[dict]:
@@ -104,7 +96,7 @@ def evaluate(model, prompts: list[dict], setting: Setting, plan: RunPlan, repeat
     lat = report.percentiles(latencies)
     per_tok = [rec["wall_s"] / max(1, g) for rec in batch_records for g in rec["per_sequence_generated"]]
     row = {**setting.as_dict(), "label_no_batch": setting.label.rsplit(" B=", 1)[0],
-           "effective_draft_n_max": effective_draft_n_max(setting, model.dspark_block_size()), **agg,
+           "effective_draft_n_max": effective_draft_n_max(setting, model), **agg,
            "n_batches": len(groups), "latency_mean_s": lat["mean"], "latency_p50_s": lat["p50"],
            "latency_p90_s": lat["p90"], "latency_max_s": lat["max"],
            "ms_per_token_p50": 1000 * report.percentiles(per_tok)["p50"], "warmup_s": warm}
@@ -117,7 +109,7 @@ MD_HEADER = ("spec", "k", "knob", "T", "B", "sequences", "generated", "accept_ra
 
 def markdown(summary: dict) -> str:
     m = summary["meta"]
-    rows = [(s["spec_type"], s["draft_n_max"] if s["spec_type"] != "none" else "–",
+    rows = [(s["spec_type"], s["draft_n_max"] if s["spec_type"] != BASELINE else "–",
              report.knob_text(s),
              f"{s['temperature']:g}", s["batch_size"], s["n_requests"], s["total_predicted"],
              s["aggregate_accept_rate"], s["mean_accepted_length"], f"{s['tokens_per_s']:.1f}",

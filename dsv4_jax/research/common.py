@@ -5,6 +5,9 @@ import argparse
 import os
 import re
 
+import jax
+from tqdm.auto import tqdm
+
 from . import prompts as P
 from .runner import SPEC_TYPES
 
@@ -24,12 +27,13 @@ def int_list(text: str, name: str, minimum: int = 0) -> list[int]:
             raise OptionError(f"{name}: {part!r} is not an integer or a range like 1-5")
         lo, hi = int(m[1]), int(m[2]) if m[2] is not None else int(m[1])
         if hi < lo:
-            raise OptionError(f"{name}: empty range {part!r}")
+            raise OptionError(f"{name}: {part!r} is an empty range (write low-high, e.g. {hi}-{lo})")
         out.update(range(lo, hi + 1))
     if not out:
         raise OptionError(f"{name}: give at least one value")
-    if min(out) < minimum:
-        raise OptionError(f"{name}: values must be >= {minimum}, got {min(out)}")
+    bad = sorted(v for v in out if v < minimum)
+    if bad:
+        raise OptionError(f"{name}: values must be >= {minimum}, got {', '.join(map(str, bad))}")
     return sorted(out)
 
 
@@ -43,10 +47,10 @@ def float_list(text: str, name: str, lo: float = 0.0, hi: float | None = None) -
             raise OptionError(f"{name}: {part!r} is not a number") from None
     if not out:
         raise OptionError(f"{name}: give at least one value")
-    bad = [v for v in out if v < lo or (hi is not None and v > hi)]
+    bad = sorted(v for v in out if v < lo or (hi is not None and v > hi))
     if bad:
-        rng = f"[{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
-        raise OptionError(f"{name}: values must be in {rng}, got {sorted(bad)}")
+        allowed = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
+        raise OptionError(f"{name}: values must be {allowed}, got {', '.join(f'{v:g}' for v in bad)}")
     return sorted(out)
 
 
@@ -91,7 +95,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help=f"JAX persistent compilation cache, speeds up reruns (default {DEFAULT_CACHE})")
     g.add_argument("--no-compile-cache", action="store_true", help="do not use a persistent compilation cache")
     o = p.add_argument_group("output")
-    o.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
+    o.add_argument("--out", required=True, metavar="DIR",
+                   help="output directory: missing or empty (parents are created); written atomically")
     o.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
     o.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     o.add_argument("--quiet", action="store_true", help="no per-prompt lines or progress bar")
@@ -137,7 +142,6 @@ def enable_compile_cache(a: argparse.Namespace) -> None:
     """Turn on JAX's persistent compilation cache (process-wide) unless --no-compile-cache or DSV4_COMPILE_CACHE=0."""
     if a.no_compile_cache or os.environ.get("DSV4_COMPILE_CACHE", "1") == "0":
         return
-    import jax
     os.makedirs(a.compile_cache, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", a.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -148,5 +152,4 @@ def eos_for(a: argparse.Namespace) -> int | None:
 
 
 def progress(total: int, quiet: bool, desc: str):
-    from tqdm.auto import tqdm
     return tqdm(total=total, desc=desc, disable=True if quiet else None, dynamic_ncols=True, leave=False)

@@ -6,15 +6,31 @@ or a random tiny model for smoke tests.
                     written by `dsv4-convert` (DIR/dsv4.json, loaded with `load_checkpoint`)
     --random-tiny   a random `dsv4_jax.config.tiny()` target (byte vocabulary) with random MTP and DSpark
                     drafters, seeded by --model-seed
+    --kernels NAME  the backend choice (`dsv4_jax.backends`: auto | reference | pallas), stored in the
+                    model's config (its static field; part of every jit key)
+
+A model is held as the config bundle `load_checkpoint` returns (`CheckpointConfig`: target config plus
+drafter metadata), so every run passes it to `generate` as is and the drafters read their settings from it.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
-from typing import Any, Callable
+from typing import Callable
 
-from ..config import ModelConfig
+import jax.numpy as jnp
+
+from .. import backends
+from ..bundle import CheckpointConfig, as_bundle
+from ..checkpoint import load_checkpoint
+from ..config import ModelConfig, tiny
+from ..demo import ASSET_DIR, ByteTokenizer, demo_dspark_config, tiny_demo
+from ..demo_io import load_bundle
+from ..drafters import registry
+from ..drafters.base import DraftSetup
+from ..drafters.dspark import DSparkConfig
+from ..params import init_dspark, init_mtp, init_params
 
 BUNDLE_META = "bundle.json"
 CHECKPOINT_META = "dsv4.json"
@@ -30,35 +46,41 @@ class LoadedModel:
 
     name: str                                  # shown in reports
     source: str                                # "bundled" | "bundle:DIR" | "checkpoint:DIR" | "random-tiny"
-    config: ModelConfig
+    bundle: CheckpointConfig                   # target config + drafter metadata: what generate() takes
     params: dict
     encode: Callable[[str], list[int]] | None  # text -> token ids (None: pre-tokenized prompts only)
-    dspark_meta: Any                           # passed to generate(dspark_meta=...)
     default_suite: str                         # "tiny" (byte-level models) | "mtp-bench"
     info: dict = dataclasses.field(default_factory=dict)
     decode: Callable[[list[int]], str] | None = None   # ids -> text, for samples in the reports
 
     @property
-    def has_mtp(self) -> bool:
-        return bool(self.params.get("mtp"))
+    def config(self) -> ModelConfig:
+        return self.bundle.target
 
-    @property
-    def has_dspark(self) -> bool:
-        return "dspark" in self.params
+    def drafters(self) -> list[str]:
+        """Registered drafters whose weights this model holds."""
+        return [n for n in registry.names() if registry.get(n).weights and self.params.get(registry.get(n).weights)]
 
-    def dspark_block_size(self) -> int | None:
-        """DSpark's block size (drafts per round at most), None without DSpark weights."""
-        if not self.has_dspark:
-            return None
-        from ..drafters import dspark
-        return dspark.resolve(self.config, self.params["dspark"], self.dspark_meta).block_size
+    def draft_setup(self, spec: str, k: int) -> DraftSetup:
+        """The drafter's static setup at draft_n_max k (its k may be capped, e.g. at DSpark's block size);
+        ValueError when the model cannot run it."""
+        return registry.get(spec).configure(self.params, self.config, k, self.bundle.drafter_meta().get(spec))
+
+    def with_backends(self, choice) -> "LoadedModel":
+        """The same model with the backend choice (`--kernels`) in its config, resolved for this platform."""
+        target = self.config.with_backends(backends.resolve(choice))
+        return dataclasses.replace(self, bundle=dataclasses.replace(self.bundle, target=target))
 
     def describe(self) -> dict:
         c = self.config
         return {"name": self.name, "source": self.source, "config_name": c.name, "vocab_size": c.vocab_size,
-                "hidden_size": c.hidden_size, "num_layers": c.num_layers, "has_mtp": self.has_mtp,
-                "has_dspark": self.has_dspark, "dspark_block_size": self.dspark_block_size(),
-                "weight_dtype": str(self.params["embed"].dtype)}
+                "hidden_size": c.hidden_size, "num_layers": c.num_layers, "drafters": self.drafters(),
+                "backends": c.backends.describe(), "weight_dtype": str(self.params["embed"].dtype)}
+
+
+def _bundle(config: ModelConfig, params: dict, dspark=None) -> CheckpointConfig:
+    """The config bundle of a model held in memory (drafter metadata as a checkpoint would carry it)."""
+    return CheckpointConfig(config, mtp_layers=len(params.get("mtp", [])), dspark=dspark)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -71,17 +93,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-seed", type=int, default=0, help="seed of --random-tiny (default 0)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype of the weights (default: float32 for the bundled model, else as stored)")
+    g.add_argument("--kernels", choices=backends.CHOICES, default="reference",
+                   help="implementation of the hot ops (MoE experts, routing, indexer): the jnp references, the "
+                        "Pallas kernels, or auto (Pallas on GPU, references elsewhere); default reference")
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
-    """The model selected by the parsed --model / --random-tiny options."""
-    import jax.numpy as jnp
+    """The model selected by the parsed --model / --random-tiny / --kernels options."""
     dtype = None if args.dtype is None else jnp.dtype(args.dtype)
     if args.random_tiny:
-        return random_tiny(args.model_seed, dtype)
-    if args.model:
-        return load_dir(args.model, dtype)
-    return bundled(dtype)
+        model = random_tiny(args.model_seed, dtype)
+    elif args.model:
+        model = load_dir(args.model, dtype)
+    else:
+        model = bundled(dtype)
+    return model.with_backends(args.kernels)
 
 
 def check_model_dir(path: str) -> str:
@@ -97,34 +123,30 @@ def check_model_dir(path: str) -> str:
 
 
 def bundled(dtype=None) -> LoadedModel:
-    from ..demo import ASSET_DIR, tiny_demo
     try:
         demo = tiny_demo(dtype=dtype or "float32")   # float32 compute: exact greedy losslessness
     except FileNotFoundError:
         raise ModelError(f"the bundled tiny model is not installed (no weights in {ASSET_DIR}). Train it with "
                          "`python experiments/train_tiny.py`, or use --model DIR (a bundle or converted "
                          "checkpoint) or --random-tiny (random weights, for a smoke test)") from None
-    return LoadedModel(name=demo.config.name, source="bundled", config=demo.config, params=demo.params,
-                       encode=demo.tokenizer.encode, dspark_meta=demo.dspark, default_suite="tiny", info=demo.info,
+    return LoadedModel(name=demo.config.name, source="bundled", bundle=_bundle(demo.config, demo.params, demo.dspark),
+                       params=demo.params, encode=demo.tokenizer.encode, default_suite="tiny", info=demo.info,
                        decode=demo.tokenizer.decode)
 
 
 def _byte_level(config: ModelConfig) -> bool:
-    from ..demo import ByteTokenizer
     return config.vocab_size == ByteTokenizer.vocab_size
 
 
 def _bundle_dspark_meta(config: ModelConfig, info: dict):
     """DSpark settings of a bundle: info["dspark"] when written, the demo's for the demo config, else None
     (defaults fitted to the weights)."""
-    from ..drafters.dspark import DSparkConfig
     d = info.get("dspark")
     if isinstance(d, dict):
         fields = {f.name for f in dataclasses.fields(DSparkConfig)}
         kw = {k: (tuple(v) if k == "target_layer_ids" else v) for k, v in d.items() if k in fields}
         return DSparkConfig(**kw)
     if config.name == "tiny_demo":
-        from ..demo import demo_dspark_config
         return demo_dspark_config()
     return None
 
@@ -133,19 +155,17 @@ def load_dir(path: str, dtype=None) -> LoadedModel:
     kind = check_model_dir(path)
     name = os.path.basename(os.path.normpath(path))
     if kind == "bundle":
-        from ..demo import ByteTokenizer
-        from ..demo_io import load_bundle
         config, params, info = load_bundle(path, dtype)
         tok = (ByteTokenizer().encode, ByteTokenizer().decode) if _byte_level(config) else _hf_codec(path, config)
-        return LoadedModel(name=name, source=f"bundle:{path}", config=config, params=params, encode=tok[0],
-                           dspark_meta=_bundle_dspark_meta(config, info),
-                           default_suite="tiny" if _byte_level(config) else "mtp-bench", info=info, decode=tok[1])
-    from ..checkpoint import CheckpointConfig, load_checkpoint
+        return LoadedModel(name=name, source=f"bundle:{path}", bundle=_bundle(config, params,
+                                                                              _bundle_dspark_meta(config, info)),
+                           params=params, encode=tok[0], default_suite="tiny" if _byte_level(config) else "mtp-bench",
+                           info=info, decode=tok[1])
     cfg, params = load_checkpoint(path, dtype=dtype)
-    config, meta = (cfg.target, cfg.dspark) if isinstance(cfg, CheckpointConfig) else (cfg, None)
-    encode, decode = _hf_codec(path, config)
-    return LoadedModel(name=name, source=f"checkpoint:{path}", config=config, params=params, encode=encode,
-                       dspark_meta=meta, default_suite="mtp-bench", decode=decode)
+    bundle = as_bundle(cfg)
+    encode, decode = _hf_codec(path, bundle.target)
+    return LoadedModel(name=name, source=f"checkpoint:{path}", bundle=bundle, params=params, encode=encode,
+                       default_suite="mtp-bench", decode=decode)
 
 
 def _hf_codec(path: str, config: ModelConfig):
@@ -170,18 +190,12 @@ def _hf_codec(path: str, config: ModelConfig):
 
 def random_tiny_config() -> ModelConfig:
     """dsv4_jax.config.tiny() with the byte vocabulary (ByteTokenizer: 256 bytes + BOS, EOS, PAD, NOISE)."""
-    from ..config import tiny
-    from ..demo import ByteTokenizer
     return tiny().replace(name="random_tiny", vocab_size=ByteTokenizer.vocab_size, bos_token_id=ByteTokenizer.BOS,
                           eos_token_id=ByteTokenizer.EOS)
 
 
 def random_tiny(seed: int = 0, dtype=None) -> LoadedModel:
     """A random tiny target with random MTP (1 block) and DSpark (2 stages, 3 taps, block 5) drafters."""
-    import jax.numpy as jnp
-    from ..demo import ByteTokenizer
-    from ..drafters.dspark import DSparkConfig
-    from ..params import init_dspark, init_mtp, init_params
     config = random_tiny_config()
     dtype = dtype or jnp.float32
     params = init_params(config, seed, dtype)
@@ -189,6 +203,5 @@ def random_tiny(seed: int = 0, dtype=None) -> LoadedModel:
     params["dspark"] = init_dspark(config, seed + 2, dtype, n_stages=2, n_taps=3, markov_rank=8)
     n = config.num_layers
     meta = DSparkConfig(block_size=5, noise_token_id=ByteTokenizer.NOISE, target_layer_ids=(n - 3, n - 2, n - 1))
-    return LoadedModel(name=f"random_tiny(seed={seed})", source="random-tiny", config=config, params=params,
-                       encode=ByteTokenizer().encode, dspark_meta=meta, default_suite="tiny",
-                       decode=ByteTokenizer().decode)
+    return LoadedModel(name=f"random_tiny(seed={seed})", source="random-tiny", bundle=_bundle(config, params, meta),
+                       params=params, encode=ByteTokenizer().encode, default_suite="tiny", decode=ByteTokenizer().decode)

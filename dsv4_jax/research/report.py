@@ -16,12 +16,15 @@ import datetime
 import json
 import os
 import platform
-import shutil
+import shlex
 import sys
-import tempfile
 from typing import Iterable, Sequence
 
+import jax
 import numpy as np
+
+from .. import outdir
+from .runner import BASELINE, KNOB_LABELS
 
 AGGREGATE_FIELDS = ("n_requests", "total_predicted", "total_draft", "total_draft_accepted", "aggregate_accept_rate",
                     "wall_s_total", "tokens_per_s", "speedup", "mean_accepted_length", "rounds",
@@ -32,8 +35,6 @@ AGGREGATE_FIELDS = ("n_requests", "total_predicted", "total_draft", "total_draft
 
 def environment(tool: str, argv: Sequence[str] | None) -> dict:
     """Where and when the measurement ran: device/platform, versions, date, command line."""
-    import shlex
-    import jax
     devs = jax.devices()
     args = list(sys.argv[1:] if argv is None else argv)
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -79,7 +80,7 @@ def add_speedups(rows: list[dict]) -> list[dict]:
     """speedup (decode_speedup) = tokens/s (decode tokens/s) over the 'none' row of the same (temperature,
     batch_size); None without one."""
     for key, out in (("tokens_per_s", "speedup"), ("decode_tokens_per_s", "decode_speedup")):
-        base = {(r["temperature"], r["batch_size"]): r.get(key) for r in rows if r["spec_type"] == "none"}
+        base = {(r["temperature"], r["batch_size"]): r.get(key) for r in rows if r["spec_type"] == BASELINE}
         for r in rows:
             b = base.get((r["temperature"], r["batch_size"]))
             if key in r:
@@ -108,7 +109,8 @@ def _fmt(v, nd=3) -> str:
 
 def knob_text(s: dict) -> str:
     """'p_min=…' (MTP), 'conf=…' (DSpark) or '–' (no speculation) of a settings row."""
-    return {"mtp": f"p_min={s['p_min']:g}", "dspark": f"conf={s['confidence_threshold']:g}"}.get(s["spec_type"], "–")
+    name = s.get("knob_name")
+    return f"{KNOB_LABELS[name]}={s[name]:g}" if name else "–"
 
 
 def _times(v) -> str:
@@ -131,8 +133,8 @@ def sweep_markdown(summary: dict) -> str:
     m = summary["meta"]
     rows = []
     for s in summary["settings"]:
-        k = s["draft_n_max"] if s["spec_type"] != "none" else "–"
-        if s["spec_type"] == "dspark" and s["effective_draft_n_max"] != s["draft_n_max"]:
+        k = s["draft_n_max"] if s["spec_type"] != BASELINE else "–"
+        if s["spec_type"] != BASELINE and s["effective_draft_n_max"] != s["draft_n_max"]:
             k = f"{s['draft_n_max']}→{s['effective_draft_n_max']}"
         knob = knob_text(s)
         pos = " ".join(f"{x:.2f}" for x in s["per_position_accept_rate"]) or "–"
@@ -170,18 +172,18 @@ def _series(settings: Sequence[dict]) -> dict[tuple, list[dict]]:
     """Spec settings grouped into lines: (spec, knob, T, B) -> rows sorted by draft_n_max."""
     lines: dict[tuple, list[dict]] = {}
     for s in settings:
-        if s["spec_type"] == "none":
+        if s["spec_type"] == BASELINE:
             continue
-        knob = s["p_min"] if s["spec_type"] == "mtp" else s["confidence_threshold"]
-        lines.setdefault((s["spec_type"], knob, s["temperature"], s["batch_size"]), []).append(s)
+        name = s.get("knob_name")
+        lines.setdefault((s["spec_type"], name or "", s[name] if name else 0.0, s["temperature"], s["batch_size"]),
+                         []).append(s)
     return {k: sorted(v, key=lambda r: r["draft_n_max"]) for k, v in sorted(lines.items())}
 
 
 def _line_label(key: tuple, settings: Sequence[dict]) -> str:
-    spec, knob, t, b = key
-    name = "p_min" if spec == "mtp" else "conf"
+    spec, name, knob, t, b = key
     multi_tb = len({(s["temperature"], s["batch_size"]) for s in settings}) > 1
-    return f"{spec} {name}={knob:g}" + (f" T={t:g} B={b}" if multi_tb else "")
+    return f"{spec}" + (f" {KNOB_LABELS[name]}={knob:g}" if name else "") + (f" T={t:g} B={b}" if multi_tb else "")
 
 
 STYLE = {"mtp": dict(marker="o"), "dspark": dict(marker="s", linestyle="--")}
@@ -192,7 +194,7 @@ def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
     plt = _pyplot()
     series = _series(settings)
     written = []
-    ks = sorted({s["draft_n_max"] for s in settings if s["spec_type"] != "none"}) or [1]
+    ks = sorted({s["draft_n_max"] for s in settings if s["spec_type"] != BASELINE}) or [1]
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, what in ((axes[0], "tokens_per_s", "end to end (prefill + decode)"),
@@ -201,7 +203,7 @@ def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
             ax.plot([r["draft_n_max"] for r in rows], [r[key] for r in rows], label=_line_label(skey, settings),
                     **STYLE.get(skey[0], {}))
         for s in settings:
-            if s["spec_type"] == "none":
+            if s["spec_type"] == BASELINE:
                 ax.axhline(s[key], color="gray", linestyle=":",
                            label=f"no speculation T={s['temperature']:g} B={s['batch_size']}")
         ax.set(xlabel="draft_n_max", ylabel="generated tokens / s", title=what)
@@ -224,12 +226,13 @@ def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
     for a in (a1, a2):
         a.set_xticks(ks)
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:        # a2 has no line in a run without drafters
+            a.legend(fontsize=8)
     a1.set_ylim(bottom=0)
     fig.suptitle(f"Acceptance vs draft_n_max — {title}")
     written.append(_save(fig, out_dir, "acceptance.png"))
 
-    specs = sorted({key[0] for key in series}) or ["none"]
+    specs = sorted({key[0] for key in series}) or [BASELINE]
     fig, axes = plt.subplots(1, len(specs), figsize=(5.5 * len(specs), 4.5), squeeze=False)
     for ax, spec in zip(axes[0], specs):
         for key, rows in series.items():
@@ -283,33 +286,18 @@ def _save(fig, out_dir: str, name: str) -> str:
 # ---- output directories -----------------------------------------------------------------------
 
 def check_out_dir(path: str, overwrite: bool) -> None:
-    """Refuse an existing non-empty output directory unless overwrite (checked before any work)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise FileExistsError(f"--out {path!r} exists and is not a directory")
-    if os.path.isdir(path) and os.listdir(path) and not overwrite:
-        raise FileExistsError(f"--out {path!r} exists and is not empty (pass --overwrite to replace it)")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"--out {path!r}: parent directory {parent!r} does not exist")
+    """Refuse a file or an existing non-empty directory unless overwrite (checked before any work);
+    missing parents are fine, they are created (the rule of `dsv4_jax.outdir`, shared with dsv4-convert)."""
+    outdir.check_target(path, overwrite, "--out")
 
 
 @contextlib.contextmanager
 def atomic_dir(path: str):
-    """Yield a temporary sibling directory; on success it replaces `path`, on failure it is removed."""
-    path = os.path.abspath(path)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(path):
-        old = tmp + ".old"
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
+    """Yield a temporary sibling directory; on success it replaces `path`, on failure it is removed
+    (with the parent directories it created)."""
+    with outdir.AtomicDir(path, overwrite=True, label="--out") as d:
+        yield d.tmp
+        d.commit()
 
 
 def write_json(path: str, obj) -> None:

@@ -9,12 +9,18 @@ with `jax.block_until_ready` (inside `generate`'s machinery).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from ..drafters import registry
+from ..spec.generate import generate
+from ..spec.options import RunShape, Sampling, Speculation
 
-SPEC_TYPES = ("none", "mtp", "dspark")
+BASELINE = "none"                          # no speculation: what speed-ups are measured against
+SPEC_TYPES = (BASELINE, "mtp", "dspark")   # the drafters the CLIs offer (names in drafters.registry)
+KNOB_LABELS = {"p_min": "p_min", "confidence_threshold": "conf"}   # a drafter's stop knob, as shown in tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,20 +36,22 @@ class Setting:
 
     @property
     def drafter(self) -> str | None:
-        return None if self.spec == "none" else self.spec
+        return None if self.spec == BASELINE else self.spec
+
+    @property
+    def knob_name(self) -> str | None:
+        """The drafter's stop knob (`Drafter.stop_knob`: "p_min", "confidence_threshold") or None."""
+        return registry.get(self.drafter).stop_knob
 
     @property
     def knob(self) -> str:
         """The spec-specific threshold, as shown in tables ('' for none)."""
-        if self.spec == "mtp":
-            return f"p_min={self.p_min:g}"
-        if self.spec == "dspark":
-            return f"conf={self.confidence_threshold:g}"
-        return ""
+        name = self.knob_name
+        return f"{KNOB_LABELS[name]}={getattr(self, name):g}" if name else ""
 
     @property
     def label(self) -> str:
-        k = f" k={self.draft_n_max}" if self.spec != "none" else ""
+        k = f" k={self.draft_n_max}" if self.spec != BASELINE else ""
         knob = f" {self.knob}" if self.knob else ""
         return f"{self.spec}{k}{knob} T={self.temperature:g} B={self.batch_size}"
 
@@ -54,19 +62,37 @@ class Setting:
 
     def as_dict(self) -> dict:
         return {"spec_type": self.spec, "draft_n_max": self.draft_n_max, "p_min": self.p_min,
-                "confidence_threshold": self.confidence_threshold, "temperature": self.temperature,
-                "batch_size": self.batch_size, "label": self.label}
+                "confidence_threshold": self.confidence_threshold, "knob_name": self.knob_name,
+                "temperature": self.temperature, "batch_size": self.batch_size, "label": self.label}
+
+
+def grid_settings(specs: Sequence[str], ks: Sequence[int], knob_values: Mapping[str, Sequence[float]],
+                  temps: Sequence[float], batch_sizes: Sequence[int]) -> list[Setting]:
+    """The grid as a list: per (temperature, batch size) the baseline first, then each drafter (SPEC_TYPES
+    order) × draft_n_max × the values of its stop knob (knob_values[Drafter.stop_knob])."""
+    out = []
+    for t, b in itertools.product(temps, batch_sizes):
+        for spec in (s for s in SPEC_TYPES if s in specs):
+            if spec == BASELINE:
+                out.append(Setting(BASELINE, 0, temperature=t, batch_size=b))
+                continue
+            knob = registry.get(spec).stop_knob
+            for k, v in itertools.product(ks, knob_values[knob] if knob else [None]):
+                out.append(Setting(spec, k, temperature=t, batch_size=b, **({knob: v} if knob else {})))
+    return out
 
 
 def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, pad_to: int,
                     max_len: int, setting: Setting, top_p: float = 1.0, eos_token_id: int | None = None,
-                    seed: int = 0, dspark_meta=None):
-    """`dsv4_jax.generate` for one setting, prompts right-padded to `pad_to` (one compiled shape per setting)."""
-    from .. import generate
-    return generate(params, config, [list(p) for p in prompts], max_new_tokens, temperature=setting.temperature,
-                    top_p=top_p, drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
-                    p_min=setting.p_min, confidence_threshold=setting.confidence_threshold,
-                    eos_token_id=eos_token_id, seed=seed, max_len=max_len, pad_to=pad_to, dspark_meta=dspark_meta)
+                    seed: int = 0):
+    """`dsv4_jax.generate` for one setting, prompts right-padded to `pad_to` (one compiled shape per setting).
+
+    config: a ModelConfig or a config bundle (`LoadedModel.bundle`: the drafters' settings come from it)."""
+    return generate(params, config, [list(p) for p in prompts], max_new_tokens,
+                    sampling=Sampling(temperature=setting.temperature, top_p=top_p, seed=seed),
+                    speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
+                                            p_min=setting.p_min, confidence_threshold=setting.confidence_threshold),
+                    run=RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +113,11 @@ def plan_shapes(prompt_lengths: Sequence[int], max_new_tokens: int, max_draft: i
     return pad_to, pad_to + max_new_tokens + max_draft + 1
 
 
-def effective_draft_n_max(setting: Setting, dspark_block: int | None) -> int:
-    """Drafts per round actually used: DSpark truncates draft_n_max to its block size."""
-    if setting.spec == "dspark" and dspark_block is not None:
-        return min(setting.draft_n_max, dspark_block)
-    return setting.draft_n_max
+def effective_draft_n_max(setting: Setting, model) -> int:
+    """Drafts per round actually used (a drafter may cap draft_n_max: DSpark at its block size)."""
+    if setting.spec == BASELINE:
+        return setting.draft_n_max
+    return model.draft_setup(setting.spec, setting.draft_n_max).k
 
 
 def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, repeats: int = 1) -> dict[str, Any]:
@@ -103,10 +129,10 @@ def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, rep
     """
     walls, decodes, tokens, stats = [], [], None, None
     for _ in range(repeats):
-        tokens, stats = generate_padded(model.params, model.config, [p["tokens"] for p in batch],
+        tokens, stats = generate_padded(model.params, model.bundle, [p["tokens"] for p in batch],
                                         plan.max_new_tokens, pad_to=plan.pad_to, max_len=plan.max_len,
                                         setting=setting, top_p=plan.top_p, eos_token_id=plan.eos_token_id,
-                                        seed=plan.seed, dspark_meta=model.dspark_meta)
+                                        seed=plan.seed)
         walls.append(stats["wall_s"])
         decodes.append(stats["decode_s"])
     return {"tokens": tokens, "stats": stats, "walls": walls, "wall_s": statistics.median(walls),

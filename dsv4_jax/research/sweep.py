@@ -14,15 +14,17 @@ Output (--out DIR, written to a temporary directory and renamed when complete):
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from typing import Sequence
 
+from ..outdir import OutDirError
+from ..drafters import registry
 from . import common, report
 from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
 from .prompts import PromptError
-from .runner import RunPlan, Setting, batches, effective_draft_n_max, per_sequence, plan_shapes, run_batch, warm_up
+from .runner import (BASELINE, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, per_sequence,
+                     plan_shapes, run_batch, warm_up)
 
 EXAMPLES = """examples:
   dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts
@@ -69,29 +71,25 @@ def parse_grid(a: argparse.Namespace) -> dict:
 
 def build_settings(specs, ks, p_mins, confs, temps, batch_sizes) -> list[Setting]:
     """The grid as a list: per (temperature, batch size) the baseline first, then MTP, then DSpark."""
-    out = []
-    for t, b in itertools.product(temps, batch_sizes):
-        if "none" in specs:
-            out.append(Setting("none", 0, temperature=t, batch_size=b))
-        if "mtp" in specs:
-            out += [Setting("mtp", k, p_min=p, temperature=t, batch_size=b) for k in ks for p in p_mins]
-        if "dspark" in specs:
-            out += [Setting("dspark", k, confidence_threshold=c, temperature=t, batch_size=b)
-                    for k in ks for c in confs]
-    return out
+    return grid_settings(specs, ks, {"p_min": p_mins, "confidence_threshold": confs}, temps, batch_sizes)
 
 
 def check_model_support(model, specs: Sequence[str], ks: Sequence[int]) -> list[str]:
-    """Errors for drafters the model lacks; returns notes (DSpark truncation)."""
-    if "mtp" in specs and not model.has_mtp:
-        raise OptionError(f"--spec mtp: model {model.name} has no MTP weights")
-    if "dspark" in specs and not model.has_dspark:
-        raise OptionError(f"--spec dspark: model {model.name} has no DSpark weights")
+    """Errors for drafters the model lacks or cannot run; returns notes (drafters that cap draft_n_max)."""
     notes = []
-    block = model.dspark_block_size()
-    if "dspark" in specs and block is not None and max(ks) > block:
-        notes.append(f"note: DSpark block size is {block}: draft_n_max {[k for k in ks if k > block]} run with "
-                     f"{block} drafts per round")
+    for spec in specs:
+        if spec == BASELINE:
+            continue
+        drafter = registry.get(spec)
+        if drafter.weights and not model.params.get(drafter.weights):
+            raise OptionError(f"--spec {spec}: model {model.name} has no {drafter.weights_help}")
+        try:
+            cap = model.draft_setup(spec, max(ks)).k
+        except ValueError as e:
+            raise OptionError(f"--spec {spec}: {e}") from None
+        if cap < max(ks):
+            notes.append(f"note: {spec} proposes at most {cap} drafts per round: draft_n_max "
+                         f"{[k for k in ks if k > cap]} run with {cap}")
     return notes
 
 
@@ -189,7 +187,7 @@ def prepare_run(parser: argparse.ArgumentParser, a: argparse.Namespace, parse_fn
         if a.model:
             check_model_dir(a.model)
         file_prompts = common.read_prompt_source(a)
-    except (OptionError, PromptError, ModelError, FileExistsError, FileNotFoundError) as e:
+    except (OptionError, PromptError, ModelError, OutDirError, FileNotFoundError) as e:
         parser.error(str(e))
     common.enable_compile_cache(a)
     try:
@@ -207,8 +205,7 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
     Returns (max_new_tokens, RunPlan, progress-bar total).
     """
     max_new = a.max_new_tokens or suite_max_new
-    block = model.dspark_block_size()
-    max_draft = max(effective_draft_n_max(s, block) for s in settings)
+    max_draft = max(effective_draft_n_max(s, model) for s in settings)
     pad_to, max_len = plan_shapes([len(p["tokens"]) for p in prompts], max_new, max_draft)
     plan = RunPlan(max_new_tokens=max_new, pad_to=pad_to, max_len=max_len, seed=a.seed, top_p=a.top_p,
                    eos_token_id=common.eos_for(a))
@@ -233,9 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         all_records, rows, baselines = [], [], {}
         for setting in settings:
             records, batch_records, warm = run_setting(model, prompts, setting, plan, a.repeats, log, bar)
-            if setting.spec == "none":
+            if setting.spec == BASELINE:
                 baselines[setting.group] = records
-            row = {**setting.as_dict(), "effective_draft_n_max": effective_draft_n_max(setting, model.dspark_block_size()),
+            row = {**setting.as_dict(), "effective_draft_n_max": effective_draft_n_max(setting, model),
                    **report.aggregate(batch_records), "warmup_s": warm, "per_category": per_category(records),
                    "outputs_match_baseline": match_baseline(records, baselines.get(setting.group))}
             rows.append(row)

@@ -1,1 +1,1 @@
-"""The on-device speculative decoding loop: sampling, verification, statistics, generate()."""
+"""Speculative decoding: `generate` (generate.py), its option groups (options.py) and the on-device loop (loop.py)."""

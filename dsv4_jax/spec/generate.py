@@ -1,21 +1,31 @@
-"""`generate`: prompt tokens in, generated tokens and speculative-decoding statistics out."""
+"""`generate`: prompt tokens in, generated tokens and speculative-decoding statistics out.
+
+Options come in three groups (`spec.options`: Sampling, Speculation, RunShape) or as their published
+keywords; the config may be a `ModelConfig` or the bundle `load_checkpoint` returns (DSpark's settings
+then come from the checkpoint); `backends=` picks the kernels (`dsv4_jax.backends`), resolved here,
+before anything is traced.
+"""
 from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..backends import Backends
+from ..bundle import CheckpointConfig, unbundle
 from ..cache import init_state
 from ..config import ModelConfig
 from ..decode import CapacityError, advance, process_block
-from . import sampling
-from .loop import Carry, Knobs, Options, Stats, run_rounds, run_rounds_python
+from ..drafters import registry
+from ..ops.sampling import sample_first
+from .loop import Carry, Knobs, Options, Stats, emit, run_rounds, run_rounds_python
+from .options import RunShape, Sampling, Speculation, group_options
 
-DRAFTERS = (None, "mtp", "dspark", "oracle")
+NO_DRAFTER = (None, "none")
 
 
 def _pad_prompts(prompt_tokens) -> tuple[np.ndarray, np.ndarray]:
@@ -33,34 +43,25 @@ def _pad_prompts(prompt_tokens) -> tuple[np.ndarray, np.ndarray]:
     return out, lengths
 
 
-def _validate(config, tokens, drafter, draft_n_max, max_new_tokens, temperature, top_p, p_min, params,
-              confidence_threshold=0.0):
-    if drafter not in DRAFTERS:
-        raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
+def _validate(config: ModelConfig, tokens: np.ndarray, max_new_tokens: int, sp: Sampling, spec: Speculation):
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if drafter is not None and draft_n_max < 1:
-        raise ValueError(f"draft_n_max must be >= 1 with a drafter, got {draft_n_max}")
-    if temperature < 0 or not 0 < top_p <= 1 or not 0 <= p_min <= 1:
+    if spec.drafter not in NO_DRAFTER and spec.draft_n_max < 1:
+        raise ValueError(f"draft_n_max must be >= 1 with a drafter, got {spec.draft_n_max}")
+    if sp.temperature < 0 or not 0 < sp.top_p <= 1 or not 0 <= spec.p_min <= 1:
         raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, 0 <= p_min <= 1 "
-                         f"(got {temperature}, {top_p}, {p_min})")
+                         f"(got {sp.temperature}, {sp.top_p}, {spec.p_min})")
+    if not 0 <= spec.confidence_threshold <= 1:
+        raise ValueError(f"confidence_threshold must be in [0, 1], got {spec.confidence_threshold}")
     if tokens.min() < 0 or tokens.max() >= config.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {config.vocab_size})")
-    if drafter == "mtp" and not params.get("mtp"):
-        raise ValueError("drafter='mtp' needs MTP weights in params['mtp'] (a checkpoint with an MTP block)")
-    if drafter == "dspark" and not 0 <= confidence_threshold <= 1:
-        raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
-    if drafter == "oracle" and "oracle" not in params:
-        raise ValueError("drafter='oracle' needs params['oracle'] = {'tokens': [B,T], 'wrong': [B,k]}")
-    if drafter == "dspark" and "dspark" not in params:
-        raise ValueError("drafter='dspark' needs DSpark weights in params['dspark']")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_len", "opts"))
 def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, *, max_len: int,
           opts: Options, knobs: Knobs, key) -> Carry:
     """Prefill the prompts, sample the first token, and prime the drafter: the loop's initial carry (one jit)."""
-    from ..drafters import mtp
+    drafter = registry.get(opts.drafter)
     B = tokens.shape[0]
     k = opts.k
     dtype = params["embed"].dtype
@@ -70,28 +71,20 @@ def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Arr
     state = advance(state, n)
     key, k_first = jax.random.split(key)
     last_logits = jnp.take_along_axis(logits, (n - 1)[:, None, None], axis=1)[:, 0]
-    first = sampling.sample_first(k_first, last_logits, knobs.temperature, knobs.top_p, opts.greedy)
+    first = sample_first(k_first, last_logits, knobs.temperature, knobs.top_p, opts.greedy)
     # the token after each prompt position: the prompt shifted left, then the first generated token
     nxt = jnp.concatenate([jnp.asarray(tokens)[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     nxt = jnp.where(jnp.arange(tokens.shape[1])[None, :] == (n - 1)[:, None], first[:, None], nxt)
     zero = jnp.zeros((B,), jnp.int32)
-    if opts.drafter == "mtp":
-        dstate = mtp.init(config, B, max_len, k + 1, dtype)
-        dstate = mtp.observe(params["mtp"][0], params, config, dstate, aux["hidden"], nxt, zero, n)
-    elif opts.drafter == "dspark":
-        from ..drafters import dspark
-        dstate = dspark.init(params["dspark"], config, B, dtype)
-        dstate = dspark.observe(params["dspark"], params, config, dstate, aux["taps"], zero, n)
-    else:
-        dstate = ()
+    dstate = drafter.init(params, config, opts.setup, B, max_len, dtype)
+    dstate = drafter.observe(params, config, opts.setup, dstate, aux, nxt, zero, n)
     out = jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32)
     fresh = lambda *shape: jnp.zeros(shape, jnp.int32)   # distinct buffers: the carry is donated
     c = Carry(out=out, out_len=fresh(B), last=first, done=jnp.zeros((B,), bool), target=state, drafter=dstate,
               key=key, stats=Stats(rounds=fresh(B), drafted=fresh(B), accepted=fresh(B), per_position=fresh(B, k),
                                    proposed_at=fresh(B, k), length_hist=fresh(B, k + 1)), round=fresh())
     # the first token is already generated: emit it (it may be EOS, or the whole budget)
-    from .loop import _emit
-    out, out_len, done, _ = _emit(c, first[:, None], jnp.ones((B,), jnp.int32), opts)
+    out, out_len, done, _ = emit(c, first[:, None], jnp.ones((B,), jnp.int32), opts)
     return c.replace(out=out, out_len=out_len, done=done)
 
 
@@ -116,69 +109,86 @@ def summarize(c: Carry, opts: Options, wall_s: float) -> dict[str, Any]:
     }
 
 
-def prepare(params: dict, config: ModelConfig, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.0,
-            top_p: float = 1.0, drafter: str | None = None, draft_n_max: int = 3, p_min: float = 0.0,
-            confidence_threshold: float = 0.0, eos_token_id: int | None = None, max_len: int | None = None,
-            pad_to: int | None = None, dspark_meta=None):
-    """Validate the options and build (tokens [B,S], lengths [B], Options, Knobs, max_len) for a run."""
+class Prepared(NamedTuple):
+    """A validated run: what `start` and the loop take."""
+
+    config: ModelConfig          # the target config, backends resolved
+    tokens: np.ndarray           # [B,S] right-padded prompts
+    lengths: np.ndarray          # [B]
+    opts: Options
+    knobs: Knobs
+    max_len: int
+    seed: int
+    host_loop: bool
+
+
+def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
+            sampling: Sampling | None = None, speculation: Speculation | None = None, run: RunShape | None = None,
+            backends: Backends | str | None = None, **options) -> Prepared:
+    """Validate the options (groups and / or published keywords, see `spec.options`) and build a run."""
+    sp, spec, shape = group_options(sampling, speculation, run, **options)
+    config, bundle_meta = unbundle(config, backends)
+    drafter = registry.get(spec.drafter)
     tokens, lengths = _pad_prompts(prompt_tokens)
-    if pad_to is not None:
-        if tokens.shape[1] > pad_to:
-            raise ValueError(f"a prompt has {tokens.shape[1]} tokens, more than pad_to={pad_to}")
-        tokens = np.pad(tokens, ((0, 0), (0, pad_to - tokens.shape[1])))
-    _validate(config, tokens, drafter, draft_n_max, max_new_tokens, temperature, top_p, p_min, params,
-              confidence_threshold)
-    k = draft_n_max if drafter else 0
-    taps, dcfg = (), None
-    if drafter == "dspark":
-        from ..drafters import dspark
-        dcfg = dspark.resolve(config, params["dspark"], dspark_meta)
-        taps = dcfg.target_layer_ids
-        k = min(k, dcfg.block_size)            # draft_n_max beyond the block size truncates to it
+    if shape.pad_to is not None:
+        if tokens.shape[1] > shape.pad_to:
+            raise ValueError(f"a prompt has {tokens.shape[1]} tokens, more than pad_to={shape.pad_to}")
+        tokens = np.pad(tokens, ((0, 0), (0, shape.pad_to - tokens.shape[1])))
+    _validate(config, tokens, max_new_tokens, sp, spec)
+    meta = dict(bundle_meta)
+    if spec.dspark_meta is not None:            # the published keyword for DSpark's settings
+        meta["dspark"] = spec.dspark_meta
+    setup = drafter.configure(params, config, spec.draft_n_max, meta.get(drafter.name))
+    k = setup.k
     need = tokens.shape[1] + max_new_tokens + k + 1
-    max_len = max_len or need
+    max_len = shape.max_len or need
     if need > max_len:
         raise CapacityError(f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) + a verify block "
                             f"({k + 1}) needs {need} positions, more than max_len={max_len}")
-    eos = config.eos_token_id if eos_token_id is None else eos_token_id
-    opts = Options(drafter=drafter or "none", k=k, greedy=temperature == 0, max_new_tokens=max_new_tokens,
-                   eos_token_id=int(eos), taps=taps, dspark=dcfg)
-    knobs = Knobs(temperature=jnp.float32(max(temperature, 1e-6)), top_p=jnp.float32(top_p),
-                  p_min=jnp.float32(p_min), confidence=jnp.float32(confidence_threshold))
-    return tokens, lengths, opts, knobs, max_len
+    eos = config.eos_token_id if shape.eos_token_id is None else shape.eos_token_id
+    opts = Options(drafter=drafter.name, k=k, greedy=sp.temperature == 0, max_new_tokens=max_new_tokens,
+                   eos_token_id=int(eos), taps=setup.taps, settings=setup.settings)
+    knobs = Knobs(temperature=jnp.float32(max(sp.temperature, 1e-6)), top_p=jnp.float32(sp.top_p),
+                  p_min=jnp.float32(spec.p_min), confidence=jnp.float32(spec.confidence_threshold))
+    return Prepared(config, tokens, lengths, opts, knobs, max_len, sp.seed, shape.host_loop)
 
 
-def generate(params: dict, config: ModelConfig, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, drafter: str | None = None, draft_n_max: int = 3, p_min: float = 0.0,
-             confidence_threshold: float = 0.0, eos_token_id: int | None = None, seed: int = 0,
-             max_len: int | None = None, pad_to: int | None = None, host_loop: bool = False, dspark_meta=None):
+def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
+             sampling: Sampling | None = None, speculation: Speculation | None = None, run: RunShape | None = None,
+             backends: Backends | str | None = None, **options):
     """Generate up to max_new_tokens per prompt, optionally with speculative decoding.
 
-    prompt_tokens: list of token lists (ragged) or int array [B,S]. drafter: None | "mtp" | "dspark"
-    (| "oracle" for tests). draft_n_max: drafts per round (for DSpark ≤ its block size). p_min: stop
-    the MTP chain before a draft whose top-1 probability is below it. confidence_threshold: DSpark
-    confidence cut-off. eos_token_id: stop a sequence after it (None: the config's eos; -1: never).
-    max_len / pad_to: fix the cache capacity and the padded prompt length, so that runs with other
-    prompts reuse the compiled functions. host_loop: drive rounds from Python (debugging twin;
-    identical results). Greedy when temperature == 0; otherwise lossless rejection sampling (the
-    output distribution equals plain sampling at T and top_p).
+    params, config: as `load_checkpoint` returns them (config: a ModelConfig or, for a checkpoint with
+    drafters, its CheckpointConfig bundle, whose DSpark settings are then used), or `tiny_demo()`'s.
+    prompt_tokens: list of token lists (ragged) or int array [B,S].
+    Options (`dsv4_jax.spec.options`), as groups or as their keywords:
+      sampling=Sampling(temperature=0.0, top_p=1.0, seed=0): greedy when temperature == 0; otherwise
+        lossless rejection sampling (the output distribution equals plain sampling at T and top_p).
+      speculation=Speculation(drafter=None, draft_n_max=3, p_min=0.0, confidence_threshold=0.0,
+        dspark_meta=None): drafter None | "mtp" | "dspark" (| "oracle" for tests; any name registered in
+        `dsv4_jax.drafters.registry`); draft_n_max drafts per round (for DSpark ≤ its block size); p_min
+        stops the MTP chain before a draft whose top-1 probability is below it; confidence_threshold is
+        DSpark's cut-off; dspark_meta overrides the bundle's DSpark settings (a DSparkConfig).
+      run=RunShape(eos_token_id=None, max_len=None, pad_to=None, host_loop=False): stop a sequence after
+        eos_token_id (None: the config's; -1: never); max_len / pad_to fix the cache capacity and the
+        padded prompt length, so that runs with other prompts reuse the compiled functions; host_loop
+        drives rounds from Python (debugging twin; identical results).
+    backends: the kernels (a `Backends`, or "auto" | "reference" | "pallas"; default: the config's).
 
     Returns (tokens: list of int lists, stats dict: rounds, drafted, accepted, per-position
     acceptance, mean accepted length incl. the bonus token, draft acceptance rate, wall time
     (prefill_s + decode_s), tokens/s).
     """
-    tokens, lengths, opts, knobs, max_len = prepare(
-        params, config, prompt_tokens, max_new_tokens, temperature=temperature, top_p=top_p, drafter=drafter,
-        draft_n_max=draft_n_max, p_min=p_min, confidence_threshold=confidence_threshold, eos_token_id=eos_token_id,
-        max_len=max_len, pad_to=pad_to, dspark_meta=dspark_meta)
+    r = prepare(params, config, prompt_tokens, max_new_tokens, sampling=sampling, speculation=speculation, run=run,
+                backends=backends, **options)
     t0 = time.perf_counter()
-    carry = jax.block_until_ready(start(params, config, jnp.asarray(tokens), jnp.asarray(lengths), max_len=max_len,
-                                        opts=opts, knobs=knobs, key=jax.random.PRNGKey(seed)))
+    carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
+                                        max_len=r.max_len, opts=r.opts, knobs=r.knobs, key=jax.random.PRNGKey(r.seed)))
     t1 = time.perf_counter()
-    run = run_rounds_python if host_loop else run_rounds
-    carry = jax.block_until_ready(run(params, config, carry, knobs, opts))
+    loop = run_rounds_python if r.host_loop else run_rounds
+    carry = jax.block_until_ready(loop(params, r.config, carry, r.knobs, r.opts))
     t2 = time.perf_counter()
     out, n = np.asarray(carry.out), np.asarray(carry.out_len)
-    stats = summarize(carry, opts, t2 - t0)
+    stats = summarize(carry, r.opts, t2 - t0)
     stats.update(prefill_s=t1 - t0, decode_s=t2 - t1)   # the first token comes from the prefill
     return [out[b, :n[b]].tolist() for b in range(out.shape[0])], stats

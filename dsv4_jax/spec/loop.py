@@ -1,8 +1,8 @@
 """The speculative decoding loop: one jitted `lax.while_loop` over rounds (DESIGN.md property 5).
 
-A round: draft k tokens (drafter) → verify [last, d_1..d_k] in one target pass → accept (greedy
-prefix match or lossless rejection sampling) plus the bonus token → emit, commit, and feed the
-newly committed positions to the drafter. The carry (`Carry`) holds everything: output buffer,
+A round: draft k tokens (the drafter registered under `Options.drafter`, `dsv4_jax.drafters.registry`) →
+verify [last, d_1..d_k] in one target pass → accept (greedy prefix match or lossless rejection sampling)
+plus the bonus token → emit, commit, and feed the newly committed positions to the drafter. The carry (`Carry`) holds everything: output buffer,
 positions, done flags, target and drafter state, RNG key and statistics. `run_rounds_python`
 drives the same jitted round from Python (debugging twin; identical results).
 """
@@ -18,30 +18,31 @@ from flax import struct
 from ..cache import DecodeState
 from ..config import ModelConfig
 from ..decode import advance, process_block
-from . import sampling
+from ..drafters import registry
+from ..drafters.base import DraftSetup, Knobs
+from ..ops import sampling
+
+__all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "round_jit", "round_step", "run_rounds", "run_rounds_python"]
 
 
 @struct.dataclass
 class Options:
     """Static choices of a run (part of the compilation key)."""
 
-    drafter: str = struct.field(pytree_node=False, default="none")   # none | mtp | dspark | oracle
+    drafter: str = struct.field(pytree_node=False, default="none")   # a name in drafters.registry
     k: int = struct.field(pytree_node=False, default=0)              # drafts per round (draft_n_max)
     greedy: bool = struct.field(pytree_node=False, default=True)
     max_new_tokens: int = struct.field(pytree_node=False, default=16)
     eos_token_id: int = struct.field(pytree_node=False, default=-1)  # -1: none
     taps: tuple = struct.field(pytree_node=False, default=())        # target layers the drafter reads
-    dspark: Any = struct.field(pytree_node=False, default=None)      # drafters.dspark.DSparkConfig
+    settings: Any = struct.field(pytree_node=False, default=None)    # the drafter's static settings
+    # cost benchmarks only: accept every proposed draft (ops.sampling.verify_forced; greedy runs; not lossless)
+    forced_acceptance: bool = struct.field(pytree_node=False, default=False)
 
-
-@struct.dataclass
-class Knobs:
-    """Dynamic scalars (no recompilation when they change)."""
-
-    temperature: jax.Array
-    top_p: jax.Array
-    p_min: jax.Array
-    confidence: jax.Array
+    @property
+    def setup(self) -> DraftSetup:
+        """What the drafter's methods take (drafters.base)."""
+        return DraftSetup(k=self.k, taps=self.taps, settings=self.settings)
 
 
 @struct.dataclass
@@ -67,7 +68,7 @@ class Carry:
     round: jax.Array           # scalar int32
 
 
-def _emit(c: Carry, tokens: jax.Array, n_new: jax.Array, opts: Options):
+def emit(c: Carry, tokens: jax.Array, n_new: jax.Array, opts: Options):
     """Append up to n_new[b] of tokens [B,m] to each output; stop at EOS or the budget. -> (out, out_len, done, n)."""
     m = tokens.shape[1]
     j = jnp.arange(m)[None, :]
@@ -85,52 +86,37 @@ def _emit(c: Carry, tokens: jax.Array, n_new: jax.Array, opts: Options):
     return out, out_len, done, n
 
 
+def _verify(key, logits, drafts, q, n_draft, knobs: Knobs, opts: Options):
+    """(n_accept [B], next token [B]) of a verify block's logits [B,k+1,V] (ops.sampling)."""
+    if opts.forced_acceptance:
+        return sampling.verify_forced(logits, drafts, n_draft)
+    if opts.greedy:
+        return sampling.verify_greedy(logits, drafts, n_draft)
+    return sampling.verify_sampled(key, logits, drafts, q, n_draft, knobs.temperature, knobs.top_p)
+
+
 def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
     """One draft → verify → accept → commit round for every active sequence."""
-    from ..drafters import mtp   # drafter modules import spec.sampling (imported here to avoid a cycle)
-
+    drafter = registry.get(opts.drafter)
     k = opts.k
     key, k_draft, k_acc = jax.random.split(c.key, 3)
     pos = c.target.pos
     B = pos.shape[0]
-    if opts.drafter == "mtp":
-        drafts, q, n_draft = mtp.propose(params["mtp"][0], params, config, c.drafter, pos, k_draft, k,
-                                         temperature=knobs.temperature, top_p=knobs.top_p, p_min=knobs.p_min,
-                                         greedy=opts.greedy)
-    elif opts.drafter == "dspark":
-        from ..drafters import dspark
-        drafts, q, n_draft, _ = dspark.propose(params["dspark"], params, config, opts.dspark, c.drafter, pos,
-                                               c.last, k_draft, k, temperature=knobs.temperature,
-                                               top_p=knobs.top_p, threshold=knobs.confidence, greedy=opts.greedy)
-    elif opts.drafter == "oracle":
-        from ..drafters import oracle
-        drafts, q, n_draft = oracle.propose(params["oracle"], config.vocab_size, pos, k)
-    else:
-        drafts, q, n_draft = (jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, config.vocab_size), jnp.float32),
-                              jnp.zeros((B,), jnp.int32))
+    drafts, q, n_draft = drafter.propose(params, config, opts.setup, c.drafter, pos, c.last, k_draft, knobs,
+                                         opts.greedy)
     n_draft = jnp.where(c.done, 0, n_draft)
     block = jnp.concatenate([c.last[:, None], drafts], axis=1)                       # [B,k+1]
     logits, tstate, aux = process_block(params, config, c.target, block, jnp.full((B,), k + 1, jnp.int32),
                                         opts.taps)
-    if opts.greedy:
-        a, nxt = sampling.verify_greedy(logits, drafts, n_draft)
-    else:
-        a, nxt = sampling.verify_sampled(k_acc, logits, drafts, q, n_draft, knobs.temperature, knobs.top_p)
+    a, nxt = _verify(k_acc, logits, drafts, q, n_draft, knobs, opts)
     # emitted this round: the a accepted drafts, then the correction / bonus token
     j = jnp.arange(k + 1)[None, :]
     emitted = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
     active = ~c.done
-    out, out_len, done, _ = _emit(c, emitted, a + 1, opts)
+    out, out_len, done, _ = emit(c, emitted, a + 1, opts)
     n_commit = jnp.where(active, a + 1, 0)
     tstate = advance(tstate, n_commit)
-    dstate = c.drafter
-    if opts.drafter == "mtp":
-        dstate = mtp.observe(params["mtp"][0], params, config, dstate, aux["hidden"], emitted, pos,
-                             jnp.maximum(n_commit, 1))
-    elif opts.drafter == "dspark":
-        from ..drafters import dspark
-        dstate = dspark.observe(params["dspark"], params, config, dstate, aux["taps"], pos,
-                                jnp.maximum(n_commit, 1))
+    dstate = drafter.observe(params, config, opts.setup, c.drafter, aux, emitted, pos, jnp.maximum(n_commit, 1))
     kk = jnp.arange(k)[None, :]
     s = c.stats
     stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
@@ -153,12 +139,13 @@ def run_rounds(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, op
 
 
 @functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
-def _round_jit(params, config, carry, knobs, opts):
+def round_jit(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """One round as its own jitted call (the host loop; benchmarks dispatch it back to back)."""
     return round_step(params, config, carry, knobs, opts)
 
 
 def run_rounds_python(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, opts: Options) -> Carry:
     """The Python-loop twin of `run_rounds`: the same jitted round, driven from the host."""
     while bool(_cond(carry, opts)):
-        carry = _round_jit(params, config, carry, knobs, opts)
+        carry = round_jit(params, config, carry, knobs, opts)
     return carry

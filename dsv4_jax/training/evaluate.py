@@ -6,7 +6,7 @@ a round costs `round_cost_in_decode_steps` = (decode time / rounds) / (plain dec
 and emits mean_accepted_length tokens, so speed-up = mean_accepted_length / round cost; with every
 draft accepted it could reach at most (k + 1) / round cost (`speedup_bound_full_acceptance`).
 `block_costs` times the target's verify block alone (S = 1..k+1 tokens, min of several chains) and
-`dspark_costs` the drafter's propose / observe calls; `round_parts` splits a DSpark round into them.
+`drafter_costs` a drafter's propose / observe calls; `round_parts` splits a round into them.
 """
 from __future__ import annotations
 
@@ -18,12 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax as d
+from dsv4_jax.bundle import CheckpointConfig, target_config
 from dsv4_jax.decode import prefill, process_block
 from dsv4_jax.demo import ByteTokenizer, tiny_demo
-from dsv4_jax.drafters import dspark
+from dsv4_jax.drafters import registry
+from dsv4_jax.drafters.base import Knobs
 from dsv4_jax.research.report import markdown_table
 
 from . import data
+
+DRAFTERS = ("mtp", "dspark")   # evaluated in this order (names in dsv4_jax.drafters.registry)
 
 
 def heldout_prompts(n: int, prompt_len: int = 64, seed: int = 0) -> list[list[int]]:
@@ -71,11 +75,15 @@ def _fastest(calls: dict, chain: int, repeats: int) -> dict:
     return best
 
 
+def _prompt(prompt_len: int) -> jax.Array:
+    """The random byte prompt [1, prompt_len] the cost timings start from."""
+    return jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, prompt_len)), jnp.int32)
+
+
 def _primed(params, config, prompt_len: int, max_block: int, taps=()):
-    """A random prompt_len-token prompt prefilled at batch 1: (state, aux) with room for a max_block block."""
-    prompt = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, prompt_len)), jnp.int32)
-    _, state, aux = prefill(params, config, prompt, max_len=prompt_len + max_block + 1, max_block=max_block,
-                            taps=taps)
+    """`_prompt(prompt_len)` prefilled at batch 1: (state, aux) with room for a max_block block."""
+    _, state, aux = prefill(params, config, _prompt(prompt_len), max_len=prompt_len + max_block + 1,
+                            max_block=max_block, taps=taps)
     return state, aux
 
 
@@ -99,30 +107,43 @@ def block_costs(params, config, sizes, taps=(), prompt_len: int = 64, chain: int
     return _fastest({S: block_call(S) for S in sizes}, chain, repeats)
 
 
-_propose = jax.jit(functools.partial(dspark.propose, temperature=1.0, top_p=1.0, threshold=0.0, greedy=True),
-                   static_argnames=("config", "dcfg", "k"))
-_observe = jax.jit(dspark.observe, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "setup"))
+def _propose(params, config, drafter: str, setup, state, pos, last, key, knobs):
+    return registry.get(drafter).propose(params, config, setup, state, pos, last, key, knobs, True)[0]
 
 
-def dspark_costs(params, config, dcfg, ks, prompt_len: int = 64, chain: int = 20, repeats: int = 7) -> dict:
-    """Seconds per DSpark call at batch 1, greedy: {"propose": {k: s}, "observe": {k: s}} for k in ks.
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "setup"))
+def _observe(params, config, drafter: str, setup, state, aux, tokens, start, n_valid):
+    return registry.get(drafter).observe(params, config, setup, state, aux, tokens, start, n_valid)
 
-    propose drafts k tokens from the block after a prompt_len-token context; observe stores the
-    context keys of a (k+1)-row verify block's taps (what a round feeds the drafter). Like
-    `block_costs`, each includes one host dispatch, which the on-device loop does not pay."""
-    taps = dcfg.target_layer_ids
-    _, aux = _primed(params, config, prompt_len, max(ks) + 1, taps)
-    dstate = dspark.init(params["dspark"], config, 1, jnp.float32)
+
+def drafter_costs(params, config, name: str, meta, ks, prompt_len: int = 64, chain: int = 20,
+                  repeats: int = 7) -> dict:
+    """Seconds per call of a drafter's propose / observe at batch 1, greedy (its `drafters.base` interface):
+    {"propose": {k: s}, "observe": {k: s}} for k in ks.
+
+    propose drafts k tokens after a prompt_len-token context; observe stores a (k+1)-row verify block
+    (what a round feeds the drafter). Like `block_costs`, each includes one host dispatch, which the
+    on-device loop does not pay. The calls get the drafter's weights and the target's embedding and head
+    only (what MTP and DSpark read of the target), so that the dispatch does not carry the whole tree."""
+    drafter = registry.get(name)
+    setups = {k: drafter.configure(params, config, k, meta) for k in ks}
+    widest = setups[max(ks)]
+    state, aux = _primed(params, config, prompt_len, widest.k + 1, widest.taps)
+    prompt = _prompt(prompt_len)
     zero, n = jnp.zeros((1,), jnp.int32), jnp.full((1,), prompt_len, jnp.int32)
-    dstate = dspark.observe(params["dspark"], params, config, dstate, aux["taps"], zero, n)
-    pos, last, key = n, jnp.asarray([ByteTokenizer.BOS], jnp.int32), jax.random.PRNGKey(0)
-    target = {"embed": params["embed"], "head": params["head"]}      # all the drafter reads of the target
+    view = {key: params[key] for key in ("embed", "head", drafter.weights)}
+    knobs = Knobs(*(jnp.float32(v) for v in (1.0, 1.0, 0.0, 0.0)))
     calls = {}
-    for k in ks:
-        block_taps, n_block = aux["taps"][:, :k + 1], jnp.full((1,), k + 1, jnp.int32)
-        calls["propose", k] = lambda k=k: _propose(params["dspark"], target, config, dcfg, dstate, pos, last, key, k)[0]
-        calls["observe", k] = lambda t=block_taps, nb=n_block: _observe(params["dspark"], target, config, dstate, t,
-                                                                         pos, nb)
+    for k, setup in setups.items():
+        dstate = drafter.init(view, config, setup, 1, prompt_len + setup.k + 2, jnp.float32)
+        dstate = drafter.observe(view, config, setup, dstate, aux, jnp.roll(prompt, -1, axis=1), zero, n)
+        block = jax.tree.map(lambda a, S=setup.k + 1: a[:, :S], aux)
+        tokens, n_block = prompt[:, :setup.k + 1], jnp.full((1,), setup.k + 1, jnp.int32)
+        key, last = jax.random.PRNGKey(0), prompt[:, -1]
+        calls["propose", k] = lambda st=dstate, su=setup: _propose(view, config, name, su, st, n, last, key, knobs)
+        calls["observe", k] = lambda st=dstate, su=setup, b=block, t=tokens, nb=n_block: _observe(
+            view, config, name, su, st, b, t, n, nb)
     out = {"propose": {}, "observe": {}}
     for (part, k), t in _fastest(calls, chain, repeats).items():
         out[part][k] = t
@@ -158,20 +179,22 @@ def round_accounting(run: dict, s_per_token_plain: float, batch: int = 1) -> dic
 
 
 def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int = 128, batch: int = 1,
-                    ks=(1, 2, 3, 4, 5), repeats: int = 1) -> dict:
+                    ks=(1, 2, 3, 4, 5), repeats: int = 1, backends=None) -> dict:
     """Greedy runs on held-out prompts (batch `batch`): plain, MTP and DSpark at each draft_n_max.
 
     repeats: timed calls per prompt group (the fastest counts). Also times the verify block alone
-    (`block_costs`, S = 1..max(ks)+1) in the same process.
+    (`block_costs`, S = 1..max(ks)+1) and each drafter's propose / observe (`drafter_costs`) in the same
+    process. backends: the kernels (`dsv4_jax.backends`; default: the references).
     """
     demo = tiny_demo(path)
-    config, params = demo.config, demo.params
+    config, params = target_config(demo.config, backends), demo.params
+    bundle = CheckpointConfig(config, mtp_layers=len(params["mtp"]), dspark=demo.dspark)   # what generate takes
     prompts = heldout_prompts(n_prompts)
     max_len = max(len(p) for p in prompts) + max_new + 8
     runs, plain_toks, plain_s, plain_decode_s = [], [], 0.0, 0.0
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     for g in groups:
-        t, st, s = _timed(params, config, g, max_new, max_len, repeats)
+        t, st, s = _timed(params, bundle, g, max_new, max_len, repeats)
         plain_toks += t
         plain_s += s
         plain_decode_s += st["decode_s"]
@@ -180,12 +203,11 @@ def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int =
     s_per_token = plain_decode_s / ((n_tokens - len(plain_toks)) / batch)
     runs.append({"drafter": "none", "k": 0, "wall_s": plain_s, "decode_s": plain_decode_s,
                  "tokens_per_s": n_tokens / plain_s, "speedup": 1.0, "ms_per_decode_step": 1e3 * s_per_token})
-    for drafter in ("mtp", "dspark"):
+    for drafter in DRAFTERS:
         for k in ks:
             toks, agg, wall, dec_s = [], None, 0.0, 0.0
             for g in groups:
-                t, st, s = _timed(params, config, g, max_new, max_len, repeats, drafter=drafter,
-                                  draft_n_max=k, dspark_meta=demo.dspark)
+                t, st, s = _timed(params, bundle, g, max_new, max_len, repeats, drafter=drafter, draft_n_max=k)
                 toks += t
                 wall += s
                 dec_s += st["decode_s"]
@@ -199,11 +221,10 @@ def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int =
                          "rounds": agg["rounds"], "drafted": agg["drafted"], "accepted": agg["accepted"]})
             runs[-1].update(round_accounting(runs[-1], s_per_token, batch))
     blocks = block_costs(params, config, range(1, max(ks) + 2), taps=demo.dspark.target_layer_ids)
-    drafter_s = dspark_costs(params, config, demo.dspark, ks)
+    drafter_s = {name: drafter_costs(params, config, name, bundle.drafter_meta().get(name), ks) for name in DRAFTERS}
     if batch == 1:
-        for r in runs:
-            if r["drafter"] == "dspark":
-                r.update(round_parts(r, blocks, drafter_s))
+        for r in runs[1:]:
+            r.update(round_parts(r, blocks, drafter_s[r["drafter"]]))
     best = max((r for r in runs if r["drafter"] == "dspark"), key=lambda r: r["speedup"])
     m5 = next(r for r in runs if r["drafter"] == "mtp" and r["k"] == max(ks))
     s5 = next(r for r in runs if r["drafter"] == "dspark" and r["k"] == max(ks))
@@ -218,11 +239,12 @@ def evaluate_bundle(path: str | None = None, n_prompts: int = 16, max_new: int =
                "n_prompts": n_prompts, "max_new_tokens": max_new, "batch": batch, "repeats": repeats}
     return {"summary": summary, "runs": runs,
             "block_ms": {str(S): 1e3 * t for S, t in blocks.items()},
-            "dspark_ms": {part: {str(k): 1e3 * t for k, t in v.items()} for part, v in drafter_s.items()}}
+            "drafter_ms": {name: {part: {str(k): 1e3 * t for k, t in v.items()} for part, v in costs.items()}
+                           for name, costs in drafter_s.items()}}
 
 
 def format_table(res: dict) -> str:
-    """The runs of `evaluate_bundle` as a markdown table (ms columns: a DSpark round split by `round_parts`)."""
+    """The runs of `evaluate_bundle` as a markdown table (ms columns: a round split by `round_parts`, batch 1)."""
     head = ["drafter", "k", "mean acc. len", "speed-up", "round (steps)", "bound full acc.",
             "verify ms", "propose ms", "observe ms", "rest ms", "bound free drafter"]
     ratios = ("mean_accepted_length", "speedup", "round_cost_in_decode_steps", "speedup_bound_full_acceptance")

@@ -5,12 +5,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..cache import EMPTY, init_state
 from ..config import ModelConfig
+from ..decode import process_block
 from ..drafters import dspark
 from ..drafters.common import block_config
 from ..model import hyper
+from ..model.attention import project_kv
 from ..model.block import layer_sequence
 from ..model.norms import rms_norm
+from ..model.rope import inv_freq
 from ..model.target import head, hidden_states
 
 
@@ -22,8 +26,6 @@ def target_loss(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Arr
 
 def frozen_target(params: dict, config: ModelConfig, tokens: jax.Array, taps: tuple[int, ...] = ()):
     """(last-layer streams [B,L,n,D], logits [B,L,V], taps [B,L,len(taps),D]) of the frozen target."""
-    from ..cache import init_state
-    from ..decode import process_block
     B, L = tokens.shape
     st = init_state(config, B, L, 1, params["embed"].dtype)
     logits, _, aux = process_block(params, config, st, tokens, jnp.full((B,), L, jnp.int32), taps)
@@ -55,10 +57,26 @@ def position_weights(block: int, decay: float) -> jax.Array:
     return jnp.exp(-jnp.arange(block, dtype=jnp.float32) / decay)
 
 
+def block_rows(x: jax.Array, anchors: jax.Array, block: int) -> jax.Array:
+    """Rows a..a+block−1 of every anchor a: x [B,L,...], anchors [B,A] -> [B·A, block, ...]."""
+    B, A = anchors.shape
+    rows = (anchors[..., None] + jnp.arange(block, dtype=jnp.int32)).reshape(B, A * block)
+    return jax.vmap(lambda v, i: v[i])(x, rows).reshape((B * A, block) + x.shape[2:])
+
+
 def dspark_loss(dp: dict, target: dict, config: ModelConfig, dcfg, tokens, taps, t_logits, anchors, *,
                 decay: float = 4.0, w_tv: float = 1.0, w_conf: float = 0.2):
+    """DSpark objective with the target's logits at every position, t_logits [B,L,V] (see dspark_block_loss)."""
+    return dspark_block_loss(dp, target, config, dcfg, tokens, taps, block_rows(t_logits, anchors, dcfg.block_size),
+                             anchors, decay=decay, w_tv=w_tv, w_conf=w_conf)
+
+
+def dspark_block_loss(dp: dict, target: dict, config: ModelConfig, dcfg, tokens, taps, p_logits, anchors, *,
+                      decay: float = 4.0, w_tv: float = 1.0, w_conf: float = 0.2):
     """DSpark objective on blocks anchored at `anchors` [B,A] (teacher-forced Markov inputs).
 
+    tokens [B,L], taps [B,L,n_taps,D]; p_logits [B·A, g, V]: the target's logits at rows a..a+g−1 of
+    each anchor (`block_rows`), so only the rows the loss reads need the target's head.
     Per block position j: CE of the Markov-biased logits ℓ_j to the target's greedy token at a+j,
     plus w_tv · TV(softmax ℓ_j, p_j), plus w_conf · BCE(c_j, 1[argmax ℓ_j == argmax p_j]) — the
     measured (greedy, conditional) acceptance — all weighted by exp(−j/decay).
@@ -68,8 +86,6 @@ def dspark_loss(dp: dict, target: dict, config: ModelConfig, dcfg, tokens, taps,
     A = anchors.shape[1]
     g, W = dcfg.block_size, config.sliding_window
     c = dspark.context_features(dp, config, taps)                                       # [B,L,D]
-    from ..model.attention import project_kv
-    from ..model.rope import inv_freq
     pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     win = anchors[..., None] - W + jnp.arange(W, dtype=jnp.int32)                       # [B,A,W] positions
     safe = jnp.clip(win, 0, L - 1)
@@ -78,14 +94,12 @@ def dspark_loss(dp: dict, target: dict, config: ModelConfig, dcfg, tokens, taps,
     for stage in dp["stages"]:
         kv = project_kv(c, stage["attn"], config, pos, inv_freq(config, "main"))       # [B,L,d]
         kvs.append(take(kv, safe.reshape(B, -1)).reshape(B * A, W, -1))
-    from ..cache import EMPTY
     ctx_pos = jnp.where(win >= 0, win, EMPTY).reshape(B * A, W)
     st = dspark.DSparkState(ctx_kv=jnp.stack(kvs), ctx_pos=jnp.broadcast_to(ctx_pos, (len(kvs),) + ctx_pos.shape))
     a = anchors.reshape(-1)
     y, U = dspark.block_outputs(dp, target, config, dcfg, st, a, take(tokens, anchors).reshape(-1))
-    rows = a[:, None] + jnp.arange(g)[None, :]                                          # [BA,g]
-    prev = take(tokens, rows.reshape(B, -1)).reshape(B * A, g)                          # x_{a+j}
-    p_logits = take(t_logits, rows.reshape(B, -1)).reshape(B * A, g, -1)
+    prev = block_rows(tokens, anchors, g)                                               # x_{a+j} [BA,g]
+    p_logits = p_logits.astype(jnp.float32)
     e = dp["markov_w1"][prev]                                                           # [BA,g,R]
     ell = U + (e @ dp["markov_w2"].T).astype(jnp.float32)
     p = jax.nn.softmax(p_logits, -1)

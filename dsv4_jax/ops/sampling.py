@@ -1,7 +1,8 @@
-"""Target and draft distributions, and lossless verification (drafters.md §3.1).
+"""Target and draft distributions, and lossless verification (drafters.md §3.1): pure math on logits.
 
 Both distributions go through the same `filtered_probs` (softmax at temperature T, then top-p), so
 rejection sampling against them reproduces plain sampling from the target's filtered distribution.
+The drafters (`dsv4_jax.drafters`) and the speculative loop (`dsv4_jax.spec`) both import it from here.
 """
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ def verify_greedy(target_logits: jax.Array, drafts: jax.Array, n_draft: jax.Arra
     best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)          # [B,k+1]
     ok = (drafts == best[:, :k]) & (jnp.arange(k)[None, :] < n_draft[:, None])
     a = leading_true(ok)
+    return a, jnp.take_along_axis(best, a[:, None], axis=1)[:, 0]
+
+
+def verify_forced(target_logits: jax.Array, drafts: jax.Array, n_draft: jax.Array):
+    """Cost benchmarks only (not lossless): run the greedy check, then accept every proposed draft.
+
+    n_accept = max(greedy n_accept, n_draft) = n_draft; the next token is the target's argmax after the
+    last draft. The real verification is still computed (its cost is paid), only its decision is
+    overridden, so a round commits n_draft + 1 tokens whatever the weights. Shapes as verify_greedy.
+    """
+    a_real, _ = verify_greedy(target_logits, drafts, n_draft)
+    a = jnp.maximum(a_real, n_draft)
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
     return a, jnp.take_along_axis(best, a[:, None], axis=1)[:, 0]
 
 

@@ -1,0 +1,74 @@
+"""The options of `generate`, in three small frozen groups, and the published keywords that fill them.
+
+    Sampling      temperature, top_p, seed                         what is drawn
+    Speculation   drafter, draft_n_max, p_min, confidence_threshold, dspark_meta    how drafts are made
+    RunShape      eos_token_id, max_len, pad_to, host_loop          when to stop, fixed shapes, loop driver
+
+`generate(..., sampling=Sampling(temperature=0.8), speculation=Speculation("dspark", 5))` and
+`generate(..., temperature=0.8, drafter="dspark", draft_n_max=5)` are the same call: `group_options`
+routes every published keyword to its group; a keyword given with its group object overrides that field.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Greedy when temperature == 0; otherwise softmax(logits / T) restricted to the top-p nucleus."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """drafter: a registered name (`dsv4_jax.drafters.registry`: None/"none", "mtp", "dspark", "oracle").
+
+    draft_n_max: drafts per round (DSpark: at most its block size); p_min: MTP stops its chain before a
+    draft whose top-1 probability is below it; confidence_threshold: DSpark's confidence cut-off;
+    dspark_meta: DSpark settings (a DSparkConfig), overriding those of a checkpoint bundle.
+    """
+
+    drafter: str | None = None
+    draft_n_max: int = 3
+    p_min: float = 0.0
+    confidence_threshold: float = 0.0
+    dspark_meta: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """eos_token_id: stop a sequence after it (None: the config's; -1: never). max_len / pad_to: fix the
+    cache capacity and the padded prompt length, so that runs with other prompts reuse the compiled
+    functions. host_loop: drive the rounds from Python (debugging twin; identical results)."""
+
+    eos_token_id: int | None = None
+    max_len: int | None = None
+    pad_to: int | None = None
+    host_loop: bool = False
+
+
+GROUPS = {"sampling": Sampling, "speculation": Speculation, "run": RunShape}
+# published keyword -> its group
+KEYWORDS = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+
+
+def group_options(sampling: Sampling | None = None, speculation: Speculation | None = None,
+                  run: RunShape | None = None, **keywords) -> tuple[Sampling, Speculation, RunShape]:
+    """The three groups, each the given object (or defaults) updated with its published keywords."""
+    given = {"sampling": sampling, "speculation": speculation, "run": run}
+    unknown = sorted(set(keywords) - set(KEYWORDS))
+    if unknown:
+        raise TypeError(f"unknown generate option(s) {unknown}; the options are {sorted(KEYWORDS)} or the groups "
+                        f"{sorted(GROUPS)}")
+    out = []
+    for group, cls in GROUPS.items():
+        obj = given[group]
+        if obj is not None and not isinstance(obj, cls):
+            raise TypeError(f"{group}= takes a {cls.__name__}, got {type(obj).__name__}")
+        mine = {k: v for k, v in keywords.items() if KEYWORDS[k] == group}
+        out.append(cls(**mine) if obj is None else dataclasses.replace(obj, **mine))
+    return tuple(out)
