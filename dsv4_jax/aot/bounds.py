@@ -13,58 +13,26 @@ head (and embedding rows) it shares, and its window rows:
             observe pass of B·(k+1) tokens through main_proj and each stage's `wkv`
 
 The bound is a whole-slice number; the per-chip bound is its ideal split (bound / chips). Nothing here
-allocates: sizes come from `params` specs.
-
-The target bytes model is `bytes_bound` (issue 11): `dsv4_jax.traffic` once the library has it (issue 17
-moves it out of the benchmark), else experiments/bench_decode.py of the source checkout. `bytes_model()` is
-the one place that chooses.
+allocates: sizes come from `params` specs. Bytes per element of each format are `dsv4_jax.traffic`'s, so the
+report's bound, memplan's storage and the decode benchmark's bound are one model.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import math
-import pathlib
 import re
 
 from .. import params as P
+from .. import traffic
 from ..config import ModelConfig
 
-# our weight format names -> the bytes model's
+# the report's weight format names -> traffic's
 MODEL_FORMAT = {"bf16": "bf16", "fp8": "fp8-experts", "release": "release"}
-_BENCH = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "bench_decode.py"
 _EXPERT_LEAF = re.compile(r"(^|\.)ffn\.experts\.w[123]$")
-
-
-class BytesModelMissing(RuntimeError):
-    """The bytes model (experiments/bench_decode.py) is not where a source checkout has it."""
-
-
-LIBRARY_MODEL = "dsv4_jax.traffic"
-
-
-@functools.lru_cache(maxsize=None)
-def bytes_model():
-    """The module holding `bytes_bound`, `expected_active_experts` and the bytes per element of a leaf
-    (`element_bytes`; `_elem_bytes` in the benchmark)."""
-    try:
-        return importlib.import_module(LIBRARY_MODEL)
-    except ModuleNotFoundError as e:
-        if e.name != LIBRARY_MODEL:
-            raise
-    if not _BENCH.is_file():
-        raise BytesModelMissing(f"the bytes model is experiments/bench_decode.py of a source checkout; not found at "
-                                f"{_BENCH} (install with `pip install -e .` from the repository)")
-    spec = importlib.util.spec_from_file_location("dsv4_bench_decode", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def target_bound(config: ModelConfig, weights: str, batch: int, context: int, tokens: int) -> dict:
     """Bytes a target step over `tokens` tokens per sequence at `context` committed tokens must read."""
-    b = bytes_model().bytes_bound(config, MODEL_FORMAT[weights], batch, context, tokens)
+    b = traffic.bytes_bound(config, MODEL_FORMAT[weights], batch, context, tokens)
     return {"total": b["total"], "weights": b["weights"], "cache": b["cache"],
             "active_experts_per_layer": b["active_experts_per_layer"], "weight_parts": b["weight_parts"]}
 
@@ -73,22 +41,19 @@ def tree_read_bytes(specs, weights: str, n_tokens: int, top_k: int, keep=None) -
     """Bytes a pass over n_tokens tokens reads of a ParamSpec tree (drafter weights): every leaf once,
     routed experts only for the active ones (top_k per token), Markov W1 rows for the tokens;
     keep(path) selects leaves."""
-    bm = bytes_model()
-    element_bytes = getattr(bm, "element_bytes", None) or bm._elem_bytes
     fmt = MODEL_FORMAT[weights]
     total = 0.0
     for path, spec in P.flatten(specs).items():
         if keep is not None and not keep(path):
             continue
-        b = math.prod(spec.shape) * element_bytes(path, spec, fmt)
+        b = math.prod(spec.shape) * traffic.element_bytes(path, spec, fmt)
         if _EXPERT_LEAF.search(path):
             E = spec.shape[-3]
-            b *= bm.expected_active_experts(E, top_k, n_tokens) / E
+            b *= traffic.expected_active_experts(E, top_k, n_tokens) / E
         elif path.endswith("markov_w1"):
             b *= min(n_tokens, spec.shape[0]) / spec.shape[0]
         total += b
     return total
-
 
 
 def _shared_reads(config: ModelConfig, n_tokens: int, window_rows: int) -> float:

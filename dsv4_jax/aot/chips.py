@@ -2,7 +2,7 @@
 
 A topology is named the way libtpu names it: `<generation>:<chip grid>`, e.g. "v5p:2x2x2" (8 chips, a
 3-D torus), "v5e:4x4" (16 chips, 2-D), "v6e:2x4". `devices(name)` asks libtpu for the topology's abstract
-devices (`jax.experimental.topologies.get_topology_desc`); a program lowered onto a mesh of them and compiled
+devices (`dsv4_jax.libtpu.topology_desc`, the project's one libtpu entry); a program lowered onto a mesh of them and compiled
 is the TPU program, compiled on this CPU machine. "cpu" / "cpu:N" names the host's own CPU devices (jax's CPU
 backend compiles the same code path; tests use it where libtpu is absent).
 
@@ -16,33 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
-import os
 import re
 
 import numpy as np
 
-GIB = 1024 ** 3
+from .. import libtpu
+from ..libtpu import LibtpuMissing
 
-# keep libtpu off cloud metadata servers when it initialises on a machine that is not a TPU VM
-TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+GIB = 1024 ** 3
 
 # compiler options of the report's TPU compiles: finish compiling a program that does not fit, so that its
 # memory and costs are reported (its peak then says by how much it misses)
 TPU_COMPILE_OPTIONS = {"xla_tpu_no_crash_on_oom": True}
 
-LIBTPU_HELP = ("compiling for a TPU topology on this machine needs libtpu, the TPU compiler (no TPU needed): "
-               "`pip install libtpu` (the version matching your jax, e.g. `pip install \"jax[tpu]\"`), then run "
-               "with JAX_PLATFORMS=cpu; or use --topology cpu to compile for this machine's CPU instead")
+LIBTPU_HELP = libtpu.HELP + "; or use --topology cpu to compile for this machine's CPU instead"
 
 
 class TopologyError(ValueError):
     """An unknown or malformed topology name."""
-
-
-class LibtpuMissing(RuntimeError):
-    """libtpu (the TPU compiler) is not installed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,21 +106,6 @@ def parse(name: str) -> Topology:
     return Topology(f"{gen}:{grid}", chip, dims)
 
 
-def libtpu_available() -> bool:
-    return importlib.util.find_spec("libtpu") is not None
-
-
-def require_libtpu() -> None:
-    if not libtpu_available():
-        raise LibtpuMissing(LIBTPU_HELP)
-
-
-def set_tpu_env() -> None:
-    """Environment for libtpu on a non-TPU machine (set before libtpu loads; existing values win)."""
-    for k, v in TPU_ENV.items():
-        os.environ.setdefault(k, v)
-
-
 def devices(topology: Topology) -> list:
     """The topology's devices: abstract TPU devices from libtpu, or the host's CPU devices."""
     import jax
@@ -138,12 +115,11 @@ def devices(topology: Topology) -> list:
             raise TopologyError(f"{topology.name} needs {topology.chips} CPU devices, jax has {len(devs)} (set "
                                 f"XLA_FLAGS=--xla_force_host_platform_device_count={topology.chips} before jax starts)")
         return list(devs[:topology.chips])
-    require_libtpu()
-    set_tpu_env()
-    from jax.experimental import topologies
+    if not libtpu.available():
+        raise LibtpuMissing(LIBTPU_HELP)
     try:
-        desc = topologies.get_topology_desc(topology_name=topology.name, platform="tpu")
-    except Exception as e:  # noqa: BLE001 - libtpu's message names the problem; add ours
+        desc = libtpu.topology_desc(topology.name)
+    except LibtpuMissing as e:      # libtpu is there: it rejected the name
         raise TopologyError(f"libtpu rejected topology {topology.name!r}: {str(e).splitlines()[0][:300]}") from e
     return list(desc.devices)
 

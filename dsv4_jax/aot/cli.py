@@ -16,6 +16,7 @@ import sys
 from typing import Iterable
 
 from .. import backends as B
+from .. import libtpu
 from ..config import PRESETS
 from ..sharding import MESH_AXES
 from . import chips, inputs as I, programs as PR, report as R, runner
@@ -68,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of topologies as libtpu names them (v5p:2x2x2, v5e:4x4, v6e:2x4, ...; "
                         "'cpu' or 'cpu:N' for this machine's CPU backend); default v5p:2x2x2")
     p.add_argument("--weights", type=_list(I.WEIGHTS), default=["bf16"],
-                   help="comma list of weight formats: bf16, fp8 (routed experts as FP8 codes + a float32 scale "
-                        "per 128x128 block, the MoE kernels' storage); release needs issue 18 (default bf16)")
+                   help="comma list of weight formats: bf16; fp8 (routed experts as FP8 e4m3 codes + a float32 "
+                        "scale per 128x128 block, the MoE kernels' storage); release (the official release "
+                        "precision kept quantized: FP4 experts, FP8 attention / shared experts) (default bf16)")
     p.add_argument("--batch", type=_positive, default=8, help="sequences per step (default 8)")
     p.add_argument("--context", type=_positive, default=32768,
                    help="committed tokens per sequence when the step runs (default 32768)")
@@ -93,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep only this many of the repeated HCA/CSA pairs (flash has 20; default all)")
     p.add_argument("--small", action="store_true",
                    help="tiny dimensions, same layer schedule: seconds per compile (checks the report, not Flash)")
-    p.add_argument("--backends", default="reference", choices=B.CHOICES,
-                   help="hot-op implementations (dsv4_jax.backends; default reference)")
+    p.add_argument("--kernels", "--backends", dest="kernels", default="reference", choices=B.CHOICES,
+                   help="hot-op implementations, a static dsv4_jax.backends.Backends: reference (XLA), pallas_tpu "
+                        "(the Mosaic TPU kernels for the MoE experts and the indexer scores; auto = the same on "
+                        "TPU); default reference")
     p.add_argument("--no-unroll", action="store_true",
                    help="keep the layer scans (faster compiles; XLA then counts each repeated layer once)")
     p.add_argument("--fit-from-unrolled", action="store_true",
@@ -188,7 +192,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     if platform == "tpu" and any(not t.is_tpu for t in topologies):
         return _fail("mix of TPU and cpu topologies: run them separately")
     try:
-        config = runner.model_config(a.preset, pairs=a.pairs, small=a.small, backends=a.backends,
+        config = runner.model_config(a.preset, pairs=a.pairs, small=a.small, backends=a.kernels,
                                      platform=platform, unroll=not a.no_unroll)
         shapes = I.Shapes(a.batch, a.context, a.draft_n_max, a.prefill_chunk)
         for t in topologies:
@@ -199,12 +203,12 @@ def main(argv: Iterable[str] | None = None) -> int:
         print_plan([runner.plan_run(t, config, w, shapes, a.programs, a.mesh, a.mesh_preset)
                     for t in topologies for w in a.weights], config, shapes)
         return 0
-    if platform == "tpu" and not chips.libtpu_available():
+    if platform == "tpu" and not libtpu.available():
         return _fail(chips.LIBTPU_HELP)
     if a.hlo_dir:
         os.makedirs(a.hlo_dir, exist_ok=True)
     _use_cpu_backend()
-    chips.set_tpu_env()
+    libtpu.set_env()
     command = "dsv4-aot " + " ".join(sys.argv[1:] if argv is None else argv)
     partial = os.path.splitext(a.out)[0] + ".partial.json"
 

@@ -4,18 +4,20 @@ Nothing is allocated. Placements come from `dsv4_jax.sharding` (the same logical
 uses: `param_shardings`, `drafter_shardings`, `state_shardings`); arrays the rules do not cover (the
 speculative loop's carry, drafter states, tokens) are split on their batch axis with the `batch` rule.
 
-Weight formats (`WEIGHTS`):
+Weight formats (`WEIGHTS`), each leaf a dense ShapeDtypeStruct or an `ops.quant.QArray` of them (codes and
+scale, each with the NamedSharding `sharding.spec_sharding` gives its quantized spec):
     bf16     every weight bfloat16; float32 / int32 leaves as the specs say
-    fp8      routed experts in the MoE kernels' storage (`ops.quant.quantize_experts(..., "fp8", (128, 128))`):
-             float8_e4m3fn codes [.., E, N, K] + a float32 scale per 128×128 block ("w1_scale", ...); the
-             rest bf16 (what experiments/bench_decode.py runs as "fp8-experts")
-    release  the official release precision (FP4 experts, FP8 projections) kept quantized on device: needs the
-             quantized-weight leaf type (issue 18); refused until it exists
+    fp8      routed experts in the MoE kernels' FP8 storage (`random_init`'s expert_format="fp8"): e4m3 codes
+             [.., E, N, K] + a float32 scale per 128×128 block; the rest bf16 (traffic's "fp8-experts")
+    release  the official release precision kept quantized on device (`params.release_format`): FP4 e2m1
+             routed experts (e8m0 scale per 32), FP8 e4m3 attention projections / shared experts (e8m0 per
+             128×128), the rest bf16 (traffic's "release", memplan's "quantized")
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -25,70 +27,73 @@ from .. import params as P
 from .. import sharding as S
 from ..cache import state_shapes
 from ..config import ModelConfig
+from ..ops import quant
 
 WEIGHTS = ("bf16", "fp8", "release")
-FP8_BLOCK = (128, 128)
 COMPUTE_DTYPE = jnp.bfloat16
 DSPARK_STAGES, DSPARK_TAPS, DSPARK_MARKOV_RANK = 3, 3, 256   # the released Flash drafter (drafters.md §2.1)
+_ROUTED_EXPERTS = re.compile(r"(^|\.)ffn\.experts\.w[123]$")
 
 
 class WeightFormatError(ValueError):
-    """A weight format this build cannot place on device."""
+    """An unknown weight format name."""
 
 
 def check_weights(weights: str) -> None:
     if weights not in WEIGHTS:
         raise WeightFormatError(f"unknown weight format {weights!r}; choose from {WEIGHTS}")
+
+
+def fp8_expert_format(shape) -> quant.QFormat:
+    """The MoE kernels' FP8 expert storage for a [.., N, K] expert matrix: e4m3 codes, a float32 scale per
+    128×128 block (one block along a smaller dim, as `random_init` makes them)."""
+    return quant.QFormat("e4m3", (min(128, shape[-2]), min(128, shape[-1])), "f32")
+
+
+def leaf_format(weights: str, path: str, spec: P.ParamSpec) -> quant.QFormat | None:
+    """Storage of the leaf at flat `path` in weight format `weights` (None: dense)."""
+    if weights == "fp8":
+        return fp8_expert_format(spec.shape) if spec.kind == "weight" and _ROUTED_EXPERTS.search(path) else None
     if weights == "release":
-        raise WeightFormatError("--weights release needs quantized weights kept as pytree leaves on device "
-                                "(issue 18, ops/quant.py); not in this build — use bf16 or fp8")
+        return P.release_format(path, spec)
+    return None
+
+
+def quantized_specs(specs, weights: str):
+    """The ParamSpec tree with `quant` set for format `weights`."""
+    check_weights(weights)
+    return P.with_formats(specs, lambda path, spec: leaf_format(weights, path, spec))
 
 
 def sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
-def _fp8_experts(specs: dict, shardings: dict, mesh, prefix: str) -> dict:
-    """{"w1","w2","w3"} ParamSpecs -> fp8 codes + float32 block scales, sharded like the dense leaf."""
-    out = {}
-    for name, spec in specs.items():
-        *lead, n, k = spec.shape
-        br, bc = min(FP8_BLOCK[0], n), min(FP8_BLOCK[1], k)
-        scale_shape = (*lead, n // br, k // bc)
-        out[name] = sds(spec.shape, jnp.float8_e4m3fn, shardings[name])
-        out[name + "_scale"] = sds(scale_shape, jnp.float32,
-                                   S.spec_sharding(spec, mesh, path=f"{prefix}{name}", shape=scale_shape))
-    return out
+def abstract_tree(specs, shardings):
+    """`params.abstract_leaf` of every ParamSpec (quantized ones: QArrays) with the parallel shardings (a
+    NamedSharding or a QArray of them per leaf)."""
+    return jax.tree.map(lambda spec, sh: P.abstract_leaf(spec, COMPUTE_DTYPE, sh), specs, shardings,
+                        is_leaf=lambda x: isinstance(x, P.ParamSpec))
 
 
-def abstract_tree(specs, shardings, weights: str, mesh, prefix: str = ""):
-    """ShapeDtypeStructs for a ParamSpec tree and its parallel NamedSharding tree, in format `weights`."""
-    if isinstance(specs, P.ParamSpec):
-        return sds(specs.shape, specs.dtype(COMPUTE_DTYPE), shardings)
-    if isinstance(specs, (list, tuple)):
-        return [abstract_tree(s, sh, weights, mesh, f"{prefix}{i}.") for i, (s, sh) in enumerate(zip(specs, shardings))]
-    out = {}
-    for key, s in specs.items():
-        if key == "experts" and weights == "fp8":
-            out[key] = _fp8_experts(s, shardings[key], mesh, f"{prefix}{key}.")
-        else:
-            out[key] = abstract_tree(s, shardings[key], weights, mesh, f"{prefix}{key}.")
-    return out
+def drafter_params(specs, mesh, weights: str, rules=None):
+    q = quantized_specs(specs, weights)
+    return abstract_tree(q, S.drafter_shardings(q, mesh, rules))
 
 
 def target_params(config: ModelConfig, mesh, weights: str, rules=None) -> dict:
-    check_weights(weights)
-    return abstract_tree(P.param_specs(config), S.param_shardings(config, mesh, rules), weights, mesh)
+    """Abstract target parameters of `config` in format `weights`, placed by `sharding.param_shardings`."""
+    rule = lambda path, spec: leaf_format(weights, path, spec)
+    return abstract_tree(quantized_specs(P.param_specs(config), weights),
+                         S.param_shardings(config, mesh, rules, formats=rule))
 
 
 def mtp_params(config: ModelConfig, mesh, weights: str, rules=None) -> list:
-    specs = P.mtp_specs(config)
-    return [abstract_tree(specs, S.drafter_shardings(specs, mesh, rules), weights, mesh)]
+    return [drafter_params(P.mtp_specs(config), mesh, weights, rules)]
 
 
 def dspark_params(config: ModelConfig, mesh, weights: str, rules=None) -> dict:
-    specs = dspark_specs(config)
-    return abstract_tree(specs, S.drafter_shardings(specs, mesh, rules), weights, mesh)
+    return drafter_params(dspark_specs(config), mesh, weights, rules)
 
 
 def dspark_specs(config: ModelConfig):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 
 KERNEL_AOT = "dsv4_jax.kernels.tpu_aot"
-# report weight format -> the kernels' expert storage
-KERNEL_FORMAT = {"bf16": "dense", "fp8": "fp8_e4m3_b128"}
+# report weight format -> the kernels' expert storage (`inputs.leaf_format`'s routed experts)
+KERNEL_FORMAT = {"bf16": "dense", "fp8": "fp8", "release": "fp4_e2m1_b32"}
 COLUMNS = ("kernel", "case", "compile_s", "flops", "temp_bytes", "xla_bytes", "blockspec_bytes", "ideal_bytes",
            "reference_xla_bytes", "reference_temp_bytes", "error")
 

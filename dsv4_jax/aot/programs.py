@@ -14,7 +14,6 @@ program text. The speculative round's options (`spec.loop.Options`) and carry ar
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -22,7 +21,8 @@ import jax.numpy as jnp
 
 from ..config import ModelConfig
 from ..decode import process_block
-from ..drafters import dspark, mtp
+from ..drafters import registry
+from ..drafters.base import Knobs
 from ..spec import loop
 from . import bounds
 from . import inputs as I
@@ -54,49 +54,42 @@ def _is_abstract(x) -> bool:
     return all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(x)) and bool(jax.tree.leaves(x))
 
 
-def _bound(fn, *args) -> dict:
-    try:
-        return fn(*args)
-    except bounds.BytesModelMissing as e:
-        return {"error": str(e)}
-
-
 def _block(name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, S: int, rules) -> Program:
     params = I.target_params(config, mesh, weights, rules)
     state = I.decode_state(config, mesh, sh.batch, sh.max_len, sh.max_block, rules)
     tokens = I.batch_array(mesh, (sh.batch, S), jnp.int32, rules=rules)
     n_valid = I.replicated(mesh, (sh.batch,), jnp.int32)
-    bound = _bound(bounds.target_bound, config, weights, sh.batch, sh.context, S)
+    bound = bounds.target_bound(config, weights, sh.batch, sh.context, S)
     return Program(name, process_block, (params, config, state, tokens, n_valid), bound, S)
 
 
-def _round(drafter: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, rules) -> Program:
-    """One speculative round (`spec.loop.round_step`, greedy verification) with `drafter`: the only place
-    that builds the loop's Options and Carry."""
-    B, k, dt = sh.batch, sh.draft_n_max, I.COMPUTE_DTYPE
+def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, rules) -> Program:
+    """One speculative round (`spec.loop.round_step`, greedy verification) with the drafter `drafter_name`
+    (configured, initialised and run through the `drafters.registry` interface): the only place that builds
+    the loop's Options and Carry."""
+    B, dt = sh.batch, I.COMPUTE_DTYPE
     params = I.target_params(config, mesh, weights, rules)
-    notes = ""
-    if drafter == "mtp":
+    if drafter_name == "mtp":
         params["mtp"] = I.mtp_params(config, mesh, weights, rules)
-        dstate = jax.eval_shape(lambda: mtp.init(config, B, sh.max_len, sh.max_block, dt))
-        dstate = jax.tree.map(lambda x: I.batch_array(mesh, x.shape, x.dtype, 0, rules), dstate)
-        opts = loop.Options(drafter="mtp", k=k, greedy=True, max_new_tokens=MAX_NEW_TOKENS,
-                            eos_token_id=config.eos_token_id)
-        bound = _bound(bounds.mtp_round_bound, config, weights, B, sh.context, k)
     else:
-        dparams = I.dspark_params(config, mesh, weights, rules)
-        params["dspark"] = dparams
-        dcfg = dspark.resolve(config, dparams)
-        if k > dcfg.block_size:
-            notes = f"k = {k} > DSpark block size {dcfg.block_size}: compiled with k = {dcfg.block_size}"
-            k = dcfg.block_size
-        dstate = jax.eval_shape(lambda: dspark.init(dparams, config, B, dt))      # [stages, B, ...]
-        dstate = jax.tree.map(lambda x: I.batch_array(mesh, x.shape, x.dtype, 1, rules), dstate)
-        opts = loop.Options(drafter="dspark", k=k, greedy=True, max_new_tokens=MAX_NEW_TOKENS,
-                            eos_token_id=config.eos_token_id, taps=dcfg.target_layer_ids, dspark=dcfg)
-        rank = dparams["markov_w1"].shape[1]
-        bound = _bound(bounds.dspark_round_bound, config, weights, B, sh.context, k, dcfg.block_size,
-                       len(dparams["stages"]), len(dcfg.target_layer_ids), rank)
+        params["dspark"] = I.dspark_params(config, mesh, weights, rules)
+    drafter = registry.get(drafter_name)
+    setup = drafter.configure(params, config, sh.draft_n_max)
+    k = setup.k
+    notes = "" if k == sh.draft_n_max else \
+        f"k = {sh.draft_n_max} > DSpark block size {setup.settings.block_size}: compiled with k = {k}"
+    # drafter state: MTP [B, ...]; DSpark [stages, B, ...]
+    batch_axis = 0 if drafter_name == "mtp" else 1
+    dstate = jax.eval_shape(lambda: drafter.init(params, config, setup, B, sh.max_len, dt))
+    dstate = jax.tree.map(lambda x: I.batch_array(mesh, x.shape, x.dtype, batch_axis, rules), dstate)
+    opts = loop.Options(drafter=drafter_name, k=k, greedy=True, max_new_tokens=MAX_NEW_TOKENS,
+                        eos_token_id=config.eos_token_id, taps=setup.taps, settings=setup.settings)
+    if drafter_name == "mtp":
+        bound = bounds.mtp_round_bound(config, weights, B, sh.context, k)
+    else:
+        dp = params["dspark"]
+        bound = bounds.dspark_round_bound(config, weights, B, sh.context, k, setup.settings.block_size,
+                                          len(dp["stages"]), len(setup.taps), dp["markov_w1"].shape[1])
     ints = lambda *shape: I.batch_array(mesh, shape, jnp.int32, rules=rules)
     carry = loop.Carry(
         out=ints(B, MAX_NEW_TOKENS + k + 1), out_len=ints(B), last=ints(B),
@@ -107,13 +100,9 @@ def _round(drafter: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, 
                          proposed_at=ints(B, k), length_hist=ints(B, k + 1)),
         round=I.replicated(mesh, (), jnp.int32))
     scalar = lambda: I.replicated(mesh, (), jnp.float32)
-    knobs = loop.Knobs(temperature=scalar(), top_p=scalar(), p_min=scalar(), confidence=scalar())
-    return Program(f"spec-{drafter}", _round_jit(), (params, config, carry, knobs, opts), bound, k + 1, notes)
-
-
-@functools.lru_cache(maxsize=None)
-def _round_jit():
-    return jax.jit(loop.round_step, static_argnames=("config", "opts"), donate_argnames=("c",))
+    knobs = Knobs(temperature=scalar(), top_p=scalar(), p_min=scalar(), confidence=scalar())
+    return Program(f"spec-{drafter_name}", loop.round_jit, (params, config, carry, knobs, opts), bound, k + 1,
+                   notes)
 
 
 def build(name: str, config: ModelConfig, mesh, weights: str, shapes: I.Shapes, rules=None) -> Program:

@@ -59,7 +59,7 @@ def model_config(name: str = "flash", *, pairs: int | None = None, small: bool =
     b = B.resolve(backends, platform)       # Pallas off GPU switches interpret mode on
     if platform == "tpu" and b.interpret:
         raise B.BackendError(f"backends {b.describe()}: the Pallas GPU (Triton) kernels do not compile for TPU; "
-                             "use --backends reference")
+                             "use --kernels reference or pallas_tpu")
     return c.with_backends(b.replace(unroll_layers=unroll))
 
 
