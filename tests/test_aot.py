@@ -7,6 +7,9 @@ import os
 import pytest
 
 from dsv4_jax import config as C
+from dsv4_jax import libtpu, traffic
+from dsv4_jax import params as P
+from dsv4_jax.ops import quant
 from dsv4_jax.aot import chips, cli, compile as AC, hlo, inputs as I, programs as PR, report as R, runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -156,7 +159,7 @@ def test_topology_names():
 
 
 def test_libtpu_missing_message(monkeypatch, capsys):
-    monkeypatch.setattr(chips, "libtpu_available", lambda: False)
+    monkeypatch.setattr(libtpu, "available", lambda: False)
     assert cli.main(["--topology", "v5p:2x2x1", "--small", "--programs", "decode"]) == 2
     err = capsys.readouterr().err
     assert "libtpu" in err and "pip install libtpu" in err and "jax[tpu]" in err
@@ -166,20 +169,32 @@ def test_libtpu_missing_message(monkeypatch, capsys):
 
 def test_bad_input_is_refused_before_work(capsys):
     cases = [(["--topology", "v5x:2x2"], "unknown TPU generation"),
-             (["--weights", "release"], "issue 18"),
              (["--topology", "v5p:2x2x2", "--mesh", "1x4x1", "--plan"], "has 4 devices"),
              (["--pairs", "99", "--plan"], "--pairs must be in"),
-             (["--backends", "pallas", "--plan"], "do not compile for TPU")]
+             (["--kernels", "pallas", "--plan"], "do not compile for TPU")]
     for argv, msg in cases:
         assert cli.main(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
-    with pytest.raises(SystemExit):
-        cli.main(["--programs", "decode,nope"])
+    for argv in (["--programs", "decode,nope"], ["--weights", "bf16,fp4"], ["--kernels", "triton"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+
+
+def test_kernels_choose_static_backends():
+    """--kernels pallas_tpu: the Mosaic MoE and indexer kernels (routing has none), compiled for TPU, interpret
+    mode when compiled for the CPU backend; layers unrolled unless --no-unroll."""
+    tpu = runner.model_config("flash", pairs=0, small=True, backends="pallas_tpu", platform="tpu").backends
+    assert (tpu.moe, tpu.routing, tpu.indexer, tpu.interpret, tpu.unroll_layers) == \
+        ("pallas_tpu", "reference", "pallas_tpu", False, True)
+    assert runner.model_config("flash", small=True, backends="auto", platform="tpu").backends == tpu
+    cpu = runner.model_config("flash", small=True, backends="pallas_tpu", platform="cpu", unroll=False).backends
+    assert cpu.interpret and not cpu.unroll_layers
+    assert runner.model_config("flash", small=True).backends.moe == "reference"
 
 
 def test_plan_needs_no_libtpu(monkeypatch, capsys):
     """--plan: per-device arguments from the shardings alone (flash() bf16 on 8 v5p chips: ≈78 GiB)."""
-    monkeypatch.setattr(chips, "libtpu_available", lambda: False)
+    monkeypatch.setattr(libtpu, "available", lambda: False)
     assert cli.main(["--topology", "v5p:2x2x2,v5e:4x4", "--weights", "bf16", "--programs", "decode", "--plan"]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.strip().startswith("decode")]
@@ -204,37 +219,48 @@ def scan_config(reps: int, unroll: bool = True) -> C.ModelConfig:
 
 
 def test_programs_from_abstract_shapes():
-    """Every program builds from ShapeDtypeStructs on a 2-device abstract mesh: fp8 experts are split like
-    their dense twins (codes 1 byte, f32 block scales), bounds grow decode < verify < rounds, DSpark's k is
-    capped at its block size."""
+    """Every program builds from ShapeDtypeStructs on a 2-device abstract mesh: fp8 experts are QArrays split
+    like their dense twins (codes 1 byte, f32 block scales); release weights are FP4 experts and FP8
+    projections whose stored bytes are traffic's; bounds grow decode < verify < rounds, DSpark's k is capped
+    at its block size."""
     from jax.sharding import AbstractMesh
     cfg = runner.model_config("flash", pairs=1, small=True, platform="cpu")
     mesh = AbstractMesh((1, 2, 1), runner.S.MESH_AXES)
     sh = I.Shapes(batch=4, context=512, draft_n_max=6, prefill_chunk=16)
-    progs = {(n, w): PR.build(n, cfg, mesh, w, sh) for n in PR.PROGRAMS for w in ("bf16", "fp8")}
-    ex_bf16 = progs["decode", "bf16"].args[0]["segments"][-1][0]["ffn"]["experts"]
-    ex_fp8 = progs["decode", "fp8"].args[0]["segments"][-1][0]["ffn"]["experts"]
-    assert set(ex_fp8) == {"w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"}
-    w1, s1 = ex_fp8["w1"], ex_fp8["w1_scale"]
-    assert w1.shape == ex_bf16["w1"].shape and str(w1.dtype) == "float8_e4m3fn" and str(s1.dtype) == "float32"
-    assert w1.sharding.spec == ex_bf16["w1"].sharding.spec and w1.sharding.shard_shape(w1.shape)[1] == 8
-    assert s1.shape[-2:] == (1, 1)                                    # one block: [32, 64] < 128 x 128
+    progs = {(n, w): PR.build(n, cfg, mesh, w, sh) for n in PR.PROGRAMS for w in I.WEIGHTS}
+    layer = lambda w: progs["decode", w].args[0]["segments"][-1][0]
+    ex_bf16, ex_fp8 = layer("bf16")["ffn"]["experts"], layer("fp8")["ffn"]["experts"]
+    w1 = ex_fp8["w1"]
+    assert isinstance(w1, quant.QArray) and w1.shape == ex_bf16["w1"].shape and w1.dtype == "bfloat16"
+    assert str(w1.codes.dtype) == "float8_e4m3fn" and str(w1.scale.dtype) == "float32"
+    assert w1.codes.sharding.spec == ex_bf16["w1"].sharding.spec and w1.codes.sharding.shard_shape(w1.shape)[1] == 8
+    assert w1.scale.shape[-2:] == (1, 1)                              # one block: [32, 64] < 128 x 128
     dense = I.per_device_bytes(ex_bf16)
     assert I.per_device_bytes(ex_fp8) == dense / 2 + 3 * 8 * 4      # + 8 experts' f32 scale per device
+    assert not isinstance(layer("fp8")["attn"]["wq_a"], quant.QArray)
+    rel = layer("release")
+    assert rel["ffn"]["experts"]["w2"].fmt == quant.FP4 and rel["attn"]["wq_a"].fmt == quant.FP8
+    assert rel["ffn"]["shared_experts"]["w1"].fmt == quant.FP8 and not isinstance(rel["ffn"]["gate"]["weight"],
+                                                                                 quant.QArray)
+    assert str(rel["ffn"]["experts"]["w2"].codes.dtype) == "uint8"
+    assert I.total_bytes(progs["decode", "release"].args[0]) == \
+        pytest.approx(traffic.stored_bytes(P.param_specs(cfg), "release"), rel=1e-12)
+    assert isinstance(progs["spec-dspark", "release"].args[0]["dspark"]["stages"][0]["attn"]["wkv"], quant.QArray)
     b = {n: progs[n, "bf16"].bound["total"] for n in PR.PROGRAMS}
     assert b["decode"] < b["verify"] < b["spec-mtp"] and b["verify"] < b["spec-dspark"]
     assert progs["spec-dspark", "bf16"].tokens_per_sequence == 6 and "block size 5" in progs["spec-dspark", "bf16"].notes
-    assert progs["prefill", "fp8"].bound["total"] < b["prefill"]
+    assert progs["prefill", "release"].bound["total"] < progs["prefill", "fp8"].bound["total"] < b["prefill"]
     args = progs["spec-mtp", "bf16"].args
     assert args[2].target.pos.shape == (4,) and args[2].drafter.cache["win_kv"].sharding.spec[0] == "expert"
 
 
 # ---- compiles on the CPU backend ------------------------------------------------------------------
 
-def cpu_compile(cfg: C.ModelConfig, program: str = "decode", weights: str = "bf16", hbm: float = 16 * chips.GIB):
+def cpu_compile(cfg: C.ModelConfig, program: str = "decode", weights: str = "bf16", hbm: float = 16 * chips.GIB,
+                unrolled: bool = True):
     topo = chips.parse("cpu")
     mesh = runner.S.make_mesh((1, 1, 1), chips.devices(topo))
-    return AC.compile_program(PR.build(program, cfg, mesh, weights, SHAPES), topo.chip, 1, hbm)
+    return AC.compile_program(PR.build(program, cfg, mesh, weights, SHAPES), topo.chip, 1, hbm, unrolled=unrolled)
 
 
 def test_unrolled_scan_counts_every_layer():
@@ -255,7 +281,7 @@ def test_unrolled_scan_counts_every_layer():
 
 
 def test_report_on_cpu_backend(tmp_path):
-    """decode and the MTP round compile (fp8 experts) and fit; each row has memory / cost / HLO / bound /
+    """decode and the MTP round compile (fp8 experts; decode also with release weights) and fit; each row has memory / cost / HLO / bound /
     estimates; the report files are written and the JSON re-renders (merged) through --render."""
     cfg = C.tiny().replace(name="aot-test-1", num_layers=1, layer_types=(C.SLIDING,), compress_ratios=(0,),
                            mlp_layer_types=(C.MOE,))
@@ -283,15 +309,20 @@ def test_report_on_cpu_backend(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_")]
     tight = cpu_compile(cfg, "decode", "fp8", hbm=1000.0)
     assert tight["fits"] is False and not tight["compiled"] and "arguments alone" in tight["reason"]
+    release = cpu_compile(cfg, "decode", "release", unrolled=False)  # FP4 experts, FP8 projections as QArrays
+    assert release["compiled"] and release["fits"], release.get("reason")
+    assert release["fit_from"].startswith("as run") and not release["cost_counts_every_layer"]
+    assert "memory_unrolled" not in release and "hlo_unrolled" not in release
+    assert release["memory"]["argument"] == pytest.approx(release["argument_bytes_per_device"], rel=0.01)
+    assert release["argument_bytes_per_device"] < run["programs"][0]["argument_bytes_per_device"]
 
 
 @pytest.mark.slow
 def test_libtpu_compile_counts_every_layer():
     """The same path through libtpu for v5p:2x2x1 (4 chips): HBM from the compiler, collectives in the
     text, and the unrolled 2-rep scan reporting twice the rolled body."""
-    if not chips.libtpu_available():
+    if not libtpu.available():
         pytest.fail("this test needs libtpu (pip install libtpu)")
-    chips.set_tpu_env()
     topo = chips.parse("v5p:2x2x1")
     devs = chips.devices(topo)
     mesh = runner.S.make_mesh((1, 4, 1), devs)
@@ -349,7 +380,7 @@ def test_kernels_section_from_the_kernels_helper(monkeypatch):
     out = K.kernel_reports("v5p:2x2x1", C.flash(), I.Shapes(8, 1024, 3, 64), "fp8")
     assert out["available"] and len(out["rows"]) == len(calls) == 6
     tokens = [c.tokens for c, _, _ in calls if c.kernel.startswith("moe")]
-    assert tokens == [8, 32, 512] and {c.fmt for c, _, _ in calls if c.kernel.startswith("moe")} == {"fp8_e4m3_b128"}
+    assert tokens == [8, 32, 512] and {c.fmt for c, _, _ in calls if c.kernel.startswith("moe")} == {"fp8"}
     assert calls[0][2]["n_experts"] == 256 and calls[3][0].rows == 256
     assert out["rows"][0] == {"kernel": "moe_decode", "case": "moe_decode", "compile_s": 2.0, "flops": 1.0,
                               "temp_bytes": 5, "xla_bytes": 10.0, "blockspec_bytes": 7, "ideal_bytes": 6,

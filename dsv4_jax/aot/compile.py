@@ -122,13 +122,15 @@ def _analyse(compiled, top: int, dump: str | None) -> dict:
 
 def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_run: Program | None = None,
                     options: dict | None = None, top: int = 15, force: bool = False,
-                    hlo_dump: str | None = None, count_if_unfit: bool = True) -> dict:
+                    hlo_dump: str | None = None, count_if_unfit: bool = True, unrolled: bool = True) -> dict:
     """Compile `program` (every layer unrolled: the costs) and `as_run` (the same program with the layer
     scans a real run has: the memory, hence the fit) and return the report row (module docstring).
 
     options: compiler options of both compiles (the TPU ones keep an oversized program compiling so that
     its memory and costs are still reported, `chips.TPU_COMPILE_OPTIONS`). count_if_unfit=False skips the
     unrolled compile when the program as run does not fit (a smaller prefill chunk will be tried).
+    unrolled=False: `program` keeps its layer scans (`--no-unroll`): one compile gives the fit and the HLO
+    analysis (every layer counted), XLA's cost analysis then counts each repeated layer once.
     """
     args = program.argument_bytes_per_device
     row = {"program": program.name, "tokens_per_sequence": program.tokens_per_sequence, "bound": program.bound,
@@ -158,18 +160,21 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
     if error:
         return _failed(row, error)
     row["compiled"] = True
-    row["memory_unrolled"] = memory(compiled)
-    row["memory"] = row.get("memory_as_run", row["memory_unrolled"])
-    row["fit_from"] = "as run (layer scans)" if as_run is not None else "the unrolled program"
+    mem = memory(compiled)
+    row["memory"] = row.get("memory_as_run", mem)
+    row["fit_from"] = "as run (layer scans)" if as_run is not None or not unrolled else "the unrolled program"
     row["cost"] = cost(compiled)
-    unrolled_hlo = _analyse(compiled, top, hlo_dump)
+    row["cost_counts_every_layer"] = unrolled
+    text_hlo = _analyse(compiled, top, hlo_dump)
     del compiled
     # bytes, top ops and collectives: the program as run, loop bodies × trip counts (the unrolled text has
     # copies of the stacked layer weights a run does not make); the unrolled text's totals for comparison
-    row["hlo"] = run_hlo or unrolled_hlo
-    row["hlo_unrolled"] = {"top_ops": {k: unrolled_hlo["top_ops"][k] for k in ("total_bytes", "instructions")},
-                           "collectives": {k: unrolled_hlo["collectives"][k]
-                                           for k in ("by_opcode", "count", "total_operand_bytes")}}
+    row["hlo"] = run_hlo or text_hlo
+    if unrolled:
+        row["memory_unrolled"] = mem
+        row["hlo_unrolled"] = {"top_ops": {k: text_hlo["top_ops"][k] for k in ("total_bytes", "instructions")},
+                               "collectives": {k: text_hlo["collectives"][k]
+                                               for k in ("by_opcode", "count", "total_operand_bytes")}}
     peak = row["memory"].get("peak")
     row["fits"] = None if peak is None else peak <= hbm
     if row["fits"] is False:

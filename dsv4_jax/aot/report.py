@@ -163,7 +163,13 @@ def markdown(report: dict) -> str:
          "rows, `dsv4_jax.aot.bounds`) split evenly over the chips. Times at the chip's HBM bandwidth and peak "
          "bf16 rate; roofline = max(HLO-op bytes / bandwidth, flops / peak); ms XLA optimal = the TPU "
          "compiler's own `optimal_seconds`. Every layer is in the program (layer scans unrolled) unless noted.",
-         "", "## Will it fit, and how fast could it be", "",
+         ""]
+    if not report["model"].get("unroll_layers", True):
+        L += ["**Compiled with the layer scans kept (`--no-unroll`)**: one compile per program, the program as a "
+              "run executes it. Fit, HLO-op GB, top ops and collectives count every layer (loop bodies × trip "
+              "counts); TFLOP and XLA GB are XLA's `cost_analysis`, which counts each repeated layer once (an "
+              "under-count), and there is no unrolled peak.", ""]
+    L += ["## Will it fit, and how fast could it be", "",
          "Maxima over the programs (the DSpark round holds the most: target + drafter weights); ms: roofline "
          "estimate per call (the bound at HBM bandwidth in parentheses); prefill tok/s = batch × chunk / roofline.",
          "",

@@ -178,7 +178,7 @@ def compile_one(target: Target, name: str, config: ModelConfig, rolled: ModelCon
     as_run = PR.build(name, rolled, target.mesh, weights, shapes, rules) if rolled is not None else None
     row = C.compile_program(prog, target.topology.chip, len(target.devices), target.hbm, as_run=as_run,
                             options=target.options, top=top, force=force, hlo_dump=hlo_dump,
-                            count_if_unfit=last_try)
+                            count_if_unfit=last_try, unrolled=config.backends.unroll_layers)
     say(f"{label}: {summary_line(row)}")
     return row
 
@@ -210,11 +210,11 @@ def summary_line(row: dict) -> str:
         return f"not compiled — fits={row.get('fits')}: {row.get('reason', '')[:200]}"
     m, c, e = row["memory"], row["cost"], row["estimate"]
     g = chips.GIB
-    unrolled = row["memory_unrolled"]["peak"] / g
-    as_run = f"as run in {row['as_run_compile_s']:.0f} s, " if "as_run_compile_s" in row else ""
-    return (f"compiled ({as_run}unrolled in {row['compile_s']:.0f} s, lower {row['lower_s']:.0f} s); peak "
-            f"{m['peak'] / g:.2f} GiB/chip (args {m['argument'] / g:.2f}, temp {m['temp'] / g:.2f}; unrolled "
-            f"{unrolled:.2f}) {'fits' if row['fits'] else 'DOES NOT FIT'}; "
+    unrolled = f"; unrolled {row['memory_unrolled']['peak'] / g:.2f}" if "memory_unrolled" in row else ""
+    as_run = f"as run in {row['as_run_compile_s']:.0f} s, unrolled " if "as_run_compile_s" in row else ""
+    return (f"compiled ({as_run}in {row['compile_s']:.0f} s, lower {row['lower_s']:.0f} s); peak "
+            f"{m['peak'] / g:.2f} GiB/chip (args {m['argument'] / g:.2f}, temp {m['temp'] / g:.2f}{unrolled}) "
+            f"{'fits' if row['fits'] else 'DOES NOT FIT'}; "
             f"{c['flops'] / 1e12:.3g} TFLOP, XLA {c['bytes_accessed'] / 1e9:.3g} GB, HLO ops "
             f"{row['hlo']['top_ops']['total_bytes'] / 1e9:.3g} GB, bound "
             f"{e.get('bound_per_chip_bytes', 0) / 1e9:.3g} GB per chip; roofline {e['roofline_s'] * 1e3:.3g} ms; "
