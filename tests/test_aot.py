@@ -304,8 +304,15 @@ def test_report_on_cpu_backend(tmp_path):
     assert [os.path.basename(p) for p in paths] == ["r.json", "r.md", "r.png"]
     md = open(tmp_path / "r.md").read()
     assert "Will it fit, and how fast could it be" in md and "| spec-mtp |" in md
-    assert cli.main(["--render", out, out, "--out", str(tmp_path / "m.json"), "--no-plot"]) == 0
-    assert len(json.load(open(tmp_path / "m.json"))["runs"]) == 2
+    other = json.loads(json.dumps(rep))
+    other["runs"][0]["programs"] = [dict(run["programs"][0], program="verify")]
+    other["runs"].append(dict(run, topology="cpu:2"))
+    json.dump(other, open(tmp_path / "o.json", "w"))
+    assert cli.main(["--render", out, str(tmp_path / "o.json"), "--out", str(tmp_path / "m.json"), "--no-plot"]) == 0
+    merged = json.load(open(tmp_path / "m.json"))            # the same run gains verify; cpu:2 is appended
+    assert [[p["program"] for p in r["programs"]] for r in merged["runs"]] == [["decode", "spec-mtp", "verify"],
+                                                                              ["decode", "spec-mtp"]]
+    assert len(merged["meta"]["sources"]) == 2 and "merged from" in open(tmp_path / "m.md").read()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_")]
     tight = cpu_compile(cfg, "decode", "fp8", hbm=1000.0)
     assert tight["fits"] is False and not tight["compiled"] and "arguments alone" in tight["reason"]

@@ -145,12 +145,10 @@ def render(paths: list[str], out: str, plot: bool) -> int:
                 reports.append(json.load(f))
         except (OSError, json.JSONDecodeError) as e:
             return _fail(f"cannot read report {p}: {e}")
-    merged = reports[0]
-    for r in reports[1:]:
-        if r["shapes"] != merged["shapes"] or r["model"]["name"] != merged["model"]["name"]:
-            return _fail(f"{p}: different model or shapes ({r['model']['name']}, {r['shapes']}) than the first")
-        merged["runs"].extend(r["runs"])
-    merged["meta"]["rendered_from"] = paths
+    try:
+        merged = R.merge(reports, paths)
+    except ValueError as e:
+        return _fail(str(e))
     for p in R.write(merged, out, plot):
         print(f"wrote {p}")
     print(R.fit_table(merged))

@@ -129,7 +129,9 @@ def fit_rows(report: dict) -> list[list]:
         tps = "—"
         if pre and pre.get("compiled") and pre["estimate"]["roofline_s"]:
             tps = f"{report['shapes']['batch'] * pre['tokens_per_sequence'] / pre['estimate']['roofline_s']:.3g}"
-        rows.append([f"`{run['topology']}`", f"{run['chips']} ({run['hosts']})", run["mesh_text"], run["weights"],
+        rolled = any(r.get("cost_counts_every_layer") is False for r in run["programs"])
+        weights = run["weights"] + (" ¹" if rolled else "")
+        rows.append([f"`{run['topology']}`", f"{run['chips']} ({run['hosts']})", run["mesh_text"], weights,
                      _g(args), _g(max(peaks)) if peaks else "—", f"{run['hbm_bytes'] / GIB:.2f}", fit,
                      est("decode"), est("verify"), est("spec-mtp"), est("spec-dspark"), tps])
     return rows
@@ -143,11 +145,45 @@ def fit_table(report: dict) -> str:
     return table(FIT_HEAD, fit_rows(report))
 
 
+def _run_key(run: dict) -> tuple:
+    return run["topology"], run["weights"], run["mesh_text"]
+
+
+def merge(reports: list[dict], paths: list[str]) -> dict:
+    """One report from several of the same model and shapes: a run (topology × weights × mesh) seen again
+    gains the programs (and kernels section) it lacks; other runs are appended. meta["sources"] lists each
+    report's date, command and whether its layers were unrolled. ValueError on a different model or shapes."""
+    merged = json.loads(json.dumps(reports[0]))
+    merged["meta"]["sources"] = []
+    for path, r in zip(paths, reports):
+        if r["shapes"] != merged["shapes"] or r["model"]["name"] != merged["model"]["name"]:
+            raise ValueError(f"{path}: different model or shapes ({r['model']['name']}, {r['shapes']}) than the "
+                             f"first ({merged['model']['name']}, {merged['shapes']})")
+        merged["meta"]["sources"].append({"path": path, "date": r["meta"].get("date"),
+                                          "command": r["meta"].get("command"),
+                                          "unroll_layers": r["model"].get("unroll_layers")})
+        if r is reports[0]:
+            continue
+        for run in r["runs"]:
+            same = next((m for m in merged["runs"] if _run_key(m) == _run_key(run)), None)
+            if same is None:
+                merged["runs"].append(run)
+                continue
+            have = {p["program"] for p in same["programs"]}
+            same["programs"] += [p for p in run["programs"] if p["program"] not in have]
+            if run.get("kernels") and not same.get("kernels"):
+                same["kernels"] = run["kernels"]
+    merged["meta"]["rendered_from"] = list(paths)
+    return merged
+
+
 def markdown(report: dict) -> str:
     m, sh = report["meta"], report["shapes"]
     L = ["# dsv4-aot: ahead-of-time compile, fit and traffic report", "",
          f"- date: {m['date']}; machine: {m['machine']}; jax {m['jax']}, libtpu {m.get('libtpu') or 'absent'}",
-         f"- command: `{m['command']}`",
+         f"- command: `{m['command']}`" if not m.get("sources") else "- merged from (`dsv4-aot --render`):",
+         *[f"  - {src['date']}: `{src['command']}`" + ("" if src.get("unroll_layers", True) else " (layer scans kept)")
+           for src in m.get("sources", [])],
          f"- model: {report['model']['name']} ({report['model']['layers']} layers, {report['model']['params_b']:.1f} B "
          f"parameters), backends: {report['backends']}",
          f"- batch {sh['batch']}, context {sh['context']}, draft_n_max {sh['draft_n_max']} (verify block "
@@ -171,7 +207,9 @@ def markdown(report: dict) -> str:
               "under-count), and there is no unrolled peak.", ""]
     L += ["## Will it fit, and how fast could it be", "",
          "Maxima over the programs (the DSpark round holds the most: target + drafter weights); ms: roofline "
-         "estimate per call (the bound at HBM bandwidth in parentheses); prefill tok/s = batch × chunk / roofline.",
+         "estimate per call (the bound at HBM bandwidth in parentheses); prefill tok/s = batch × chunk / roofline; "
+         "¹ compiled with the layer scans kept (`--no-unroll`: XLA's flops count each repeated layer once; the "
+         "HLO-op bytes behind the estimates count every layer).",
          "",
          fit_table(report), ""]
     for run in report["runs"]:
