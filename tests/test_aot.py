@@ -367,25 +367,21 @@ def test_prefill_chunk_halves_until_it_fits():
     assert seen == [256] and row["fits"] is False and "attempts" not in row
 
 
-def test_kernels_section_from_the_kernels_helper(monkeypatch):
-    """The kernels section calls dsv4_jax.kernels.tpu_aot (Shapes / Case / compile_case) when it exists:
+def test_kernels_section_from_the_kernels_helper():
+    """The kernels section calls the kernels' AOT helper (Shapes / Case / compile_case; kernels.tpu_aot):
     cases for the report's shapes in the report's weight format, records flattened into rows."""
-    import sys
     import types
     from dsv4_jax.aot import kernel_hook as K
-    monkeypatch.setitem(sys.modules, K.KERNEL_AOT, None)                    # absent: said so
-    assert K.kernel_reports("v5p:2x2x1", C.flash(), I.Shapes(8, 1024, 3, 64), "fp8")["available"] is False
     calls = []
     fake = types.SimpleNamespace(
-        Shapes=lambda **kw: kw,
+        __name__="fake_aot", Shapes=lambda **kw: kw,
         Case=lambda kernel, fmt="dense", **kw: types.SimpleNamespace(kernel=kernel, fmt=fmt, name=kernel, **kw),
         compile_case=lambda case, topology, s: calls.append((case, topology, s)) or {
             "kernel": case.kernel, "case": case.name, "compile_s": 2.0,
             "compiled": {"xla_flops": 1.0, "temp_bytes": 5, "xla_bytes_accessed": 10.0},
             "blockspec_bytes": {"random": {"total": 7, "ideal": 6}}, "reference": {"xla_bytes_accessed": 99.0}})
-    monkeypatch.setitem(sys.modules, K.KERNEL_AOT, fake)
-    out = K.kernel_reports("v5p:2x2x1", C.flash(), I.Shapes(8, 1024, 3, 64), "fp8")
-    assert out["available"] and len(out["rows"]) == len(calls) == 6
+    out = K.kernel_reports("v5p:2x2x1", C.flash(), I.Shapes(8, 1024, 3, 64), "fp8", aot=fake)
+    assert out["available"] and out["source"] == "fake_aot" and len(out["rows"]) == len(calls) == 6
     tokens = [c.tokens for c, _, _ in calls if c.kernel.startswith("moe")]
     assert tokens == [8, 32, 512] and {c.fmt for c, _, _ in calls if c.kernel.startswith("moe")} == {"fp8"}
     assert calls[0][2]["n_experts"] == 256 and calls[3][0].rows == 256
@@ -393,3 +389,7 @@ def test_kernels_section_from_the_kernels_helper(monkeypatch):
                               "temp_bytes": 5, "xla_bytes": 10.0, "blockspec_bytes": 7, "ideal_bytes": 6,
                               "reference_xla_bytes": 99.0}
     assert "| moe_decode |" in "\n".join(R.kernel_section(out))
+    release = K.kernel_reports("v5p:2x2x1", C.flash(), I.Shapes(8, 1024, 3, 64), "release", aot=fake)
+    assert {r["case"] for r in release["rows"]} >= {"moe_decode"} and calls[-6][0].fmt == "fp4_e2m1_b32"
+    from dsv4_jax.kernels import tpu_common
+    assert set(K.KERNEL_FORMAT.values()) <= set(tpu_common.FORMATS)

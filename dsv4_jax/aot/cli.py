@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Iterable
 
+import jax
+
 from .. import backends as B
 from .. import libtpu
 from ..config import PRESETS
@@ -129,8 +131,7 @@ def _fail(msg: str) -> int:
 
 def _use_cpu_backend() -> None:
     """Compiling for a TPU topology never needs a local accelerator: keep jax on the CPU backend."""
-    if "JAX_PLATFORMS" not in os.environ:
-        import jax
+    if not jax.config.jax_platforms:          # JAX_PLATFORMS (or the option) unset: the CPU backend
         try:
             jax.config.update("jax_platforms", "cpu")
         except Exception:  # noqa: BLE001 - backends already initialised: leave them

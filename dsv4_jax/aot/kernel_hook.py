@@ -1,33 +1,22 @@
 """The report's "kernels" section: AOT numbers of the Mosaic TPU kernels, from the kernels' own helper.
 
-The helper is `dsv4_jax.kernels.tpu_aot` (issue 20, the Pallas TPU kernels): `Shapes` (model dimensions the
+The helper is `dsv4_jax.kernels.tpu_aot`: `Shapes` (model dimensions the
 kernels see), `Case(kernel, fmt, tokens, batch, queries, rows, ratio)` and `compile_case(case, topology, s)`,
 which compiles one kernel program (and its XLA reference) on one chip of the topology and returns a record
 with "compile_s", "compiled" (argument / output / temp bytes, XLA bytes accessed and flops), "blockspec_bytes"
 (per scenario: the bytes its BlockSpecs move, "total", and the "ideal" bytes) and "reference" (the XLA
 reference's numbers). This module picks the cases for the report's shapes — the MoE decode kernel at the
 decode step's and the verify block's tokens, the grouped prefill kernel at the prefill chunk's, the indexer
-at the context — and flattens each record into a row. Without the helper the section says so.
+at the context — and flattens each record into a row.
 """
 from __future__ import annotations
 
-import importlib
+from ..kernels import tpu_aot
 
-KERNEL_AOT = "dsv4_jax.kernels.tpu_aot"
 # report weight format -> the kernels' expert storage (`inputs.leaf_format`'s routed experts)
 KERNEL_FORMAT = {"bf16": "dense", "fp8": "fp8", "release": "fp4_e2m1_b32"}
 COLUMNS = ("kernel", "case", "compile_s", "flops", "temp_bytes", "xla_bytes", "blockspec_bytes", "ideal_bytes",
            "reference_xla_bytes", "reference_temp_bytes", "error")
-
-
-def helper():
-    """The kernels' AOT module, or None when this build has no Mosaic TPU kernels."""
-    try:
-        return importlib.import_module(KERNEL_AOT)
-    except ModuleNotFoundError as e:
-        if e.name and KERNEL_AOT.startswith(e.name):
-            return None
-        raise
 
 
 def cases(aot, config, shapes, weights: str) -> list:
@@ -65,12 +54,9 @@ def row(record: dict) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def kernel_reports(topology: str, config, shapes, weights: str, log=None) -> dict:
-    """{"available": bool, "source" or "reason", "rows": [...]} for the kernels section of one run."""
-    aot = helper()
-    if aot is None:
-        return {"available": False, "reason": f"no Mosaic TPU kernel AOT helper in this build ({KERNEL_AOT})",
-                "rows": []}
+def kernel_reports(topology: str, config, shapes, weights: str, log=None, aot=tpu_aot) -> dict:
+    """{"available": bool, "source" or "reason", "rows": [...]} for the kernels section of one run
+    (`aot`: the helper module, `kernels.tpu_aot`)."""
     if weights not in KERNEL_FORMAT:
         return {"available": False, "reason": f"no kernel storage for {weights} weights", "rows": []}
     s, rows = kernel_shapes(aot, config), []
@@ -82,4 +68,4 @@ def kernel_reports(topology: str, config, shapes, weights: str, log=None) -> dic
                          "error": f"{type(e).__name__}: {str(e)[:300]}"})
         if log:
             log(f"kernel {rows[-1].get('case')}: {rows[-1].get('compile_s', '—')} s")
-    return {"available": True, "source": KERNEL_AOT, "rows": rows}
+    return {"available": True, "source": aot.__name__, "rows": rows}

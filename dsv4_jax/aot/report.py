@@ -11,6 +11,7 @@ import os
 import tempfile
 
 from .chips import GIB
+from .kernel_hook import COLUMNS
 
 GB = 1e9
 
@@ -87,7 +88,6 @@ def top_rows(run: dict, n: int = 6) -> list[list]:
 
 
 def kernel_section(k: dict | None) -> list[str]:
-    from .kernel_hook import COLUMNS
     if not k:
         return []
     L = ["### Mosaic TPU kernels", ""]
