@@ -1,0 +1,395 @@
+"""dsv4-aot: HLO reading, topology names, the libtpu-missing message, and CPU-backend compiles of tiny
+configs through the report's code path (every layer counted; report files written). One slow test runs the
+same path through libtpu for a TPU topology."""
+import json
+import os
+
+import pytest
+
+from dsv4_jax import config as C
+from dsv4_jax import libtpu, traffic
+from dsv4_jax import params as P
+from dsv4_jax.ops import quant
+from dsv4_jax.aot import chips, cli, compile as AC, hlo, inputs as I, programs as PR, report as R, runner
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ---- HLO text --------------------------------------------------------------------------------------
+
+SAMPLE = """HloModule jit_step, is_scheduled=true, num_partitions=4
+
+%fused_slice (param_0: bf16[64,512,1024], param_1: s32[]) -> bf16[1,512,1024] {
+  %param_0 = bf16[64,512,1024]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %constant.1 = s32[] constant(0)
+  ROOT %dynamic-slice.1 = bf16[1,512,1024]{2,1,0} dynamic-slice(%param_0, %param_1, %constant.1, %constant.1), dynamic_slice_sizes={1,512,1024}
+}
+
+%fused_update (param_0.1: bf16[8,128,512], param_1.1: bf16[8,1,512], param_2.1: s32[]) -> bf16[8,128,512] {
+  %param_0.1 = bf16[8,128,512]{2,1,0} parameter(0)
+  %param_1.1 = bf16[8,1,512]{2,1,0} parameter(1)
+  %param_2.1 = s32[] parameter(2)
+  %constant.2 = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = bf16[8,128,512]{2,1,0} dynamic-update-slice(%param_0.1, %param_1.1, %constant.2, %param_2.1, %constant.2)
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%body (p.1: (s32[], f32[4096])) -> (s32[], f32[4096]) {
+  %p.1 = (s32[], f32[4096]{0}) parameter(0)
+  %gte.0 = s32[] get-tuple-element(%p.1), index=0
+  %gte.1 = f32[4096]{0} get-tuple-element(%p.1), index=1
+  %negate.1 = f32[4096]{0} negate(%gte.1), metadata={op_name="jit(step)/while/body/neg"}
+  ROOT %tuple.1 = (s32[], f32[4096]{0}) tuple(%gte.0, %negate.1)
+}
+
+%cond (p.2: (s32[], f32[4096])) -> pred[] {
+  %p.2 = (s32[], f32[4096]{0}) parameter(0)
+  %gte.2 = s32[] get-tuple-element(%p.2), index=0
+  %constant.3 = s32[] constant(10)
+  ROOT %lt = pred[] compare(%gte.2, %constant.3), direction=LT
+}
+
+ENTRY %main.9 (w: bf16[64,512,1024], i: s32[], cache: bf16[8,128,512], row: bf16[8,1,512], x: f32[4096]) -> f32[4096] {
+  %w = bf16[64,512,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %cache = bf16[8,128,512]{2,1,0} parameter(2)
+  %row = bf16[8,1,512]{2,1,0} parameter(3)
+  %x = f32[4096]{0} parameter(4)
+  %fusion = bf16[1,512,1024]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(step)/jit(main)/layer_17/dynamic_slice" source_line=3}
+  %fusion.1 = bf16[8,128,512]{2,1,0} fusion(%cache, %row, %i), kind=kLoop, calls=%fused_update, metadata={op_name="jit(step)/update_cache"}
+  %all-reduce = f32[4096]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%add
+  %all-gather = f32[16384]{0} all-gather(%x), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}
+  %collective-permute-start = (f32[4096]{0}, f32[4096]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%x), channel_id=3, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %collective-permute-done = f32[4096]{0} collective-permute-done(%collective-permute-start)
+  %reduce-scatter = f32[1024]{0} reduce-scatter(%x), channel_id=4, replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%add
+  %all-to-all = bf16[4,2,64]{2,1,0} all-to-all(%row), channel_id=5, replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=1] {'axis_0','axis_1'}, dimensions={0}
+  %copy-start = (f32[4096]{0:S(1)}, f32[4096]{0}, u32[]) copy-start(%x)
+  %copy-done = f32[4096]{0:S(1)} copy-done(%copy-start)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4096]{0}) tuple(%zero, %x)
+  %while = (s32[], f32[4096]{0}) while(%init), condition=%cond, body=%body
+  ROOT %gte.3 = f32[4096]{0} get-tuple-element(%while), index=1
+}
+"""
+
+
+def test_hlo_bytes_per_op():
+    """Bytes by hand: a fusion reading one [1,512,1024] bf16 slice of a [64,512,1024] weight reads 1 MiB (+ the
+    4-byte index) and writes 1 MiB; an in-place cache update reads and writes only its row [8,1,512]; a copy
+    into on-chip memory (S(1)) writes no HBM; while bodies are executed computations, fusion bodies not."""
+    m = hlo.parse(SAMPLE)
+    assert m.entry.name == "main.9"
+    rows = {r["name"]: r for r in hlo.top_ops(m, 50)["ops"]}
+    mib = 512 * 1024 * 2
+    assert rows["fusion"]["bytes"] == 2 * mib + 4
+    assert rows["fusion"]["group"] == "layer_#/dynamic_slice"
+    assert rows["fusion.1"]["bytes"] == 2 * 8 * 512 * 2 + 4
+    assert rows["all-reduce"]["bytes"] == 2 * 4096 * 4
+    assert rows["all-gather"]["bytes"] == 4096 * 4 + 16384 * 4
+    assert rows["collective-permute-start"]["bytes"] == 2 * 4096 * 4       # operand + output, aliases not again
+    assert rows["copy-start"]["bytes"] == 4096 * 4                          # HBM read, VMEM write
+    assert rows["negate.1"]["bytes"] == 2 * 4096 * 4                        # inside the while body
+    assert "dynamic-slice.1" not in rows and "collective-permute-done" not in rows and "gte.3" not in rows
+
+
+def test_hlo_loops_scaled_by_trip_count():
+    """The while loop runs 10 times (counter from constant 0, `< 10`): with scale_loops its body's bytes count
+    10×; trip counts also come from XLA's known_trip_count or a reversed compare."""
+    m = hlo.parse(SAMPLE)
+    counts, loops = hlo.executions(m)
+    assert counts["body"] == 10 and counts["cond"] == 11 and counts["fused_slice"] == 1
+    assert loops == [{"body": "body", "trips": 10, "op_name": ""}]
+    once = {r["name"]: r for r in hlo.top_ops(m, 50)["ops"]}
+    scaled = {r["name"]: r for r in hlo.top_ops(m, 50, scale_loops=True)["ops"]}
+    assert scaled["negate.1"]["bytes"] == 10 * once["negate.1"]["bytes"] and scaled["negate.1"]["runs"] == 10
+    assert scaled["fusion"]["bytes"] == once["fusion"]["bytes"]
+    flipped = SAMPLE.replace("compare(%gte.2, %constant.3), direction=LT", "compare(%constant.3, %gte.2), direction=GT")
+    assert hlo.executions(hlo.parse(flipped))[0]["body"] == 10
+    known = SAMPLE.replace("condition=%cond, body=%body", 'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}')
+    assert hlo.executions(hlo.parse(known))[0]["body"] == 7
+    unknown = SAMPLE.replace("tuple(%zero, %x)", "tuple(%i, %x)")
+    assert hlo.executions(hlo.parse(unknown))[1][0]["trips"] is None       # counted once, and said so
+
+
+def test_hlo_collectives():
+    col = hlo.collectives(hlo.parse(SAMPLE))
+    by = col["by_opcode"]
+    assert set(by) == {"all-reduce", "all-gather", "collective-permute", "reduce-scatter", "all-to-all"}
+    assert by["all-reduce"] == {"count": 1, "operand_bytes": 16384.0, "result_bytes": 16384.0}
+    assert by["all-gather"]["result_bytes"] == 65536.0
+    assert by["reduce-scatter"]["result_bytes"] == 4096.0
+    sizes = {o["opcode"]: o["group_size"] for o in col["ops"]}
+    assert sizes == {"all-reduce": 4, "all-gather": 4, "reduce-scatter": 2, "collective-permute": None,
+                     "all-to-all": 4}
+    assert by["all-to-all"]["operand_bytes"] == 8 * 512 * 2
+    assert col["total_operand_bytes"] == 4 * 16384.0 + 8 * 512 * 2
+
+
+def test_hlo_shapes_and_errors():
+    a = hlo.arrays("(bf16[2,3]{1,0:T(8,128)(2,1)S(1)}, f8e4m3fn[4]{0}, s4[8], pred[])")
+    assert [(x.dtype, x.dims, x.memory_space) for x in a] == [("bf16", (2, 3), 1), ("f8e4m3fn", (4,), 0),
+                                                              ("s4", (8,), 0), ("pred", (), 0)]
+    assert [x.nbytes for x in a] == [12, 4, 4, 1]
+    assert hlo.hbm_bytes("(bf16[2,3]{1,0:S(1)}, f32[5]{0})") == 20
+    with pytest.raises(ValueError, match="no computations"):
+        hlo.parse("not hlo")
+
+
+# ---- names, messages, options ---------------------------------------------------------------------
+
+def test_topology_names():
+    t = chips.parse("v5p:2x2x2")
+    assert (t.chip.name, t.grid, t.chips, t.is_tpu) == ("v5p", (2, 2, 2), 8, True)
+    assert chips.parse("v5litepod:4x4").chips == 16 and chips.parse("v6e:2x4").chip.hbm_gbps == 1638.0
+    assert chips.parse("cpu").chips == 1 and not chips.parse("cpu:4").is_tpu
+    for bad, msg in (("v9z:2x2", "unknown TPU generation"), ("v5p:2x2", "3-D chip grid"),
+                     ("v5e", "needs a chip grid"), ("v5p/2x2x2", "must look like")):
+        with pytest.raises(chips.TopologyError, match=msg):
+            chips.parse(bad)
+    assert chips.hbm_from_error("RESOURCE_EXHAUSTED: ... exceeds available HBM (95.74G).") == 95.74 * chips.GIB
+    assert chips.hbm_from_error("Used 120.5G of 15.75G hbm. Exceeded") == 15.75 * chips.GIB
+    msg = "Ran out of memory on HBM, the total memory required for HLO temporaries (128.52G) exceeds available HBM"
+    assert chips.required_from_error(msg) == 128.52 * chips.GIB
+    assert chips.required_from_error("Used 120.5G of 15.75G hbm.") == 120.5 * chips.GIB
+
+
+def test_libtpu_missing_message(monkeypatch, capsys):
+    monkeypatch.setattr(libtpu, "available", lambda: False)
+    assert cli.main(["--topology", "v5p:2x2x1", "--small", "--programs", "decode"]) == 2
+    err = capsys.readouterr().err
+    assert "libtpu" in err and "pip install libtpu" in err and "jax[tpu]" in err
+    with pytest.raises(chips.LibtpuMissing, match="pip install libtpu"):
+        chips.devices(chips.parse("v6e:2x4"))
+
+
+def test_bad_input_is_refused_before_work(capsys):
+    cases = [(["--topology", "v5x:2x2"], "unknown TPU generation"),
+             (["--topology", "v5p:2x2x2", "--mesh", "1x4x1", "--plan"], "has 4 devices"),
+             (["--pairs", "99", "--plan"], "--pairs must be in"),
+             (["--kernels", "pallas", "--plan"], "do not compile for TPU")]
+    for argv, msg in cases:
+        assert cli.main(argv) == 2, argv
+        assert msg in capsys.readouterr().err, argv
+    for argv in (["--programs", "decode,nope"], ["--weights", "bf16,fp4"], ["--kernels", "triton"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+
+
+def test_kernels_choose_static_backends():
+    """--kernels pallas_tpu: the Mosaic MoE and indexer kernels (routing has none), compiled for TPU, interpret
+    mode when compiled for the CPU backend; layers unrolled unless --no-unroll."""
+    tpu = runner.model_config("flash", pairs=0, small=True, backends="pallas_tpu", platform="tpu").backends
+    assert (tpu.moe, tpu.routing, tpu.indexer, tpu.interpret, tpu.unroll_layers) == \
+        ("pallas_tpu", "reference", "pallas_tpu", False, True)
+    assert runner.model_config("flash", small=True, backends="auto", platform="tpu").backends == tpu
+    cpu = runner.model_config("flash", small=True, backends="pallas_tpu", platform="cpu", unroll=False).backends
+    assert cpu.interpret and not cpu.unroll_layers
+    assert runner.model_config("flash", small=True).backends.moe == "reference"
+
+
+def test_plan_needs_no_libtpu(monkeypatch, capsys):
+    """--plan: per-device arguments from the shardings alone (flash() bf16 on 8 v5p chips: ≈78 GiB)."""
+    monkeypatch.setattr(libtpu, "available", lambda: False)
+    assert cli.main(["--topology", "v5p:2x2x2,v5e:4x4", "--weights", "bf16", "--programs", "decode", "--plan"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.strip().startswith("decode")]
+    assert len(lines) == 2 and "arguments fit" in lines[0] and "DOES NOT FIT" in lines[1]
+    gib = float(lines[0].split()[2])
+    assert 75 < gib < 82
+
+
+# ---- programs from abstract shapes (no compile) ---------------------------------------------------
+
+SHAPES = I.Shapes(batch=2, context=64, draft_n_max=2, prefill_chunk=8)
+
+
+def scan_config(reps: int, unroll: bool = True) -> C.ModelConfig:
+    """One hash-routed sliding layer, then `reps` score-routed sliding layers (a layer scan when reps ≥ 2).
+    Wider than tiny() so the layer's work dominates what XLA shares across layers (positions, masks)."""
+    cfg = C.tiny().replace(name=f"aot-test-{reps}", num_layers=1 + reps, layer_types=(C.SLIDING,) * (1 + reps),
+                           compress_ratios=(0,) * (1 + reps), mlp_layer_types=(C.HASH_MOE,) + (C.MOE,) * reps,
+                           hidden_size=512, q_lora_rank=256, head_dim=64, rope_head_dim=16, o_lora_rank=128,
+                           moe_intermediate_size=512, index_head_dim=32)
+    return cfg.with_backends(cfg.backends.replace(unroll_layers=unroll))
+
+
+def test_programs_from_abstract_shapes():
+    """Every program builds from ShapeDtypeStructs on a 2-device abstract mesh: fp8 experts are QArrays split
+    like their dense twins (codes 1 byte, f32 block scales); release weights are FP4 experts and FP8
+    projections whose stored bytes are traffic's; bounds grow decode < verify < rounds, DSpark's k is capped
+    at its block size."""
+    from jax.sharding import AbstractMesh
+    cfg = runner.model_config("flash", pairs=1, small=True, platform="cpu")
+    mesh = AbstractMesh((1, 2, 1), runner.S.MESH_AXES)
+    sh = I.Shapes(batch=4, context=512, draft_n_max=6, prefill_chunk=16)
+    progs = {(n, w): PR.build(n, cfg, mesh, w, sh) for n in PR.PROGRAMS for w in I.WEIGHTS}
+    layer = lambda w: progs["decode", w].args[0]["segments"][-1][0]
+    ex_bf16, ex_fp8 = layer("bf16")["ffn"]["experts"], layer("fp8")["ffn"]["experts"]
+    w1 = ex_fp8["w1"]
+    assert isinstance(w1, quant.QArray) and w1.shape == ex_bf16["w1"].shape and w1.dtype == "bfloat16"
+    assert str(w1.codes.dtype) == "float8_e4m3fn" and str(w1.scale.dtype) == "float32"
+    assert w1.codes.sharding.spec == ex_bf16["w1"].sharding.spec and w1.codes.sharding.shard_shape(w1.shape)[1] == 8
+    assert w1.scale.shape[-2:] == (1, 1)                              # one block: [32, 64] < 128 x 128
+    dense = I.per_device_bytes(ex_bf16)
+    assert I.per_device_bytes(ex_fp8) == dense / 2 + 3 * 8 * 4      # + 8 experts' f32 scale per device
+    assert not isinstance(layer("fp8")["attn"]["wq_a"], quant.QArray)
+    rel = layer("release")
+    assert rel["ffn"]["experts"]["w2"].fmt == quant.FP4 and rel["attn"]["wq_a"].fmt == quant.FP8
+    assert rel["ffn"]["shared_experts"]["w1"].fmt == quant.FP8 and not isinstance(rel["ffn"]["gate"]["weight"],
+                                                                                 quant.QArray)
+    assert str(rel["ffn"]["experts"]["w2"].codes.dtype) == "uint8"
+    assert I.total_bytes(progs["decode", "release"].args[0]) == \
+        pytest.approx(traffic.stored_bytes(P.param_specs(cfg), "release"), rel=1e-12)
+    assert isinstance(progs["spec-dspark", "release"].args[0]["dspark"]["stages"][0]["attn"]["wkv"], quant.QArray)
+    b = {n: progs[n, "bf16"].bound["total"] for n in PR.PROGRAMS}
+    assert b["decode"] < b["verify"] < b["spec-mtp"] and b["verify"] < b["spec-dspark"]
+    assert progs["spec-dspark", "bf16"].tokens_per_sequence == 6 and "block size 5" in progs["spec-dspark", "bf16"].notes
+    assert progs["prefill", "release"].bound["total"] < progs["prefill", "fp8"].bound["total"] < b["prefill"]
+    args = progs["spec-mtp", "bf16"].args
+    assert args[2].target.pos.shape == (4,) and args[2].drafter.cache["win_kv"].sharding.spec[0] == "expert"
+
+
+# ---- compiles on the CPU backend ------------------------------------------------------------------
+
+def cpu_compile(cfg: C.ModelConfig, program: str = "decode", weights: str = "bf16", hbm: float = 16 * chips.GIB,
+                unrolled: bool = True):
+    topo = chips.parse("cpu")
+    mesh = runner.S.make_mesh((1, 1, 1), chips.devices(topo))
+    return AC.compile_program(PR.build(program, cfg, mesh, weights, SHAPES), topo.chip, 1, hbm, unrolled=unrolled)
+
+
+def test_unrolled_scan_counts_every_layer():
+    """XLA counts a while body once: with the layer scan rolled (the program as run), a 2-rep scan's flops are
+    base + body; unrolled (`Backends.unroll_layers`, what the report counts) they are base + 2·body. (Bytes are
+    not compared: a rolled loop adds its own carry copies and slicing.) The row holds both compiles."""
+    topo = chips.parse("cpu")
+    mesh = runner.S.make_mesh((1, 1, 1), chips.devices(topo))
+    base = cpu_compile(scan_config(0))["cost"]["flops"]
+    row = AC.compile_program(PR.build("decode", scan_config(2), mesh, "bf16", SHAPES), topo.chip, 1, 16 * chips.GIB,
+                             as_run=PR.build("decode", scan_config(2, unroll=False), mesh, "bf16", SHAPES))
+    rolled, unrolled = row["cost_as_run"]["flops"], row["cost"]["flops"]
+    body = rolled - base
+    assert body > 0.5 * base
+    assert unrolled - base == pytest.approx(2 * body, rel=0.01)
+    assert row["memory"] == row["memory_as_run"] and row["fit_from"].startswith("as run") and row["fits"]
+    assert row["memory_unrolled"]["peak"] > 0 and row["as_run_compile_s"] > 0
+
+
+def test_report_on_cpu_backend(tmp_path):
+    """decode and the MTP round compile (fp8 experts; decode also with release weights) and fit; each row has memory / cost / HLO / bound /
+    estimates; the report files are written and the JSON re-renders (merged) through --render."""
+    cfg = C.tiny().replace(name="aot-test-1", num_layers=1, layer_types=(C.SLIDING,), compress_ratios=(0,),
+                           mlp_layer_types=(C.MOE,))
+    rep = runner.run(["cpu"], ["fp8"], SHAPES, cfg, programs=("decode", "spec-mtp"), hbm_gib=1.0, log=None,
+                     fit_as_run=False)
+    (run,) = rep["runs"]
+    assert [r["program"] for r in run["programs"]] == ["decode", "spec-mtp"]
+    for r in run["programs"]:
+        assert r["compiled"] and r["fits"] is True, r.get("reason")
+        m = r["memory"]
+        assert m["peak"] == m["argument"] + m["output"] - m["alias"] + m["temp"] > 0
+        assert m["argument"] == pytest.approx(r["argument_bytes_per_device"], rel=0.01)
+        assert r["cost"]["flops"] > 0 and r["cost"]["bytes_accessed"] > 0
+        assert r["bound"]["total"] > 0 and r["estimate"]["roofline_s"] > 0
+        assert r["hlo"]["top_ops"]["ops"] and r["hlo"]["top_ops"]["total_bytes"] > 0
+    mtp = run["programs"][1]
+    assert mtp["bound"]["drafter"] > 0 and mtp["bound"]["total"] > run["programs"][0]["bound"]["total"]
+    out = str(tmp_path / "r.json")
+    paths = R.write(rep, out)
+    assert [os.path.basename(p) for p in paths] == ["r.json", "r.md", "r.png"]
+    md = open(tmp_path / "r.md").read()
+    assert "Will it fit, and how fast could it be" in md and "| spec-mtp |" in md
+    other = json.loads(json.dumps(rep))
+    other["runs"][0]["programs"] = [dict(run["programs"][0], program="verify")]
+    other["runs"].append(dict(run, topology="cpu:2"))
+    json.dump(other, open(tmp_path / "o.json", "w"))
+    assert cli.main(["--render", out, str(tmp_path / "o.json"), "--out", str(tmp_path / "m.json"), "--no-plot"]) == 0
+    merged = json.load(open(tmp_path / "m.json"))            # the same run gains verify; cpu:2 is appended
+    assert [[p["program"] for p in r["programs"]] for r in merged["runs"]] == [["decode", "spec-mtp", "verify"],
+                                                                              ["decode", "spec-mtp"]]
+    assert len(merged["meta"]["sources"]) == 2 and "merged from" in open(tmp_path / "m.md").read()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_")]
+    tight = cpu_compile(cfg, "decode", "fp8", hbm=1000.0)
+    assert tight["fits"] is False and not tight["compiled"] and "arguments alone" in tight["reason"]
+    release = cpu_compile(cfg, "decode", "release", unrolled=False)  # FP4 experts, FP8 projections as QArrays
+    assert release["compiled"] and release["fits"], release.get("reason")
+    assert release["fit_from"].startswith("as run") and not release["cost_counts_every_layer"]
+    assert "memory_unrolled" not in release and "hlo_unrolled" not in release
+    assert release["memory"]["argument"] == pytest.approx(release["argument_bytes_per_device"], rel=0.01)
+    assert release["argument_bytes_per_device"] < run["programs"][0]["argument_bytes_per_device"]
+
+
+@pytest.mark.slow
+def test_libtpu_compile_counts_every_layer():
+    """The same path through libtpu for v5p:2x2x1 (4 chips): HBM from the compiler, collectives in the
+    text, and the unrolled 2-rep scan reporting twice the rolled body."""
+    if not libtpu.available():
+        pytest.fail("this test needs libtpu (pip install libtpu)")
+    topo = chips.parse("v5p:2x2x1")
+    devs = chips.devices(topo)
+    mesh = runner.S.make_mesh((1, 4, 1), devs)
+    hbm, source = chips.hbm_bytes(topo, devs)
+    assert source.startswith("TPU compiler") and 90 * chips.GIB < hbm < 100 * chips.GIB
+    opts = chips.TPU_COMPILE_OPTIONS
+    base = AC.compile_program(PR.build("decode", scan_config(0), mesh, "bf16", SHAPES), topo.chip, 4, hbm,
+                              options=opts)["cost"]["flops"]
+    row = AC.compile_program(PR.build("decode", scan_config(2), mesh, "bf16", SHAPES), topo.chip, 4, hbm,
+                             as_run=PR.build("decode", scan_config(2, unroll=False), mesh, "bf16", SHAPES), options=opts)
+    assert row["compiled"] and row["fits"], row.get("reason")
+    assert row["hlo"]["collectives"]["count"] > 0
+    body = row["cost_as_run"]["flops"] - base
+    assert row["cost"]["flops"] - base == pytest.approx(2 * body, rel=0.01)
+
+
+def test_prefill_chunk_halves_until_it_fits():
+    """An out-of-memory prefill chunk is halved until the compiler accepts it; the attempts are listed."""
+    seen, floor = [], [8]
+
+    def fake(sh, last_try):
+        assert last_try == (sh.prefill_chunk // 2 < floor[0])
+        seen.append(sh.prefill_chunk)
+        if sh.prefill_chunk > 64:
+            return {"program": "prefill", "fits": False, "compiled": False, "required_bytes": sh.prefill_chunk * chips.GIB,
+                    "reason": "compiler: out of memory"}
+        return {"program": "prefill", "fits": True, "compiled": True, "tokens_per_sequence": sh.prefill_chunk}
+
+    row = runner.compile_prefill(fake, I.Shapes(8, 1024, 3, 256), 8)
+    assert seen == [256, 128, 64] and row["fits"] and row["tokens_per_sequence"] == 64
+    assert [a["prefill_chunk"] for a in row["attempts"]] == [256, 128, 64] and "128: needs 128.0 GiB" in row["notes"]
+    seen.clear()
+    floor[0] = 200
+    row = runner.compile_prefill(fake, I.Shapes(8, 1024, 3, 256), 200)        # floor: one attempt only
+    assert seen == [256] and row["fits"] is False and "attempts" not in row
+
+
+def test_kernels_section_from_the_kernels_helper():
+    """The kernels section calls the kernels' AOT helper (Shapes / Case / compile_case; kernels.tpu_aot):
+    cases for the report's shapes in the report's weight format, records flattened into rows."""
+    import types
+    from dsv4_jax.aot import kernel_hook as K
+    calls = []
+    fake = types.SimpleNamespace(
+        __name__="fake_aot", Shapes=lambda **kw: kw,
+        Case=lambda kernel, fmt="dense", **kw: types.SimpleNamespace(kernel=kernel, fmt=fmt, name=kernel, **kw),
+        compile_case=lambda case, topology, s: calls.append((case, topology, s)) or {
+            "kernel": case.kernel, "case": case.name, "compile_s": 2.0,
+            "compiled": {"xla_flops": 1.0, "temp_bytes": 5, "xla_bytes_accessed": 10.0},
+            "blockspec_bytes": {"random": {"total": 7, "ideal": 6}}, "reference": {"xla_bytes_accessed": 99.0}})
+    out = K.kernel_reports("v5p:2x2x1", C.flash(), I.Shapes(8, 1024, 3, 64), "fp8", aot=fake)
+    assert out["available"] and out["source"] == "fake_aot" and len(out["rows"]) == len(calls) == 6
+    tokens = [c.tokens for c, _, _ in calls if c.kernel.startswith("moe")]
+    assert tokens == [8, 32, 512] and {c.fmt for c, _, _ in calls if c.kernel.startswith("moe")} == {"fp8"}
+    assert calls[0][2]["n_experts"] == 256 and calls[3][0].rows == 256
+    assert out["rows"][0] == {"kernel": "moe_decode", "case": "moe_decode", "compile_s": 2.0, "flops": 1.0,
+                              "temp_bytes": 5, "xla_bytes": 10.0, "blockspec_bytes": 7, "ideal_bytes": 6,
+                              "reference_xla_bytes": 99.0}
+    assert "| moe_decode |" in "\n".join(R.kernel_section(out))
+    release = K.kernel_reports("v5p:2x2x1", C.flash(), I.Shapes(8, 1024, 3, 64), "release", aot=fake)
+    assert {r["case"] for r in release["rows"]} >= {"moe_decode"} and calls[-6][0].fmt == "fp4_e2m1_b32"
+    from dsv4_jax.kernels import tpu_common
+    assert set(K.KERNEL_FORMAT.values()) <= set(tpu_common.FORMATS)
