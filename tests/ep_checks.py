@@ -58,7 +58,7 @@ CASES = {
 # release: FP4 routed experts, FP8 attention / shared expert (scale blocks straddling the shards: the
 # FP4 w2's 32-column blocks over I = 48 split 8 ways, FP8's 128-row blocks); int8: per-channel routed experts
 QUANT = {"release-latency": "release", "int8-1x2x4": "int8_channel"}
-FULL_ONLY = ("int8-1x2x4",)                     # cases of the --full run only
+FULL_ONLY = ("int8-1x2x4", "ep-1x8x1", "ep-2x4x1", "throughput", "odd-1x2x4")   # cases of the --full run only
 FAST_DECODE = ()                                # prefill + decode + verify + commit: --full only
 FAST_GENERATE = ("latency",)                    # speculative generation in the fast run
 
