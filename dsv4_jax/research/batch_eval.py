@@ -18,7 +18,8 @@ from typing import Sequence
 from . import common, report
 from .common import OptionError
 from .models import add_model_args
-from .runner import BASELINE, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, run_batch, warm_up
+from .runner import (BASELINE, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, run_batch, shapes,
+                     warm_up)
 from .sweep import plan_run, prepare_run
 
 EXAMPLES = """examples:
@@ -75,8 +76,8 @@ def evaluate(model, prompts: list[dict], setting: Setting, plan: RunPlan, repeat
     """(aggregate row, per-batch records) of one setting."""
     groups = batches(prompts, setting.batch_size)
     warm = 0.0
-    for size in sorted({len(g) for g in groups}):
-        warm += warm_up(model, next(g for g in groups if len(g) == size), setting, plan)
+    for g in shapes(prompts, setting.batch_size, plan):
+        warm += warm_up(model, g, setting, plan)
         bar.update(1)
     batch_records, latencies = [], []
     for i, group in enumerate(groups):
@@ -85,7 +86,9 @@ def evaluate(model, prompts: list[dict], setting: Setting, plan: RunPlan, repeat
         batch_records.append({**setting.as_dict(), "batch_index": i, "n": len(group), "ids": [p["id"] for p in group],
                               "predicted": st["generated"], "draft": st["drafted"], "accepted": st["accepted"],
                               "rounds": st["rounds"], "wall_s": r["wall_s"], "walls": r["walls"],
-                              "decode_s": r["decode_s"],
+                              "decode_s": r["decode_s"], "decodes": r["decodes"], "prefill_s": r["prefill_s"],
+                              "prefills": r["prefills"], "prompt_tokens": sum(len(p["tokens"]) for p in group),
+                              "padded_tokens": len(group) * r["pad_to"],
                               "tokens_per_s": st["generated"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
                               "per_sequence_generated": st["per_sequence_generated"],
                               "per_position_accepted": st["per_position_accepted"],
