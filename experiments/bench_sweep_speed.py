@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     out = {"command": "dsv4-sweep " + " ".join(sweep_args), "rc": rc, "wall_s": round(wall, 2),
            "compile_s": round(compile_s, 2), "compile_share": round(compile_s / wall, 3),
            "cpu_s": round(cpu, 1), "big_programs": sum(1 for e, d in durations if e == EVENTS[2] and d > 1.0),
+           "big_program_compile_s": [round(d, 1) for e, d in durations if e == EVENTS[2] and d > 1.0],
            "event_sums_s": {e.rsplit("/", 1)[1]: round(v, 2) for e, v in sums.items()},
            "programs_compiled_or_loaded": counts[EVENTS[2]],
            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),

@@ -18,7 +18,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..config import ModelConfig
 from .base import DraftSetup, Drafter
 
 NAME = "pool"

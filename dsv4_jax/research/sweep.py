@@ -1,9 +1,14 @@
 """`dsv4-sweep`: speculative-decoding sweeps over a prompt suite, with tables and plots.
 
 Grid: spec type {none, mtp, dspark} × draft_n_max × p_min (MTP) / confidence threshold (DSpark) ×
-temperature × batch size. Every setting runs one untimed warm-up (compilation) and then every batch
-of prompts `--repeats` times with the same seed; speed-ups are against the no-speculation baseline
-measured in the same run with the same temperature and batch size.
+temperature × batch size. Every setting runs one untimed warm-up per batch shape (compilation, when its
+programs are new) and then every batch of prompts `--repeats` times (default 3) with the same seed;
+speed-ups are against the no-speculation baseline measured in the same run with the same temperature
+and batch size. The headline figures are decode-only (tokens of the decode loop / its time); end to
+end and the prefill are reported beside them; rates are medians over the repeats with min and max.
+
+Settings share compiled programs (runner.py): prompts padded to at most --prompt-buckets lengths, one
+max_len and one verify-block bound for every run, MTP and DSpark in one loop program per draft width.
 
 Output (--out DIR, written to a temporary directory and renamed when complete):
     results.jsonl     one line per prompt × setting (pred, draft, acc, rate, tok/s, output tokens)
@@ -29,7 +34,8 @@ from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_
                      plan_shapes, pool_for, run_batch, shapes, warm_up)
 
 EXAMPLES = """examples:
-  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts
+  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts,
+                                                     # 3 repeats (about 2.5 min on 2 idle cores, cold cache)
   dsv4-sweep --out results/tiny-full --full-suite --draft-n-max 1-5 --repeats 3
   dsv4-sweep --out results/pmin --spec mtp --draft-n-max 2,4 --p-min 0,0.3,0.6
   dsv4-sweep --out results/conf --spec none,dspark --confidence 0,0.5,0.8 --temperature 0,1
@@ -241,9 +247,10 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
     return {"prefill": len(prefill), "loop": len(loops)}
 
 
-# seconds on the shared 2-core VM (experiments/results/sweep_speed_2026-12-01.md), per layer of the model
-COMPILE_S_PER_LAYER = {"prefill": 1.6, "loop": 2.4}
-RUN_S_PER_LAYER_TOKEN = 0.45e-3
+# CPU seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-01.md:
+# the default sweep's process CPU time, ~ its wall time on idle cores); a prefill includes its drafter primings
+COMPILE_S_PER_LAYER = {"prefill": 2.4, "loop": 3.0}
+RUN_S_PER_LAYER_TOKEN = 0.33e-3
 
 
 def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int) -> tuple[float, float]:
@@ -252,7 +259,7 @@ def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int) -> tuple[f
     n = programs(settings, prompts, plan, model)
     layers = model.config.num_layers
     compile_s = layers * sum(COMPILE_S_PER_LAYER[k] * v for k, v in n.items())
-    runs = sum((repeats + 0) * len(batches(prompts, s.batch_size)) + len(shapes(prompts, s.batch_size, plan))
+    runs = sum(repeats * len(batches(prompts, s.batch_size)) + len(shapes(prompts, s.batch_size, plan))
                for s in settings)
     return compile_s, runs * plan.max_new_tokens * layers * RUN_S_PER_LAYER_TOKEN
 
@@ -269,8 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"dsv4-sweep: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "
           f"max_new_tokens {max_new}, repeats {a.repeats} -> {a.out}\n"
           f"dsv4-sweep: {n_prog['prefill']} prefill + {n_prog['loop']} loop programs to compile, prompt buckets "
-          f"{list(plan.buckets)}; expect about {(est_c + est_r) / 60:.1f} min on 2 CPU cores "
-          f"(~{est_c:.0f} s compiling, less with a warm --compile-cache)", file=sys.stderr)
+          f"{list(plan.buckets)}; expect about {(est_c + est_r) / 60:.1f} min on 2 idle CPU cores "
+          f"(~{est_c:.0f} s compiling, seconds with a warm --compile-cache; longer on busy cores)", file=sys.stderr)
     t_start, load_start = time.perf_counter(), list(os.getloadavg())
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "sweep") as bar:
         log = (lambda s: None) if a.quiet else bar.write
