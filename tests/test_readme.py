@@ -41,13 +41,15 @@ def main_job() -> list[str]:
 
 def test_python_snippets_run_as_written(tmp_path, monkeypatch, capsys):
     blocks = fenced("python")
-    assert len(blocks) >= 2
+    assert len(blocks) == 3
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    outs = []
     for i, code in enumerate(blocks):
         exec(compile(code, f"README.md python block {i + 1}", "exec"), {"__name__": "__readme__"})
-    out = capsys.readouterr().out.splitlines()
-    assert re.fullmatch(r"\(1, \d+, 260\)", out[-2]), out          # block 1: logits [B, S, V] of the byte vocab
-    assert out[-1].startswith("1 5 "), out                           # block 2: 1 MTP layer, DSpark block size 5
+        outs.append(capsys.readouterr().out)
+    assert re.search(r"^\(1, \d+, 260\)$", outs[0], re.M), outs[0]   # block 1: logits [B, S, V] of the byte vocab
+    assert outs[1].startswith("1 5 "), outs[1]                         # block 2: 1 MTP layer, DSpark block size 5
+    assert outs[2] == "2 3\n", outs[2]                                # block 3: two prompts, draft_n_max 3
 
 
 def test_main_job_runs_as_written(tmp_path, monkeypatch):

@@ -1,8 +1,10 @@
-"""dsv4-sweep / dsv4-batch-eval on a tiny random model bundle: documented outputs, bad options.
+"""dsv4-sweep / dsv4-batch-eval on a tiny random model bundle: documented outputs, bad options, shared programs.
 
-The sweep runs once (module fixture) and the padded-generation check reuses its compilations; the
-batch evaluation compiles its slot programs for the baseline only; a 2-layer SWA model keeps each
-compilation short."""
+The sweep runs once (module fixture) and the padded-generation check reuses its compilations; within the
+sweep the settings share programs (one prefill per prompt bucket, one loop per draft width for MTP and DSpark
+together); the batch evaluation compiles its slot programs for the baseline only; a 2-layer SWA model keeps
+each compilation short.
+"""
 import json
 import os
 
@@ -15,9 +17,12 @@ from dsv4_jax.config import HASH_MOE, MOE, _schedule
 from dsv4_jax.demo_io import save_bundle
 from dsv4_jax.params import init_dspark, init_mtp
 from dsv4_jax.research import batch_eval, common, prompts as P, report, sweep
-from dsv4_jax.research.runner import Setting, generate_padded
+from dsv4_jax.research.runner import RunPlan, Setting, bucket_of, generate_padded, length_buckets, plan_shapes
+from dsv4_jax.spec import generate as spec_generate, loop
 
-RUN = ["--limit", "1", "--max-new-tokens", "8", "--draft-n-max", "1", "--no-compile-cache", "--quiet"]
+RUN = ["--limit", "1", "--max-new-tokens", "8", "--draft-n-max", "1,2", "--repeats", "2", "--no-compile-cache",
+       "--quiet"]
+COMPILED = {}       # programs the sweep fixture compiled, by jitted function
 
 
 def _config():
@@ -42,8 +47,19 @@ def bundle(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sweep_out(bundle, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sweep") / "new" / "res")      # its parent does not exist yet
+    fns = {"loop": loop.run_rounds, "prefill": spec_generate.prefill_target, "prime": spec_generate.prime}
+    before = {k: f._cache_size() for k, f in fns.items()}
     assert sweep.main(["--model", bundle, "--out", out, "--spec", "none,mtp,dspark", *RUN]) == 0
+    COMPILED.update({k: f._cache_size() - before[k] for k, f in fns.items()})
     return out
+
+
+def test_sweep_shares_compiled_programs(sweep_out):
+    """5 settings (none, mtp k=1,2, dspark k=1,2), one prompt bucket: one prefill, two primings (none and the
+    drafter pool), three loops (none, width 2 and width 3, each shared by MTP and DSpark) — not 5 + 5."""
+    assert COMPILED == {"loop": 3, "prefill": 1, "prime": 2}
+    meta = json.load(open(os.path.join(sweep_out, "summary.json")))["meta"]
+    assert meta["drafter_pool"] == ["mtp", "dspark"] and meta["max_block"] == 3
 
 
 def _umask() -> int:
@@ -79,26 +95,35 @@ def test_sweep_writes_documented_outputs(sweep_out):
     assert meta["model"]["drafters"] == ["mtp", "dspark"]
     assert meta["model"]["backends"] == "moe=reference, routing=reference, indexer=reference"   # --kernels default
     rows = summary["settings"]
-    assert [r["spec_type"] for r in rows] == ["none", "mtp", "dspark"]
+    assert [(r["spec_type"], r["draft_n_max"]) for r in rows] == [("none", 0), ("mtp", 1), ("mtp", 2), ("dspark", 1),
+                                                                  ("dspark", 2)]
     for r in rows:
         for key in report.AGGREGATE_FIELDS + ("per_position_accepted", "per_position_proposed", "per_category",
                                               "draft_n_max", "temperature", "batch_size"):
             assert key in r, key
         assert r["n_requests"] == 1 and 1 <= r["total_predicted"] <= 8
-        assert r["wall_s_total"] > 0 and r["tokens_per_s"] > 0
-    none, mtp, dspark = rows
+        assert r["wall_s_total"] > 0 and r["tokens_per_s"] > 0 and r["repeats"] == 2
+        assert r["decode_tokens_per_s_min"] <= r["decode_tokens_per_s"] <= r["decode_tokens_per_s_max"]
+        assert r["decode_speedup_lo"] <= r["decode_speedup"] <= r["decode_speedup_hi"]
+        assert r["prompt_tokens"] == r["padded_prompt_tokens"] - 6 == 26 and r["prefill_s_total"] > 0   # 1 x 32
+    none, mtp, mtp2, dspark, dspark2 = rows
     assert none["speedup"] == pytest.approx(1.0) and none["decode_speedup"] == pytest.approx(1.0)
     assert none["total_draft"] == 0
     assert len(mtp["per_position_accept_rate"]) == 1 and mtp["total_draft"] > 0
-    assert mtp["outputs_match_baseline"] == 1.0 and dspark["outputs_match_baseline"] == 1.0   # greedy is lossless
+    assert len(mtp2["per_position_accept_rate"]) == 2 and len(dspark2["per_position_accept_rate"]) == 2
+    for r in rows[1:]:
+        assert r["outputs_match_baseline"] == 1.0                   # greedy is lossless, through the pool too
+    assert meta["padding"] == {"buckets": [32], "prompt_tokens": 26, "padded_tokens": 32}
     lines = [json.loads(x) for x in open(os.path.join(sweep_out, "results.jsonl"))]
-    assert len(lines) == 3
+    assert len(lines) == 5
     for rec in lines:
         for key in ("id", "category", "spec_type", "draft_n_max", "pred", "draft", "acc", "rate", "tok_s",
                     "output_tokens"):
             assert key in rec
     md = open(os.path.join(sweep_out, "summary.md")).read()
     assert "| spec | k | knob | T | B | n_requests | total_predicted | total_draft | total_draft_accepted |" in md
+    assert "median over 2 timed repeats" in md and "length buckets [32]" in md and "load average" in md
+    assert f"{os.cpu_count()} cores" in md
 
 
 def test_batch_eval_writes_documented_outputs(bundle, tmp_path):
@@ -131,18 +156,57 @@ def test_batch_eval_writes_documented_outputs(bundle, tmp_path):
 
 
 def test_padded_generation_equals_generate(bundle, sweep_out):
-    """Right-padding the prompt to the run's length changes nothing (same shapes as the sweep: cached)."""
+    """Right-padding to the run's bucket and the shared programs (max_block, drafter pool) change nothing: the
+    sweep's runs (cached programs) equal plain `generate`, tokens and statistics."""
     from dsv4_jax.research.models import load_dir
     m = load_dir(bundle)
     meta = json.load(open(os.path.join(sweep_out, "summary.json")))["meta"]
     prompt = m.encode("def f(x):")
     assert len(prompt) < meta["pad_to"]
-    for setting in (Setting("none"), Setting("dspark", 1)):
-        want, _ = d.generate(m.params, m.bundle, [prompt], 8, drafter=setting.drafter, draft_n_max=1,
-                             max_len=meta["max_len"])
+    for setting in (Setting("dspark", 1), Setting("mtp", 2)):
+        want, ws = d.generate(m.params, m.bundle, [prompt], 8, drafter=setting.drafter,
+                              draft_n_max=max(setting.draft_n_max, 1))
         got, stats = generate_padded(m.params, m.bundle, [prompt], 8, pad_to=meta["pad_to"], max_len=meta["max_len"],
-                                     setting=setting)
+                                     setting=setting, max_block=meta["max_block"],
+                                     drafter_pool=tuple(meta["drafter_pool"]))
         assert got == want and stats["generated"] == len(got[0])
+        for key in ("rounds", "drafted", "accepted", "per_position_accepted", "per_position_proposed",
+                    "draft_length_histogram"):
+            assert stats[key] == ws[key], key
+
+
+def test_buckets_and_plan():
+    """At most N padded lengths (multiples of 16) minimising the padded tokens; max_len holds the longest."""
+    lengths = [26, 115, 87, 76, 69, 133, 70, 83, 699]           # the default suite's prompts
+    assert length_buckets(lengths, 2) == (144, 704)             # 8 x 144 + 704 tokens, the fewest for 2 lengths
+    assert length_buckets(lengths, 1) == (704,) and length_buckets([5, 5], 3) == (16,)
+    assert length_buckets(lengths, 3) == (96, 144, 704)         # 6 x 96 + 2 x 144 + 704 = 1568 < 32 + 7 x 144 + 704
+    buckets, max_len = plan_shapes(lengths, 64, 3)
+    assert buckets == (144, 704) and max_len == 704 + 64 + 3 + 1
+    plan = RunPlan(max_new_tokens=64, buckets=buckets, max_len=max_len, max_block=4)
+    assert plan.pad_to == 704 and plan.pad_for([26, 115]) == 144 and plan.pad_for([26, 699]) == 704
+    assert bucket_of(144, buckets) == 144
+    with pytest.raises(ValueError, match="longer than every bucket"):
+        bucket_of(705, buckets)
+
+
+def test_repeat_spread_and_speedup_ranges():
+    """Rates are medians over repeats of the repeat totals, min / max beside them; speed-up ranges pair the
+    slowest and fastest repeats."""
+    rec = lambda decodes, pred: {"n": 1, "predicted": pred, "draft": 0, "accepted": 0, "rounds": pred - 1,
+                                 "wall_s": 0, "decode_s": 0, "prefill_s": 0.5, "walls": [d + 0.5 for d in decodes],
+                                 "decodes": decodes, "prefills": [0.5] * len(decodes), "prompt_tokens": 10,
+                                 "padded_tokens": 128, "per_position_accepted": [], "per_position_proposed": []}
+    base = report.aggregate([rec([1.0, 2.0, 4.0], 9), rec([1.0, 1.0, 1.0], 9)])      # totals 2, 3, 5 s; 16 tokens
+    assert base["decode_tokens_per_s"] == pytest.approx(16 / 3) and base["decode_s_total"] == pytest.approx(3)
+    assert (base["decode_tokens_per_s_min"], base["decode_tokens_per_s_max"]) == (pytest.approx(16 / 5), 8.0)
+    assert base["prefill_s_total"] == 1.0 and base["prefill_tokens_per_s"] == 20.0 and base["repeats"] == 3
+    assert base["padded_prompt_tokens"] == 256
+    spec = report.aggregate([rec([0.5, 1.0, 2.0], 17)])                                  # 16 tokens in 0.5, 1, 2 s
+    rows = report.add_speedups([{"spec_type": "none", "temperature": 0, "batch_size": 1, **base},
+                                {"spec_type": "mtp", "temperature": 0, "batch_size": 1, **spec}])
+    assert rows[1]["decode_speedup"] == pytest.approx(16 / (16 / 3))
+    assert rows[1]["decode_speedup_lo"] == pytest.approx(8 / 8) and rows[1]["decode_speedup_hi"] == pytest.approx(32 / 3.2)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -6,7 +6,9 @@ only calls these methods, never compares names:
     configure(params, config, k, meta)   host side, before any tracing: check that the weights are
                                          there and build the static `DraftSetup` (drafts per round,
                                          target tap layers, hashable settings) — part of the jit key
-    init(params, config, setup, batch, max_len, dtype)                    -> state (a pytree)
+    init(params, config, setup, batch, max_len, dtype)                    -> state (a pytree) for
+                                         blocks of up to setup.k + 1 tokens (the run's bound)
+    begin(..., knobs)                    the state a run starts from (default: init)
     observe(params, config, setup, state, aux, tokens, start, n_valid)   -> state
                                          feed newly committed target positions start..start+n_valid−1:
                                          aux = the target step's {"hidden" [B,S,n,D], "taps"
@@ -37,6 +39,7 @@ class Knobs:
     top_p: jax.Array
     p_min: jax.Array          # MTP: stop the chain before a draft whose top-1 probability is below it
     confidence: jax.Array     # DSpark: confidence threshold
+    drafter_index: jax.Array | None = None   # `drafters.pool`: which member drafts (int32 scalar)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,12 @@ class Drafter:
 
     def init(self, params: dict, config: ModelConfig, setup: DraftSetup, batch: int, max_len: int, dtype):
         return ()
+
+    def begin(self, params: dict, config: ModelConfig, setup: DraftSetup, batch: int, max_len: int, dtype,
+              knobs: Knobs):
+        """The state a run starts from, given its dynamic knobs (default: `init`; `drafters.pool` keeps
+        the member index)."""
+        return self.init(params, config, setup, batch, max_len, dtype)
 
     def observe(self, params: dict, config: ModelConfig, setup: DraftSetup, state, aux: dict, tokens: jax.Array,
                 start: jax.Array, n_valid: jax.Array):

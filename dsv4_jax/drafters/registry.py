@@ -5,7 +5,7 @@ Adding a drafter is registering one `drafters.base.Drafter` object (`register(My
 """
 from __future__ import annotations
 
-from . import dspark, mtp, oracle
+from . import dspark, mtp, oracle, pool
 from .base import Drafter
 
 BUILT_IN = (Drafter(), mtp.DRAFTER, dspark.DRAFTER, oracle.DRAFTER)   # "none", "mtp", "dspark", "oracle"
@@ -22,7 +22,7 @@ def register(drafter: Drafter) -> Drafter:
 
 def unregister(name: str) -> None:
     """Remove a drafter added with `register` (the built-in ones stay)."""
-    if name in {d.name for d in BUILT_IN}:
+    if name in {d.name for d in BUILT_IN} | {pool.NAME}:
         raise ValueError(f"drafter {name!r} is built in")
     _REGISTRY.pop(name, None)
 
@@ -37,3 +37,6 @@ def get(name: str | None) -> Drafter:
 
 def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
+
+
+register(pool.PoolDrafter(get))   # "pool": several drafters in one program (RunShape.drafter_pool)

@@ -90,8 +90,14 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="never stop at EOS (every run generates exactly "
                                                              "--max-new-tokens)")
     g.add_argument("--seed", type=int, default=42, help="sampling seed, the same for every setting (default 42)")
-    g.add_argument("--repeats", type=int, default=1, help="timed repeats per batch; the median is reported "
-                                                          "(default 1; the warm-up run is never timed)")
+    g.add_argument("--repeats", type=int, default=3, help="timed repeats per batch; the median is reported with "
+                                                          "the min and max (default 3; the warm-up run is never "
+                                                          "timed)")
+    g.add_argument("--prompt-buckets", type=int, default=2, metavar="N",
+                   help="pad prompts to at most N lengths, chosen to minimise padding (each is one prefill "
+                        "compilation; default 2)")
+    g.add_argument("--no-shared-programs", action="store_true",
+                   help="compile each setting on its own (no shared max_block / drafter pool); for comparison")
     g.add_argument("--compile-cache", default=DEFAULT_CACHE, metavar="DIR",
                    help=f"JAX persistent compilation cache, speeds up reruns (default {DEFAULT_CACHE})")
     g.add_argument("--no-compile-cache", action="store_true", help="do not use a persistent compilation cache")
@@ -105,7 +111,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 def check_common(a: argparse.Namespace) -> None:
     """Model-independent checks of the shared options (raises OptionError)."""
-    for name in ("max_new_tokens", "prompts_per_category", "limit"):
+    for name in ("max_new_tokens", "prompts_per_category", "limit", "prompt_buckets"):
         v = getattr(a, name)
         if v is not None and v < 1:
             raise OptionError(f"--{name.replace('_', '-')} must be >= 1, got {v}")

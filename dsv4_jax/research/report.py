@@ -28,7 +28,10 @@ from .runner import BASELINE, KNOB_LABELS
 
 AGGREGATE_FIELDS = ("n_requests", "total_predicted", "total_draft", "total_draft_accepted", "aggregate_accept_rate",
                     "wall_s_total", "tokens_per_s", "speedup", "mean_accepted_length", "rounds",
-                    "per_position_accept_rate", "decode_s_total", "decode_tokens_per_s", "decode_speedup")
+                    "per_position_accept_rate", "decode_s_total", "decode_tokens_per_s", "decode_speedup",
+                    "decode_tokens_per_s_min", "decode_tokens_per_s_max", "decode_speedup_lo", "decode_speedup_hi",
+                    "tokens_per_s_min", "tokens_per_s_max", "prefill_s_total", "prefill_tokens_per_s",
+                    "prompt_tokens", "padded_prompt_tokens", "repeats")
 
 
 # ---- environment ------------------------------------------------------------------------------
@@ -41,7 +44,20 @@ def environment(tool: str, argv: Sequence[str] | None) -> dict:
             "command": shlex.join([tool] + args),
             "jax_version": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d.device_kind) for d in devs], "device_count": len(devs),
-            "platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
+            "platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "cpu_model": cpu_model(), "load_average": list(os.getloadavg())}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux /proc/cpuinfo), else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 # ---- aggregation ------------------------------------------------------------------------------
@@ -54,37 +70,70 @@ def _sum_lists(lists: Iterable[Sequence[int]]) -> list[int]:
     return [int(sum(x[j] for x in lists if j < len(x))) for j in range(n)]
 
 
+def _repeat_totals(batch_records: Sequence[dict], key: str, median_key: str) -> list[float]:
+    """Per repeat r, the sum over batches of their r-th timing (`key`: "walls" | "prefills" | "decodes");
+    records without per-repeat lists count their median (`median_key`) in every repeat."""
+    lists = [r.get(key) or [r[median_key]] for r in batch_records]
+    n = max((len(x) for x in lists), default=0)
+    return [float(sum(x[min(i, len(x) - 1)] for x in lists)) for i in range(n)]
+
+
+def _rate(count: float, seconds: Sequence[float]) -> dict:
+    """count / time as {median, min, max} over the repeats' total times."""
+    rates = [count / t if t > 0 else 0.0 for t in seconds] or [0.0]
+    return {"median": float(np.median(rates)), "min": float(min(rates)), "max": float(max(rates))}
+
+
 def aggregate(batch_records: Sequence[dict]) -> dict:
     """Aggregate fields over batch records {"n", "predicted", "draft", "accepted", "rounds", "wall_s",
-    "per_position_accepted", "per_position_proposed"}."""
+    "decode_s", "prefill_s", "per_position_accepted", "per_position_proposed", optional per-repeat
+    "walls" / "decodes" / "prefills", "prompt_tokens", "padded_tokens"}.
+
+    Rates are medians over the repeats of (tokens / the repeat's total time over all batches), with
+    the repeats' min and max as the spread (`*_min`, `*_max`)."""
     n = sum(r["n"] for r in batch_records)
     pred = sum(r["predicted"] for r in batch_records)
     draft = sum(r["draft"] for r in batch_records)
     acc = sum(r["accepted"] for r in batch_records)
     rounds = sum(r["rounds"] for r in batch_records)
-    wall = float(sum(r["wall_s"] for r in batch_records))
-    decode = float(sum(r["decode_s"] for r in batch_records))
     loop_tokens = pred - n        # the prefill samples each sequence's first token
+    walls = _repeat_totals(batch_records, "walls", "wall_s")
+    decodes = _repeat_totals(batch_records, "decodes", "decode_s")
+    prefills = _repeat_totals(batch_records, "prefills", "prefill_s") if all("prefill_s" in r for r in batch_records) \
+        else [0.0]
+    e2e, dec = _rate(pred, walls), _rate(loop_tokens, decodes)
+    prompt_tokens = sum(r.get("prompt_tokens", 0) for r in batch_records)
     pos_acc = _sum_lists(r["per_position_accepted"] for r in batch_records)
     pos_prop = _sum_lists(r["per_position_proposed"] for r in batch_records)
     return {"n_requests": n, "total_predicted": pred, "total_draft": draft, "total_draft_accepted": acc,
-            "aggregate_accept_rate": acc / draft if draft else 0.0, "wall_s_total": wall,
-            "tokens_per_s": pred / wall if wall > 0 else 0.0, "decode_s_total": decode,
-            "decode_tokens_per_s": loop_tokens / decode if decode > 0 else 0.0,
+            "aggregate_accept_rate": acc / draft if draft else 0.0, "wall_s_total": float(np.median(walls)),
+            "tokens_per_s": e2e["median"], "tokens_per_s_min": e2e["min"], "tokens_per_s_max": e2e["max"],
+            "decode_s_total": float(np.median(decodes)),
+            "decode_tokens_per_s": dec["median"], "decode_tokens_per_s_min": dec["min"],
+            "decode_tokens_per_s_max": dec["max"], "prefill_s_total": float(np.median(prefills)),
+            "prompt_tokens": prompt_tokens, "padded_prompt_tokens": sum(r.get("padded_tokens", 0) for r in batch_records),
+            "prefill_tokens_per_s": prompt_tokens / float(np.median(prefills)) if np.median(prefills) > 0 else 0.0,
+            "repeats": len(decodes),
             "mean_accepted_length": (acc + rounds) / rounds if rounds else 0.0, "rounds": rounds,
             "per_position_accepted": pos_acc, "per_position_proposed": pos_prop,
             "per_position_accept_rate": [a / p if p else 0.0 for a, p in zip(pos_acc, pos_prop)]}
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
-    """speedup (decode_speedup) = tokens/s (decode tokens/s) over the 'none' row of the same (temperature,
-    batch_size); None without one."""
+    """decode_speedup (speedup) = decode tokens/s (end-to-end tokens/s) over the 'none' row of the same
+    (temperature, batch_size), medians; None without one. `*_lo` / `*_hi`: the range the repeats allow
+    (this row's slowest repeat over the baseline's fastest, and the reverse)."""
     for key, out in (("tokens_per_s", "speedup"), ("decode_tokens_per_s", "decode_speedup")):
-        base = {(r["temperature"], r["batch_size"]): r.get(key) for r in rows if r["spec_type"] == BASELINE}
+        base = {(r["temperature"], r["batch_size"]): r for r in rows if r["spec_type"] == BASELINE}
         for r in rows:
             b = base.get((r["temperature"], r["batch_size"]))
-            if key in r:
-                r[out] = r[key] / b if b else None
+            if key not in r:
+                continue
+            ok = b is not None and b.get(key)
+            r[out] = r[key] / b[key] if ok else None
+            if f"{key}_min" in r:
+                r[f"{out}_lo"] = r[f"{key}_min"] / b[f"{key}_max"] if ok and b.get(f"{key}_max") else None
+                r[f"{out}_hi"] = r[f"{key}_max"] / b[f"{key}_min"] if ok and b.get(f"{key}_min") else None
     return rows
 
 
@@ -124,8 +173,33 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 
 SWEEP_HEADER = ("spec", "k", "knob", "T", "B", "n_requests", "total_predicted", "total_draft",
-                "total_draft_accepted", "accept_rate", "mean_acc_len", "tok/s", "speed-up", "decode tok/s",
-                "decode speed-up", "per-position accept")
+                "total_draft_accepted", "accept_rate", "mean_acc_len", "decode tok/s", "decode speed-up",
+                "tok/s (end to end)", "speed-up (end to end)", "prefill s", "per-position accept")
+
+
+def _spread(v, lo, hi, nd=1) -> str:
+    """'median [min–max]'."""
+    if v is None:
+        return "–"
+    return f"{v:.{nd}f} [{lo:.{nd}f}–{hi:.{nd}f}]" if lo is not None and hi is not None else f"{v:.{nd}f}"
+
+
+def _times_spread(v, lo, hi) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.2f}× [{lo:.2f}–{hi:.2f}]" if lo is not None and hi is not None else f"{v:.2f}×"
+
+
+def machine_line(env: dict) -> str:
+    """The machine a run measured: CPU model, cores, load average at the start and the end."""
+    load = env.get("load_average")
+    end = env.get("load_average_end")
+    parts = [env.get("cpu_model") or env.get("platform", "?"), f"{env.get('cpu_count')} cores"]
+    if load:
+        parts.append("load average " + "/".join(f"{x:.1f}" for x in load) + " at the start"
+                     + (", " + "/".join(f"{x:.1f}" for x in end) + " at the end" if end else "")
+                     + " (1/5/15 min; shared cores make timings noisy)")
+    return ", ".join(parts)
 
 
 def sweep_markdown(summary: dict) -> str:
@@ -140,22 +214,35 @@ def sweep_markdown(summary: dict) -> str:
         pos = " ".join(f"{x:.2f}" for x in s["per_position_accept_rate"]) or "–"
         rows.append((s["spec_type"], k, knob, f"{s['temperature']:g}", s["batch_size"], s["n_requests"],
                      s["total_predicted"], s["total_draft"], s["total_draft_accepted"], s["aggregate_accept_rate"],
-                     s["mean_accepted_length"], _fmt(s["tokens_per_s"], 1), _times(s["speedup"]),
-                     _fmt(s["decode_tokens_per_s"], 1), _times(s["decode_speedup"]), pos))
+                     s["mean_accepted_length"],
+                     _spread(s["decode_tokens_per_s"], s.get("decode_tokens_per_s_min"),
+                             s.get("decode_tokens_per_s_max")),
+                     _times_spread(s["decode_speedup"], s.get("decode_speedup_lo"), s.get("decode_speedup_hi")),
+                     _spread(s["tokens_per_s"], s.get("tokens_per_s_min"), s.get("tokens_per_s_max")),
+                     _times(s["speedup"]), _fmt(s.get("prefill_s_total"), 3), pos))
+    pad = m.get("padding") or {}
+    pad_line = (f"- prompts right-padded to length buckets {pad['buckets']} (not to the longest prompt): "
+                f"{pad['prompt_tokens']} prompt tokens run as {pad['padded_tokens']} "
+                f"({pad['padded_tokens'] / max(pad['prompt_tokens'], 1):.2f}×); cache capacity max_len {m['max_len']}"
+                if pad else f"- prompts padded to {m['pad_to']} tokens, max_len {m['max_len']}")
     return "\n".join([
         f"# Speculative decoding sweep — {m['model']['name']}", "",
         f"- model: `{m['model']['source']}` ({m['model']['num_layers']} layers, hidden {m['model']['hidden_size']}, "
         f"vocab {m['model']['vocab_size']})",
         f"- prompts: {m['n_prompts']} from `{m['suite']}`, categories: {', '.join(m['categories'])}",
-        f"- max_new_tokens {m['max_new_tokens']}, repeats {m['repeats']} (median wall), seed {m['seed']}, "
-        f"prompts padded to {m['pad_to']} tokens, max_len {m['max_len']}",
+        f"- max_new_tokens {m['max_new_tokens']}, seed {m['seed']}; every figure is the median over "
+        f"{m['repeats']} timed repeats, [min–max] of the repeats beside it; warm-up runs (compilation) are not timed",
+        pad_line,
+        f"- machine: {machine_line(m['env'])}",
         f"- {m['env']['backend']} ({', '.join(sorted(set(m['env']['devices'])))}), jax {m['env']['jax_version']}, "
         f"{m['env']['date']}",
         f"- command: `{m['env']['command']}`", "",
-        "tok/s = generated tokens / wall time (prefill + decode, compile excluded); decode tok/s = tokens of the "
-        "decode loop / its time (llama.cpp's predicted_per_second); speed-ups against `none` with the same T and B; "
-        "accept_rate = accepted / drafted; mean_acc_len includes the bonus token; "
-        "per-position accept = rounds whose draft j was accepted / rounds that proposed a draft j.", "",
+        "**decode tok/s** (the primary figure) = tokens generated by the decode loop / its time (llama.cpp's "
+        "predicted_per_second), **decode speed-up** = the same over `none` with the same T and B, its range "
+        "pairing the slowest and fastest repeats; end to end = generated tokens / (prefill + decode); prefill s = "
+        "time of all prefills (prompt processing, the first token and the drafter's priming), reported apart; "
+        "accept_rate = accepted / drafted; mean_acc_len includes the bonus token; per-position accept = rounds "
+        "whose draft j was accepted / rounds that proposed a draft j.", "",
         markdown_table(SWEEP_HEADER, rows), ""])
 
 
@@ -189,6 +276,13 @@ def _line_label(key: tuple, settings: Sequence[dict]) -> str:
 STYLE = {"mtp": dict(marker="o"), "dspark": dict(marker="s", linestyle="--")}
 
 
+def _yerr(rows: Sequence[dict], key: str):
+    """[2, n] distances from the median to the repeats' min and max (None without them)."""
+    if any(r.get(f"{key}_min") is None for r in rows):
+        return None
+    return [[r[key] - r[f"{key}_min"] for r in rows], [r[f"{key}_max"] - r[key] for r in rows]]
+
+
 def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
     """tokens_per_s.png, acceptance.png, per_position.png; returns the file names written."""
     plt = _pyplot()
@@ -197,21 +291,23 @@ def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
     ks = sorted({s["draft_n_max"] for s in settings if s["spec_type"] != BASELINE}) or [1]
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, what in ((axes[0], "tokens_per_s", "end to end (prefill + decode)"),
-                          (axes[1], "decode_tokens_per_s", "decode loop only")):
+    for ax, key, what in ((axes[0], "decode_tokens_per_s", "decode loop only (primary)"),
+                          (axes[1], "tokens_per_s", "end to end (prefill + decode)")):
         for skey, rows in series.items():
-            ax.plot([r["draft_n_max"] for r in rows], [r[key] for r in rows], label=_line_label(skey, settings),
-                    **STYLE.get(skey[0], {}))
+            ax.errorbar([r["draft_n_max"] for r in rows], [r[key] for r in rows], yerr=_yerr(rows, key),
+                        capsize=3, label=_line_label(skey, settings), **STYLE.get(skey[0], {}))
         for s in settings:
             if s["spec_type"] == BASELINE:
                 ax.axhline(s[key], color="gray", linestyle=":",
                            label=f"no speculation T={s['temperature']:g} B={s['batch_size']}")
+                if s.get(f"{key}_min") is not None:
+                    ax.axhspan(s[f"{key}_min"], s[f"{key}_max"], color="gray", alpha=0.15)
         ax.set(xlabel="draft_n_max", ylabel="generated tokens / s", title=what)
         ax.set_xticks(ks)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Throughput vs draft_n_max — {title}")
+    fig.suptitle(f"Throughput vs draft_n_max — {title} (median of repeats; bars: min–max)")
     written.append(_save(fig, out_dir, "tokens_per_s.png"))
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))

@@ -1,10 +1,20 @@
-"""Timed generation runs for the research CLIs: settings, fixed shapes, warm-up, repeats.
+"""Timed generation runs for the research CLIs: settings, shared shapes, warm-up, repeats.
 
-Every run goes through `generate_padded`, which is `dsv4_jax.generate` with the prompts right-padded
-to one length for the whole run (the prompt lengths are passed as per-sequence lengths, exactly like
-a ragged batch in `generate`), and one explicit `max_len`. So each setting compiles once (its
-warm-up run), whatever the prompt lengths; wall time covers prefill + all decode rounds and ends
-with `jax.block_until_ready` (inside `generate`'s machinery).
+Every run goes through `generate_padded`, which is `dsv4_jax.generate` with fixed shapes chosen for
+the whole invocation (`RunPlan`), so that settings share compiled programs:
+
+  * prompts are right-padded to one of a few length buckets (`length_buckets`: at most --prompt-buckets
+    lengths, chosen to minimise padding), not all to the longest prompt; the prompt lengths are passed
+    as per-sequence lengths (a ragged batch in `generate`); one prefill program per bucket;
+  * one `max_len` (the longest bucket + max_new_tokens + the widest verify block) and one `max_block`
+    (the largest draft_n_max + 1) for every run: the prefill and the drafter priming compile once per
+    bucket for all draft_n_max values (`RunShape.max_block`);
+  * the drafters of the sweep are compiled together (`RunShape.drafter_pool`): one loop program per
+    draft width shared by MTP and DSpark, the drafter chosen at run time. The verify block stays
+    k + 1 wide (it is what a speculative round costs), so each width is its own program.
+
+Wall time covers prefill + all decode rounds and ends with `jax.block_until_ready` (inside
+`generate`'s machinery); prefill and decode are timed apart.
 """
 from __future__ import annotations
 
@@ -84,33 +94,100 @@ def grid_settings(specs: Sequence[str], ks: Sequence[int], knob_values: Mapping[
 
 def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, pad_to: int,
                     max_len: int, setting: Setting, top_p: float = 1.0, eos_token_id: int | None = None,
-                    seed: int = 0):
-    """`dsv4_jax.generate` for one setting, prompts right-padded to `pad_to` (one compiled shape per setting).
+                    seed: int = 0, max_block: int | None = None, drafter_pool: tuple[str, ...] | None = None):
+    """`dsv4_jax.generate` for one setting, prompts right-padded to `pad_to`, the shapes fixed by the plan.
 
-    config: a ModelConfig or a config bundle (`LoadedModel.bundle`: the drafters' settings come from it)."""
+    config: a ModelConfig or a config bundle (`LoadedModel.bundle`: the drafters' settings come from it).
+    max_block / drafter_pool: `RunShape`'s (shared programs across draft_n_max values and drafters)."""
     return generate(params, config, [list(p) for p in prompts], max_new_tokens,
                     sampling=Sampling(temperature=setting.temperature, top_p=top_p, seed=seed),
                     speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
                                             p_min=setting.p_min, confidence_threshold=setting.confidence_threshold),
-                    run=RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to))
+                    run=RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to, max_block=max_block,
+                                 drafter_pool=drafter_pool))
+
+
+GRANULE = 16       # padded prompt lengths are multiples of this
+
+
+def length_buckets(lengths: Sequence[int], n_buckets: int, granule: int = GRANULE) -> tuple[int, ...]:
+    """At most n_buckets padded lengths (multiples of granule) for prompts of these lengths, chosen to
+    minimise the padded tokens: the sorted lengths split into consecutive groups (dynamic programming),
+    each padded to its longest. Each bucket is one prefill program, so few buckets compile fast."""
+    up = lambda n: -(-n // granule) * granule
+    xs = sorted({up(n) for n in lengths})
+    count = {x: sum(1 for n in lengths if up(n) == x) for x in xs}
+    n_buckets = max(1, min(n_buckets, len(xs)))
+    # best[j][i]: least padded tokens for xs[:i] in j groups; cut[j][i]: where the last group starts
+    inf = float("inf")
+    best = [[inf] * (len(xs) + 1) for _ in range(n_buckets + 1)]
+    cut = [[0] * (len(xs) + 1) for _ in range(n_buckets + 1)]
+    best[0][0] = 0
+    for j in range(1, n_buckets + 1):
+        for i in range(1, len(xs) + 1):
+            for s in range(i):
+                c = best[j - 1][s] + xs[i - 1] * sum(count[x] for x in xs[s:i])
+                if c < best[j][i]:
+                    best[j][i], cut[j][i] = c, s
+    j = min(range(1, n_buckets + 1), key=lambda j: best[j][len(xs)])
+    out, i = [], len(xs)
+    while i > 0:
+        out.append(xs[i - 1])
+        i, j = cut[j][i], j - 1
+    return tuple(sorted(out))
+
+
+def bucket_of(n: int, buckets: Sequence[int]) -> int:
+    """The padded length of an n-token prompt: the smallest bucket that holds it."""
+    fits = [b for b in buckets if b >= n]
+    if not fits:
+        raise ValueError(f"a {n}-token prompt is longer than every bucket {list(buckets)}")
+    return min(fits)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """Shapes and knobs shared by every run of a CLI invocation (one compilation per setting)."""
+    """Shapes and knobs shared by every run of a CLI invocation.
+
+    buckets: the prompt lengths runs are padded to (`length_buckets`); max_len: the cache capacity of
+    every run; max_block: the widest verify block (largest draft_n_max + 1); drafter_pool: the drafters
+    compiled together (None: each its own program)."""
 
     max_new_tokens: int
-    pad_to: int
+    buckets: tuple[int, ...]
     max_len: int
+    max_block: int = 1
+    drafter_pool: tuple[str, ...] | None = None
     seed: int = 0
     top_p: float = 1.0
     eos_token_id: int | None = None     # None: the config's; -1: never stop early
 
+    @property
+    def pad_to(self) -> int:
+        """The longest bucket."""
+        return max(self.buckets)
 
-def plan_shapes(prompt_lengths: Sequence[int], max_new_tokens: int, max_draft: int) -> tuple[int, int]:
-    """(pad_to, max_len): pad to the longest prompt; room for the budget plus the widest verify block."""
-    pad_to = max(prompt_lengths)
-    return pad_to, pad_to + max_new_tokens + max_draft + 1
+    def pad_for(self, lengths: Sequence[int]) -> int:
+        """The bucket of a batch (its longest prompt's)."""
+        return bucket_of(max(lengths), self.buckets)
+
+
+def plan_shapes(prompt_lengths: Sequence[int], max_new_tokens: int, max_draft: int,
+                n_buckets: int = 2) -> tuple[tuple[int, ...], int]:
+    """(buckets, max_len): at most n_buckets padded prompt lengths (`length_buckets`); room for the longest
+    bucket, the budget and the widest verify block."""
+    buckets = length_buckets(prompt_lengths, n_buckets)
+    return buckets, max(buckets) + max_new_tokens + max_draft + 1
+
+
+def pool_for(model, specs: Sequence[str], k_max: int) -> tuple[str, ...] | None:
+    """The drafters of a run that can share loop programs: those with weights whose cap on draft_n_max
+    is the same at every k up to k_max (DSpark caps at its block size); None for fewer than two."""
+    names = [s for s in specs if s != BASELINE]
+    if len(names) < 2:
+        return None
+    caps = {n: tuple(model.draft_setup(n, k).k for k in range(1, k_max + 1)) for n in names}
+    return tuple(names) if len(set(caps.values())) == 1 else None
 
 
 def effective_draft_n_max(setting: Setting, model) -> int:
@@ -121,29 +198,43 @@ def effective_draft_n_max(setting: Setting, model) -> int:
 
 
 def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, repeats: int = 1) -> dict[str, Any]:
-    """Run one batch of prompts `repeats` times with the same seed; the median wall time is reported.
+    """Run one batch of prompts `repeats` times with the same seed; medians are reported.
 
     Returns {"tokens", "stats" (from the last repeat; counts are identical across repeats under one
-    seed), "walls" (every repeat), "wall_s" (median), "decode_s" (median time of the decode loop alone,
-    after the prefill that also samples the first token)}.
+    seed), "walls", "prefills", "decodes" (every repeat), "wall_s", "prefill_s", "decode_s" (medians;
+    decode = the decode loop after the prefill, which also samples the first token), "pad_to"}.
     """
-    walls, decodes, tokens, stats = [], [], None, None
+    pad_to = plan.pad_for([len(p["tokens"]) for p in batch])
+    walls, prefills, decodes, tokens, stats = [], [], [], None, None
     for _ in range(repeats):
         tokens, stats = generate_padded(model.params, model.bundle, [p["tokens"] for p in batch],
-                                        plan.max_new_tokens, pad_to=plan.pad_to, max_len=plan.max_len,
+                                        plan.max_new_tokens, pad_to=pad_to, max_len=plan.max_len,
                                         setting=setting, top_p=plan.top_p, eos_token_id=plan.eos_token_id,
-                                        seed=plan.seed)
+                                        seed=plan.seed, max_block=plan.max_block, drafter_pool=plan.drafter_pool)
         walls.append(stats["wall_s"])
+        prefills.append(stats["prefill_s"])
         decodes.append(stats["decode_s"])
-    return {"tokens": tokens, "stats": stats, "walls": walls, "wall_s": statistics.median(walls),
-            "decode_s": statistics.median(decodes)}
+    return {"tokens": tokens, "stats": stats, "walls": walls, "prefills": prefills, "decodes": decodes,
+            "wall_s": statistics.median(walls), "prefill_s": statistics.median(prefills),
+            "decode_s": statistics.median(decodes), "pad_to": pad_to}
 
 
 def warm_up(model, batch: Sequence[dict], setting: Setting, plan: RunPlan) -> float:
-    """One untimed run of the batch shape (compilation); returns its wall time for the log."""
+    """One untimed run of the batch shape (compilation, when its programs are new); returns its wall time."""
     t0 = time.perf_counter()
     run_batch(model, batch, setting, plan, repeats=1)
     return time.perf_counter() - t0
+
+
+def shapes(prompts: Sequence[dict], size: int, plan: RunPlan) -> list[list[dict]]:
+    """One batch per distinct compiled shape (batch size, bucket) among `batches(prompts, size)`."""
+    seen, out = set(), []
+    for g in batches(prompts, size):
+        key = (len(g), plan.pad_for([len(p["tokens"]) for p in g]))
+        if key not in seen:
+            seen.add(key)
+            out.append(g)
+    return out
 
 
 def batches(prompts: Sequence[dict], size: int) -> list[list[dict]]:

@@ -1,9 +1,14 @@
 """`dsv4-sweep`: speculative-decoding sweeps over a prompt suite, with tables and plots.
 
 Grid: spec type {none, mtp, dspark} × draft_n_max × p_min (MTP) / confidence threshold (DSpark) ×
-temperature × batch size. Every setting runs one untimed warm-up (compilation) and then every batch
-of prompts `--repeats` times with the same seed; speed-ups are against the no-speculation baseline
-measured in the same run with the same temperature and batch size.
+temperature × batch size. Every setting runs one untimed warm-up per batch shape (compilation, when its
+programs are new) and then every batch of prompts `--repeats` times (default 3) with the same seed;
+speed-ups are against the no-speculation baseline measured in the same run with the same temperature
+and batch size. The headline figures are decode-only (tokens of the decode loop / its time); end to
+end and the prefill are reported beside them; rates are medians over the repeats with min and max.
+
+Settings share compiled programs (runner.py): prompts padded to at most --prompt-buckets lengths, one
+max_len and one verify-block bound for every run, MTP and DSpark in one loop program per draft width.
 
 Output (--out DIR, written to a temporary directory and renamed when complete):
     results.jsonl     one line per prompt × setting (pred, draft, acc, rate, tok/s, output tokens)
@@ -14,7 +19,9 @@ Output (--out DIR, written to a temporary directory and renamed when complete):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from typing import Sequence
 
 from ..outdir import OutDirError
@@ -23,11 +30,12 @@ from . import common, report
 from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
 from .prompts import PromptError
-from .runner import (BASELINE, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, per_sequence,
-                     plan_shapes, run_batch, warm_up)
+from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, per_sequence,
+                     plan_shapes, pool_for, run_batch, shapes, warm_up)
 
 EXAMPLES = """examples:
-  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts
+  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts,
+                                                     # 3 repeats (about 2.5 min on 2 idle cores, cold cache)
   dsv4-sweep --out results/tiny-full --full-suite --draft-n-max 1-5 --repeats 3
   dsv4-sweep --out results/pmin --spec mtp --draft-n-max 2,4 --p-min 0,0.3,0.6
   dsv4-sweep --out results/conf --spec none,dspark --confidence 0,0.5,0.8 --temperature 0,1
@@ -103,10 +111,12 @@ def prompt_line(p: dict, seq: dict, wall_s: float, decode_s: float) -> str:
 
 
 def aggregate_line(s: dict) -> str:
-    sp = f" speed-up={s['speedup']:.2f}x" if s.get("speedup") is not None else ""
+    sp = (f" decode-speed-up={s['decode_speedup']:.2f}x (end to end {s['speedup']:.2f}x)"
+          if s.get("decode_speedup") is not None and s.get("speedup") is not None else "")
     return (f"  {'TOTAL':<32} pred={s['total_predicted']:4d} draft={s['total_draft']:4d} "
             f"acc={s['total_draft_accepted']:4d} rate={s['aggregate_accept_rate']:.3f} "
-            f"tok/s={s['tokens_per_s']:8.1f} decode={s['decode_tokens_per_s']:8.1f} "
+            f"decode={s['decode_tokens_per_s']:8.1f} [{s['decode_tokens_per_s_min']:.1f}-"
+            f"{s['decode_tokens_per_s_max']:.1f}] tok/s={s['tokens_per_s']:8.1f} prefill={s['prefill_s_total']:.3f}s "
             f"mean_acc_len={s['mean_accepted_length']:.2f}{sp}")
 
 
@@ -114,8 +124,8 @@ def run_setting(model, prompts: list[dict], setting: Setting, plan: RunPlan, rep
     """Warm up every batch shape, then time each batch. -> (per-prompt records, batch records, warm-up seconds)."""
     groups = batches(prompts, setting.batch_size)
     warm = 0.0
-    for size in sorted({len(g) for g in groups}):
-        warm += warm_up(model, next(g for g in groups if len(g) == size), setting, plan)
+    for g in shapes(prompts, setting.batch_size, plan):
+        warm += warm_up(model, g, setting, plan)
         bar.update(1)
     log(f"== {setting.label}  (warm-up/compile {warm:.1f} s)")
     records, batch_records = [], []
@@ -124,7 +134,10 @@ def run_setting(model, prompts: list[dict], setting: Setting, plan: RunPlan, rep
         st = r["stats"]
         batch_records.append({"n": len(group), "predicted": st["generated"], "draft": st["drafted"],
                               "accepted": st["accepted"], "rounds": st["rounds"], "wall_s": r["wall_s"],
-                              "decode_s": r["decode_s"],
+                              "decode_s": r["decode_s"], "prefill_s": r["prefill_s"], "walls": r["walls"],
+                              "decodes": r["decodes"], "prefills": r["prefills"],
+                              "prompt_tokens": sum(len(p["tokens"]) for p in group),
+                              "padded_tokens": len(group) * r["pad_to"],
                               "per_position_accepted": st["per_position_accepted"],
                               "per_position_proposed": st["per_position_proposed"]})
         for b, p in enumerate(group):
@@ -142,6 +155,7 @@ def prompt_record(model, p: dict, setting: Setting, seq: dict, r: dict, b: int) 
            "rate": seq["accepted"] / seq["draft"] if seq["draft"] else 0.0,
            "mean_accepted_length": (seq["accepted"] + seq["rounds"]) / seq["rounds"] if seq["rounds"] else 0.0,
            "batch_wall_s": r["wall_s"], "batch_walls": r["walls"], "batch_decode_s": r["decode_s"],
+           "batch_decodes": r["decodes"], "batch_prefill_s": r["prefill_s"], "padded_to": r["pad_to"],
            "tok_s": seq["predicted"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
            "decode_tok_s": (seq["predicted"] - 1) / r["decode_s"] if r["decode_s"] > 0 else 0.0,
            "output_tokens": r["tokens"][b]}
@@ -200,20 +214,54 @@ def prepare_run(parser: argparse.ArgumentParser, a: argparse.Namespace, parse_fn
 
 
 def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int, notes):
-    """Shared shapes of every run (one compilation per setting), the progress total; prints the notes.
+    """Shared shapes of every run (length buckets, one max_len and max_block, the drafter pool), the
+    progress total; prints the notes.
 
     Returns (max_new_tokens, RunPlan, progress-bar total).
     """
     max_new = a.max_new_tokens or suite_max_new
     max_draft = max(effective_draft_n_max(s, model) for s in settings)
-    pad_to, max_len = plan_shapes([len(p["tokens"]) for p in prompts], max_new, max_draft)
-    plan = RunPlan(max_new_tokens=max_new, pad_to=pad_to, max_len=max_len, seed=a.seed, top_p=a.top_p,
-                   eos_token_id=common.eos_for(a))
+    buckets, max_len = plan_shapes([len(p["tokens"]) for p in prompts], max_new, max_draft, a.prompt_buckets)
+    specs = [t for t in SPEC_TYPES if any(s.spec == t for s in settings)]
+    pool = None if a.no_shared_programs else pool_for(model, specs, max(s.draft_n_max for s in settings))
+    plan = RunPlan(max_new_tokens=max_new, buckets=buckets, max_len=max_len,
+                   max_block=None if a.no_shared_programs else max_draft + 1, drafter_pool=pool,
+                   seed=a.seed, top_p=a.top_p, eos_token_id=common.eos_for(a))
     for n in notes:
         print(n, file=sys.stderr)
-    total = sum(len({len(g) for g in batches(prompts, s.batch_size)}) + a.repeats * len(batches(prompts, s.batch_size))
+    total = sum(len(shapes(prompts, s.batch_size, plan)) + a.repeats * len(batches(prompts, s.batch_size))
                 for s in settings)
     return max_new, plan, total
+
+
+def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, model) -> dict:
+    """How many large programs the run compiles: prefills (one per bucket and batch size), loops (one
+    per drafter or pool, draft width, temperature kind and batch size)."""
+    prefill, loops = set(), set()
+    for s in settings:
+        for g in shapes(prompts, s.batch_size, plan):
+            prefill.add((len(g), plan.pad_for([len(p["tokens"]) for p in g]), s.spec if plan.max_block is None
+                         else None))
+        kind = "none" if s.spec == BASELINE else ("pool" if plan.drafter_pool else s.spec)
+        loops.add((kind, effective_draft_n_max(s, model), s.temperature == 0, s.batch_size))
+    return {"prefill": len(prefill), "loop": len(loops)}
+
+
+# CPU seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-01.md:
+# the default sweep's process CPU time, ~ its wall time on idle cores); a prefill includes its drafter primings
+COMPILE_S_PER_LAYER = {"prefill": 2.4, "loop": 3.0}
+RUN_S_PER_LAYER_TOKEN = 0.33e-3
+
+
+def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int) -> tuple[float, float]:
+    """(compile seconds, run seconds): a rough forecast from the program and run counts, scaled by the
+    model's layers (calibrated on the bundled model; a converted checkpoint takes far longer)."""
+    n = programs(settings, prompts, plan, model)
+    layers = model.config.num_layers
+    compile_s = layers * sum(COMPILE_S_PER_LAYER[k] * v for k, v in n.items())
+    runs = sum(repeats * len(batches(prompts, s.batch_size)) + len(shapes(prompts, s.batch_size, plan))
+               for s in settings)
+    return compile_s, runs * plan.max_new_tokens * layers * RUN_S_PER_LAYER_TOKEN
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -223,8 +271,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser, a, parse_grid, lambda g: (g["specs"], g["ks"]))
     settings = build_settings(**grid)
     max_new, plan, total = plan_run(a, model, prompts, settings, suite_max_new, notes)
+    n_prog = programs(settings, prompts, plan, model)
+    est_c, est_r = estimate_s(settings, prompts, plan, model, a.repeats)
     print(f"dsv4-sweep: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "
-          f"max_new_tokens {max_new}, repeats {a.repeats} -> {a.out}", file=sys.stderr)
+          f"max_new_tokens {max_new}, repeats {a.repeats} -> {a.out}\n"
+          f"dsv4-sweep: {n_prog['prefill']} prefill + {n_prog['loop']} loop programs to compile, prompt buckets "
+          f"{list(plan.buckets)}; expect about {(est_c + est_r) / 60:.1f} min on 2 idle CPU cores "
+          f"(~{est_c:.0f} s compiling, seconds with a warm --compile-cache; longer on busy cores)", file=sys.stderr)
+    t_start, load_start = time.perf_counter(), list(os.getloadavg())
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "sweep") as bar:
         log = (lambda s: None) if a.quiet else bar.write
         all_records, rows, baselines = [], [], {}
@@ -240,6 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(aggregate_line(row))
             all_records += records
         summary = {"meta": run_meta(a, argv, model, suite, prompts, plan), "settings": report.add_speedups(rows)}
+        summary["meta"]["env"].update(load_average=load_start, load_average_end=list(os.getloadavg()))
+        summary["meta"]["sweep_wall_s"] = time.perf_counter() - t_start
+        summary["meta"]["warmup_s_total"] = sum(r["warmup_s"] for r in rows)
         report.write_jsonl(f"{tmp}/results.jsonl", all_records)
         report.write_json(f"{tmp}/summary.json", summary)
         with open(f"{tmp}/summary.md", "w", encoding="utf-8") as f:
@@ -260,12 +317,17 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> 
             "categories": sorted({p["category"] for p in prompts}), "n_prompts": len(prompts),
             "prompt_ids": [p["id"] for p in prompts], "max_new_tokens": plan.max_new_tokens,
             "repeats": a.repeats, "seed": plan.seed, "top_p": plan.top_p, "ignore_eos": a.ignore_eos,
-            "pad_to": plan.pad_to, "max_len": plan.max_len, "prompt_template": a.prompt_template,
-            "timing": "wall time of generate (prefill + decode loop, each ended with jax.block_until_ready); "
-                      "decode_s: the decode loop alone; one untimed warm-up per setting and batch shape; median "
-                      "over repeats",
-            "speedup_baseline": "tokens_per_s (decode_tokens_per_s) / the same of spec 'none' with the same "
-                                "temperature and batch size"}
+            "pad_to": plan.pad_to, "max_len": plan.max_len, "max_block": plan.max_block,
+            "drafter_pool": list(plan.drafter_pool) if plan.drafter_pool else None,
+            "padding": {"buckets": list(plan.buckets), "prompt_tokens": sum(len(p["tokens"]) for p in prompts),
+                        "padded_tokens": sum(plan.pad_for([len(p["tokens"])]) for p in prompts)},
+            "prompt_template": a.prompt_template,
+            "timing": "decode_s: the decode loop alone (primary figure); prefill_s: prompt processing, first token "
+                      "and drafter priming; wall = prefill + decode, each ended with jax.block_until_ready; one "
+                      "untimed warm-up per setting and batch shape; rates are medians over repeats of the repeat's "
+                      "total, with min and max",
+            "speedup_baseline": "decode_tokens_per_s (tokens_per_s) / the same of spec 'none' with the same "
+                                "temperature and batch size; _lo/_hi pair the slowest and fastest repeats"}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from ..bundle import CheckpointConfig, unbundle
 from ..cache import init_state
 from ..config import ModelConfig
 from ..decode import CapacityError, advance, process_block
-from ..drafters import registry
+from ..drafters import pool, registry
 from ..ops.sampling import sample_first
 from .loop import Carry, Knobs, Options, initial_carry, run_rounds, run_rounds_python
 from .options import RunShape, Sampling, Speculation, group_options
@@ -57,33 +57,70 @@ def _validate(config: ModelConfig, tokens: np.ndarray, max_new_tokens: int, sp: 
         raise ValueError(f"prompt token ids must be in [0, {config.vocab_size})")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "opts"))
-def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, *, max_len: int,
-          opts: Options, knobs: Knobs, key) -> Carry:
-    """Prefill the prompts, sample the first token, and prime the drafter: the loop's initial carry (one jit)."""
-    drafter = registry.get(opts.drafter)
-    B = tokens.shape[0]
-    k = opts.k
-    dtype = params["embed"].dtype
-    state = init_state(config, B, max_len, k + 1, dtype)
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "max_block", "taps"))
+def prefill_target(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, *, max_len: int,
+                   max_block: int, taps: tuple[int, ...]):
+    """The target's prefill of right-padded prompts tokens [B,S] (lengths [B] real ones), one jit.
+
+    Returns (state advanced by lengths, logits at each prompt's last position [B,V], aux {"hidden"
+    [B,S,n,D], "taps" [B,S,len(taps),D]}). Nothing here depends on the drafter or on k, so runs with
+    the same shapes and taps share this program (`RunShape.max_block`, `RunShape.drafter_pool`)."""
+    state = init_state(config, tokens.shape[0], max_len, max_block, params["embed"].dtype)
     n = jnp.asarray(lengths)
-    logits, state, aux = process_block(params, config, state, jnp.asarray(tokens), n, opts.taps)
-    state = advance(state, n)
-    key, k_first = jax.random.split(key)
+    logits, state, aux = process_block(params, config, state, jnp.asarray(tokens), n, taps)
     last_logits = jnp.take_along_axis(logits, (n - 1)[:, None, None], axis=1)[:, 0]
+    return advance(state, n), last_logits, aux
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "opts", "prefill_taps"), donate_argnames=("state",))
+def prime(params: dict, config: ModelConfig, state, last_logits: jax.Array, aux: dict, tokens: jax.Array,
+          lengths: jax.Array, *, max_len: int, opts: Options, prefill_taps: tuple[int, ...], knobs: Knobs,
+          key) -> Carry:
+    """Sample the first token, prime the drafter on the prompt and build the loop's initial carry (one jit).
+
+    opts.k sizes the carry (statistics [B,k], output room, the drafter's state): `start` passes the run's
+    bound (max_block − 1), so every draft_n_max up to it shares this program. aux["taps"] holds
+    prefill_taps; the drafter reads its own opts.taps among them."""
+    drafter = registry.get(opts.drafter)
+    B, S = tokens.shape
+    k = opts.k
+    n = jnp.asarray(lengths)
+    key, k_first = jax.random.split(key)
     first = sample_first(k_first, last_logits, knobs.temperature, knobs.top_p, opts.greedy)
     # the token after each prompt position: the prompt shifted left, then the first generated token
     nxt = jnp.concatenate([jnp.asarray(tokens)[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-    nxt = jnp.where(jnp.arange(tokens.shape[1])[None, :] == (n - 1)[:, None], first[:, None], nxt)
+    nxt = jnp.where(jnp.arange(S)[None, :] == (n - 1)[:, None], first[:, None], nxt)
+    aux = {"hidden": aux["hidden"], "taps": aux["taps"][:, :, [prefill_taps.index(t) for t in opts.taps]]}
     zero = jnp.zeros((B,), jnp.int32)
-    dstate = drafter.init(params, config, opts.setup, B, max_len, dtype)
+    dstate = drafter.begin(params, config, opts.setup, B, max_len, params["embed"].dtype, knobs)
     dstate = drafter.observe(params, config, opts.setup, dstate, aux, nxt, zero, n)
     return initial_carry(first, state, dstate, key, opts)
+
+
+def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, *, max_len: int,
+          opts: Options, knobs: Knobs, key, max_block: int | None = None, prefill_taps: tuple | None = None) -> Carry:
+    """Prefill the prompts, sample the first token, and prime the drafter: the loop's initial carry.
+
+    Two jits: `prefill_target` (the target alone) and `prime` (first token, drafter, carry). max_block
+    (default opts.k + 1) sizes the decode state and the carry for verify blocks up to that width;
+    prefill_taps (default opts.taps, must contain them) are the tap layers the prefill computes."""
+    max_block = opts.k + 1 if max_block is None else max_block
+    prefill_taps = tuple(opts.taps) if prefill_taps is None else tuple(prefill_taps)
+    if max_block < opts.k + 1 or not set(opts.taps) <= set(prefill_taps):
+        raise ValueError(f"max_block {max_block} / prefill taps {prefill_taps} do not cover k={opts.k}, "
+                         f"taps {opts.taps}")
+    state, last_logits, aux = prefill_target(params, config, tokens, lengths, max_len=max_len, max_block=max_block,
+                                             taps=prefill_taps)
+    return prime(params, config, state, last_logits, aux, tokens, lengths, max_len=max_len,
+                 opts=opts.replace(k=max_block - 1), prefill_taps=prefill_taps, knobs=knobs, key=key)
 
 
 def summarize(c: Carry, opts: Options, wall_s: float) -> dict[str, Any]:
     """Statistics of a finished run (drafters.md §4.1 definitions); per-sequence arrays as lists."""
     s = jax.tree.map(np.asarray, c.stats)
+    k = opts.k                      # the carry may be sized for a wider bound (RunShape.max_block): trim
+    s = s.replace(per_position=s.per_position[:, :k], proposed_at=s.proposed_at[:, :k],
+                  length_hist=s.length_hist[:, :k + 1])
     n_out = np.asarray(c.out_len)
     rounds, drafted, accepted = int(s.rounds.sum()), int(s.drafted.sum()), int(s.accepted.sum())
     return {
@@ -113,6 +150,8 @@ class Prepared(NamedTuple):
     max_len: int
     seed: int
     host_loop: bool
+    max_block: int               # the decode state's and carry's widest verify block (>= opts.k + 1)
+    prefill_taps: tuple          # tap layers the prefill computes (contains opts.taps)
 
 
 def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
@@ -131,19 +170,33 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
     meta = dict(bundle_meta)
     if spec.dspark_meta is not None:            # the published keyword for DSpark's settings
         meta["dspark"] = spec.dspark_meta
-    setup = drafter.configure(params, config, spec.draft_n_max, meta.get(drafter.name))
+    pool_setup = registry.get(pool.NAME).configure(params, config, max(spec.draft_n_max, 1),
+                                                   {**meta, "members": tuple(shape.drafter_pool)}) \
+        if shape.drafter_pool else None
+    if pool_setup is not None and drafter.name != "none":
+        if drafter.name not in pool.member_names(pool_setup):
+            raise ValueError(f"drafter {drafter.name!r} is not in drafter_pool {tuple(shape.drafter_pool)}")
+        setup, index = pool_setup, pool.member_names(pool_setup).index(drafter.name)
+        drafter = registry.get(pool.NAME)
+    else:
+        setup, index = drafter.configure(params, config, spec.draft_n_max, meta.get(drafter.name)), 0
     k = setup.k
-    need = tokens.shape[1] + max_new_tokens + k + 1
+    max_block = shape.max_block or k + 1
+    if max_block < k + 1:
+        raise ValueError(f"max_block={max_block} is narrower than a verify block of draft_n_max {k} (+1)")
+    need = tokens.shape[1] + max_new_tokens + max_block
     max_len = shape.max_len or need
     if need > max_len:
         raise CapacityError(f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) + a verify block "
-                            f"({k + 1}) needs {need} positions, more than max_len={max_len}")
+                            f"({max_block}) needs {need} positions, more than max_len={max_len}")
     eos = config.eos_token_id if shape.eos_token_id is None else shape.eos_token_id
     opts = Options(drafter=drafter.name, k=k, greedy=sp.temperature == 0, max_new_tokens=max_new_tokens,
                    eos_token_id=int(eos), taps=setup.taps, settings=setup.settings)
     knobs = Knobs(temperature=jnp.float32(max(sp.temperature, 1e-6)), top_p=jnp.float32(sp.top_p),
-                  p_min=jnp.float32(spec.p_min), confidence=jnp.float32(spec.confidence_threshold))
-    return Prepared(config, tokens, lengths, opts, knobs, max_len, sp.seed, shape.host_loop)
+                  p_min=jnp.float32(spec.p_min), confidence=jnp.float32(spec.confidence_threshold),
+                  drafter_index=jnp.int32(index))
+    prefill_taps = pool_setup.taps if pool_setup is not None else setup.taps
+    return Prepared(config, tokens, lengths, opts, knobs, max_len, sp.seed, shape.host_loop, max_block, prefill_taps)
 
 
 def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
@@ -162,10 +215,13 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
         `dsv4_jax.drafters.registry`); draft_n_max drafts per round (for DSpark ≤ its block size); p_min
         stops the MTP chain before a draft whose top-1 probability is below it; confidence_threshold is
         DSpark's cut-off; dspark_meta overrides the bundle's DSpark settings (a DSparkConfig).
-      run=RunShape(eos_token_id=None, max_len=None, pad_to=None, host_loop=False): stop a sequence after
-        eos_token_id (None: the config's; -1: never); max_len / pad_to fix the cache capacity and the
-        padded prompt length, so that runs with other prompts reuse the compiled functions; host_loop
-        drives rounds from Python (debugging twin; identical results).
+      run=RunShape(eos_token_id=None, max_len=None, pad_to=None, host_loop=False, max_block=None,
+        drafter_pool=None): stop a sequence after eos_token_id (None: the config's; -1: never); max_len /
+        pad_to fix the cache capacity and the padded prompt length, so that runs with other prompts reuse
+        the compiled functions; host_loop drives rounds from Python (debugging twin; identical results);
+        max_block sizes the state for verify blocks up to that width, so runs with any draft_n_max below
+        it share the prefill; drafter_pool (names) compiles one loop per draft width for all of them,
+        the drafter picked at run time (`drafters.pool`; same tokens as the drafter alone).
     backends: the kernels (a `Backends`, or "auto" | "reference" | "pallas"; default: the config's).
 
     Returns (tokens: list of int lists, stats dict: rounds, drafted, accepted, per-position
@@ -176,7 +232,8 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
                 backends=backends, **options)
     t0 = time.perf_counter()
     carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
-                                        max_len=r.max_len, opts=r.opts, knobs=r.knobs, key=jax.random.PRNGKey(r.seed)))
+                                        max_len=r.max_len, opts=r.opts, knobs=r.knobs, key=jax.random.PRNGKey(r.seed),
+                                        max_block=r.max_block, prefill_taps=r.prefill_taps))
     t1 = time.perf_counter()
     loop = run_rounds_python if r.host_loop else run_rounds
     carry = jax.block_until_ready(loop(params, r.config, carry, r.knobs, r.opts))

@@ -51,14 +51,14 @@ class Stats:
     rounds: jax.Array          # [B] rounds in which the sequence was active
     drafted: jax.Array         # [B] drafts proposed
     accepted: jax.Array        # [B] drafts accepted
-    per_position: jax.Array    # [B,k] rounds whose draft j was accepted
-    proposed_at: jax.Array     # [B,k] rounds that proposed a draft at position j
-    length_hist: jax.Array     # [B,k+1] rounds that proposed exactly L drafts (after p_min / confidence)
+    per_position: jax.Array    # [B,K] rounds whose draft j was accepted (K >= k: the run's bound, max_block - 1)
+    proposed_at: jax.Array     # [B,K] rounds that proposed a draft at position j
+    length_hist: jax.Array     # [B,K+1] rounds that proposed exactly L drafts (after p_min / confidence)
 
 
 @struct.dataclass
 class Carry:
-    out: jax.Array             # [B, max_new + k + 1] generated tokens (−1 = none)
+    out: jax.Array             # [B, max_new + K + 1] generated tokens (−1 = none)
     out_len: jax.Array         # [B]
     limit: jax.Array           # [B] each sequence's token budget (<= opts.max_new_tokens, the buffer's)
     last: jax.Array            # [B] the next token to feed the target (sampled, not yet processed)
@@ -134,13 +134,14 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
     n_commit = jnp.where(active, a + 1, 0)
     tstate = advance(tstate, n_commit)
     dstate = drafter.observe(params, config, opts.setup, c.drafter, aux, emitted, pos, jnp.maximum(n_commit, 1))
-    kk = jnp.arange(k)[None, :]
     s = c.stats
+    kk = jnp.arange(s.per_position.shape[1])[None, :]   # the carry may be sized for a wider bound than k
     stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
                   accepted=s.accepted + jnp.where(active, a, 0),
                   per_position=s.per_position + ((kk < a[:, None]) & active[:, None]),
                   proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]),
-                  length_hist=s.length_hist + ((jnp.arange(k + 1)[None, :] == n_draft[:, None]) & active[:, None]))
+                  length_hist=s.length_hist + ((jnp.arange(s.length_hist.shape[1])[None, :] == n_draft[:, None])
+                                               & active[:, None]))
     return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
                  target=tstate,
                  drafter=dstate, key=key, stats=stats, round=c.round + 1)

@@ -2,7 +2,8 @@
 
     Sampling      temperature, top_p, seed                         what is drawn
     Speculation   drafter, draft_n_max, p_min, confidence_threshold, dspark_meta    how drafts are made
-    RunShape      eos_token_id, max_len, pad_to, host_loop          when to stop, fixed shapes, loop driver
+    RunShape      eos_token_id, max_len, pad_to, host_loop, max_block, drafter_pool
+                                                                     when to stop, fixed shapes, loop driver
 
 `generate(..., sampling=Sampling(temperature=0.8), speculation=Speculation("dspark", 5))` and
 `generate(..., temperature=0.8, drafter="dspark", draft_n_max=5)` are the same call: `group_options`
@@ -43,12 +44,21 @@ class Speculation:
 class RunShape:
     """eos_token_id: stop a sequence after it (None: the config's; -1: never). max_len / pad_to: fix the
     cache capacity and the padded prompt length, so that runs with other prompts reuse the compiled
-    functions. host_loop: drive the rounds from Python (debugging twin; identical results)."""
+    functions. host_loop: drive the rounds from Python (debugging twin; identical results).
+
+    Sharing compiled programs across runs (research sweeps): max_block sizes the decode state and the
+    loop's carry for verify blocks up to that width (default draft_n_max + 1), so runs with any
+    draft_n_max < max_block share the prefill programs; drafter_pool (registered names) compiles the
+    loop once per draft width for all of them, the drafter chosen at run time (`drafters.pool`), and
+    makes the prefill compute every member's tap layers. Neither changes the generated tokens; the
+    verify block stays draft_n_max + 1 wide."""
 
     eos_token_id: int | None = None
     max_len: int | None = None
     pad_to: int | None = None
     host_loop: bool = False
+    max_block: int | None = None
+    drafter_pool: tuple[str, ...] | None = None
 
 
 GROUPS = {"sampling": Sampling, "speculation": Speculation, "run": RunShape}
