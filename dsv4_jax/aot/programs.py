@@ -92,7 +92,7 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
                                           len(dp["stages"]), len(setup.taps), dp["markov_w1"].shape[1])
     ints = lambda *shape: I.batch_array(mesh, shape, jnp.int32, rules=rules)
     carry = loop.Carry(
-        out=ints(B, MAX_NEW_TOKENS + k + 1), out_len=ints(B), last=ints(B),
+        out=ints(B, MAX_NEW_TOKENS + k + 1), out_len=ints(B), limit=ints(B), last=ints(B),
         done=I.batch_array(mesh, (B,), jnp.bool_, rules=rules),
         target=I.decode_state(config, mesh, B, sh.max_len, sh.max_block, rules), drafter=dstate,
         key=I.replicated(mesh, (2,), jnp.uint32),

@@ -83,7 +83,6 @@ def prime(params: dict, config: ModelConfig, state, last_logits: jax.Array, aux:
     prefill_taps; the drafter reads its own opts.taps among them."""
     drafter = registry.get(opts.drafter)
     B, S = tokens.shape
-    k = opts.k
     n = jnp.asarray(lengths)
     key, k_first = jax.random.split(key)
     first = sample_first(k_first, last_logits, knobs.temperature, knobs.top_p, opts.greedy)
