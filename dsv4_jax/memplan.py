@@ -38,7 +38,7 @@ from .config import MOE, PRESETS, SLIDING, ModelConfig, preset
 from .ops import quant
 from .sharding import (DEFAULT_REPLICATED, DEFAULT_RULES, MESH_AXES, PRESETS as SHARDING_PRESETS,
                        default_mesh_shape, leaf_partition_spec, make_mesh, partition_spec, preset as sharding_preset,
-                       state_partition_specs)
+                       parse_mesh_shape, state_partition_specs)
 
 GIB = 1024 ** 3
 FORMATS = ("f32", "bf16", "quantized")
@@ -295,12 +295,9 @@ def checkpoint_table(m: dict) -> str:
 
 def _mesh_arg(text: str) -> tuple[int, ...]:
     try:
-        shape = tuple(int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"mesh must look like 1x8x1 (data x expert x model), got {text!r}") from None
-    if len(shape) != len(MESH_AXES) or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"mesh must have {len(MESH_AXES)} positive sizes (data x expert x model)")
-    return shape
+        return parse_mesh_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -313,20 +310,19 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
-def _formats(text: str) -> list[str]:
-    out = [v for v in text.split(",") if v]
-    bad = [v for v in out if v not in FORMATS]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"unknown weight format(s) {bad}; choose from {','.join(FORMATS)}")
-    return out
+def _names(allowed, what: str):
+    """argparse type: a comma list of names from `allowed` (`what` names them in the error)."""
+    def parse(text: str) -> list[str]:
+        out = [v for v in text.split(",") if v]
+        bad = [v for v in out if v not in allowed]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {bad}; choose from {','.join(allowed)}")
+        return out
+    return parse
 
 
-def _presets(text: str) -> list[str]:
-    out = [v for v in text.split(",") if v]
-    bad = [v for v in out if v not in SHARDING_PRESETS]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"unknown sharding preset(s) {bad}; choose from {','.join(SHARDING_PRESETS)}")
-    return out
+_formats = _names(FORMATS, "weight format")
+_presets = _names(SHARDING_PRESETS, "sharding preset")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,6 +78,17 @@ def default_mesh_shape(n_devices: int) -> tuple[int, int, int]:
     return (1, n_devices, 1)
 
 
+def parse_mesh_shape(text: str) -> tuple[int, ...]:
+    """'1x8x1' -> (1, 8, 1): positive DATAxEXPERTxMODEL sizes; ValueError naming the problem otherwise."""
+    try:
+        shape = tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != len(MESH_AXES) or min(shape) < 1:
+        raise ValueError(f"mesh {text!r}: expected DATAxEXPERTxMODEL sizes ({len(MESH_AXES)} positive integers) like 1x8x1")
+    return shape
+
+
 def make_mesh(shape: Sequence[int] | None = None, devices: Sequence[Any] | None = None,
               axis_names: Sequence[str] = MESH_AXES) -> Mesh:
     """A Mesh with `Auto` axis types over `devices` (default: all, `jax.devices()`, every host).

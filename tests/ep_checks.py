@@ -41,6 +41,7 @@ from dsv4_jax.cache import init_state  # noqa: E402
 from dsv4_jax.config import tiny_flash_like  # noqa: E402
 from dsv4_jax.model.target import forward_jit  # noqa: E402
 from dsv4_jax.ops import quant  # noqa: E402
+from sharding_checks import decode_script  # noqa: E402  (tests/ is on sys.path)
 
 # name: (mesh shape or preset name, n_experts, local)
 CASES = {
@@ -61,6 +62,12 @@ QUANT = {"release-latency": "release", "int8-1x2x4": "int8_channel"}
 FULL_ONLY = ("int8-1x2x4", "ep-1x8x1", "ep-2x4x1", "throughput", "odd-1x2x4")   # cases of the --full run only
 FAST_DECODE = ()                                # prefill + decode + verify + commit: --full only
 FAST_GENERATE = ("latency",)                    # speculative generation in the fast run
+
+
+def _decode(params, config, tokens, state):
+    """sharding_checks' ragged prefill -> decode -> verify -> commit -> decode script: (logits, final state)."""
+    outs, _hidden, state = decode_script(params, config, tokens, state)
+    return outs, state
 
 
 def test_config(n_experts: int = 8):
@@ -106,29 +113,6 @@ def maxdiff(a, b) -> float:
 
 def n_split(tree) -> int:
     return sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(tree))
-
-
-def decode_script(params, config, tokens, state):
-    """Ragged chunked prefill (extend 4 + 4 + 4 | 1) -> 2 decode steps -> verify a block of 4 -> commit."""
-    B = tokens.shape[0]
-    outs = []
-    start = np.zeros((B,), np.int64)
-    for n in np.array([[4, 4], [4, 4], [4, 1]]):
-        chunk = np.stack([tokens[b, start[b]:start[b] + 4] for b in range(B)])
-        lg, state, _ = D.extend(params, config, state, chunk, n)
-        outs.append(np.asarray(lg)[np.arange(B), n - 1])
-        start += n
-    nxt = tokens[np.arange(B), start]
-    for i in range(2):
-        lg, state, _ = D.decode_step(params, config, state, nxt)
-        outs.append(np.asarray(lg))
-        nxt = tokens[:, 20 + i]
-    lg, state, _ = D.verify(params, config, state, np.concatenate([nxt[:, None], tokens[:, 30:33]], axis=1))
-    outs.append(np.asarray(lg).reshape(B, -1))
-    state = D.commit(state, np.array([1, 2], np.int32))
-    lg, state, _ = D.decode_step(params, config, state, tokens[:, 40])
-    outs.append(np.asarray(lg))
-    return outs, state
 
 
 def expert_all_gathers(compiled_text: str, config) -> int:
@@ -189,9 +173,9 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
             expert_all_gathers(gather.lower(w1).compile().as_text(), config)
         if case in decode_cases:
             if "decode" not in ref:
-                ref["decode"] = decode_script(params, config, tokens[:2], init_state(config, 2, 64, 4))
+                ref["decode"] = _decode(params, config, tokens[:2], init_state(config, 2, 64, 4))
             state = S.init_state(cfg, mesh, 2, 64, 4, rules=rules)
-            outs, st = decode_script(sp, cfg, tokens[:2], state)
+            outs, st = _decode(sp, cfg, tokens[:2], state)
             want, want_st = ref["decode"]
             res["decode"] = max(maxdiff(a, b) for a, b in zip(outs, want))
             res["state"] = max(maxdiff(a, b) for a, b in zip(jax.tree.leaves(st.layers),

@@ -1,10 +1,6 @@
 """Expert-parallel MoE backend (moe="ep"): static set-up, the local grouped matmuls against a numpy
 formulation, the layer-unroll switch, sharding presets, and sharded runs on 8 forced host devices
 (a subprocess, `tests/ep_checks.py`, like tests/test_sharding.py)."""
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +14,8 @@ from dsv4_jax.model import moe_ep
 from dsv4_jax.model.target import forward_jit
 from dsv4_jax.ops import quant
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from .eight_devices import run_checks
+
 TOL = 1e-5
 
 
@@ -217,17 +213,7 @@ def test_memplan_shows_presets(capsys):
 # ---- sharded runs (subprocess with 8 host devices) ---------------------------------------------------------
 
 def _run_checks(args, timeout):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                         "--xla_llvm_disable_expensive_passes=true")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "ep_checks.py"), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(lines[-1][len("RESULT "):])
-    print(json.dumps(res, indent=1))
-    assert res["devices"] == 8
-    return res
+    return run_checks("ep_checks.py", args, timeout)
 
 
 def _assert_cases(res):

@@ -224,9 +224,14 @@ def test_repeat_spread_and_speedup_ranges():
     (["--kernels", "triton"], "invalid choice: 'triton'"),
 ])
 def test_sweep_rejects_bad_options(args, message, tmp_path, capsys):
+    _assert_rejected(sweep.main, args, message, tmp_path, capsys)
+
+
+def _assert_rejected(main, args, message, tmp_path, capsys):
+    """main exits 2 before any work with `message` on stderr, and writes no output directory."""
     out = tmp_path / "never"
     with pytest.raises(SystemExit) as e:
-        sweep.main(["--random-tiny", "--out", str(out), "--no-compile-cache", *args])
+        main(["--random-tiny", "--out", str(out), "--no-compile-cache", *args])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
@@ -241,12 +246,7 @@ def test_sweep_rejects_bad_options(args, message, tmp_path, capsys):
     (["--mesh", "1x3x1"], "needs 3 devices"),
 ])
 def test_batch_eval_rejects_bad_options(args, message, tmp_path, capsys):
-    out = tmp_path / "never"
-    with pytest.raises(SystemExit) as e:
-        batch_eval.main(["--random-tiny", "--out", str(out), "--no-compile-cache", *args])
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists()
+    _assert_rejected(batch_eval.main, args, message, tmp_path, capsys)
 
 
 def test_bad_prompt_files_and_dirs(tmp_path, capsys):

@@ -17,8 +17,9 @@ from jax.sharding import PartitionSpec as PS
 
 from dsv4_jax import cache, config as C, memplan as M, params as P, sharding as S
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from .eight_devices import run_checks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
 GIB = 1024 ** 3
 
@@ -124,19 +125,7 @@ def test_initialize_distributed_single_process_is_noop(monkeypatch):
 # ---- sharded runs (subprocess with 8 host devices) ----------------------------------------------------
 
 def _run_checks(args, fast_compile: bool, timeout: int):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = "--xla_force_host_platform_device_count=8"
-    if fast_compile:   # both sides of every comparison run in that one process with the same flags
-        flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    env["XLA_FLAGS"] = flags
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sharding_checks.py"), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(lines[-1][len("RESULT "):])
-    print(json.dumps(res, indent=1))
-    assert res["devices"] == 8
-    return res
+    return run_checks("sharding_checks.py", args, timeout, fast_compile)
 
 
 def _assert_runs(runs, decode_meshes):

@@ -20,7 +20,7 @@ import jax
 from .. import backends as B
 from .. import libtpu
 from ..config import PRESETS
-from ..sharding import MESH_AXES
+from ..sharding import parse_mesh_shape
 from . import chips, inputs as I, programs as PR, report as R, runner
 
 EXAMPLES = """examples:
@@ -46,12 +46,9 @@ def _list(choices=None):
 
 def _mesh(text: str) -> tuple[int, ...]:
     try:
-        shape = tuple(int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"mesh must look like 1x8x1 (data x expert x model), got {text!r}") from None
-    if len(shape) != len(MESH_AXES) or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"mesh needs {len(MESH_AXES)} positive sizes (data x expert x model)")
-    return shape
+        return parse_mesh_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive(text: str) -> int:

@@ -33,6 +33,7 @@ from ..ops import quant
 from . import moe_prefill, tpu_indexer, tpu_moe
 from . import tpu_common as tc
 
+
 class AotUnavailable(RuntimeError):
     """libtpu is missing or cannot describe the topology."""
 

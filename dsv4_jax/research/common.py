@@ -159,11 +159,9 @@ def parse_mesh(text: str | None):
     if text is None:
         return None
     try:
-        shape = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1:
-        raise OptionError(f"--mesh {text!r}: expected DATAxEXPERTxMODEL sizes like 1x2x1")
+        shape = sharding.parse_mesh_shape(text)
+    except ValueError as e:
+        raise OptionError(f"--{e}") from None
     try:
         return sharding.make_mesh(shape)
     except ValueError as e:

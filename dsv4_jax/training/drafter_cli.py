@@ -191,11 +191,9 @@ def parse_mesh(text: str):
     if text == "auto":
         return None if n == 1 else SH.make_mesh()
     try:
-        shape = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1:
-        raise OptionError(f"--mesh {text!r}: expected DATAxEXPERTxMODEL sizes like 1x8x1")
+        shape = SH.parse_mesh_shape(text)
+    except ValueError as e:
+        raise OptionError(f"--{e}") from None
     if int(np.prod(shape)) != n:
         raise OptionError(f"--mesh {text}: needs {int(np.prod(shape))} devices, {n} available")
     return None if n == 1 else SH.make_mesh(shape)

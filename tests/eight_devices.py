@@ -1,0 +1,28 @@
+"""Run a check script of tests/ in a fresh process with 8 forced host devices and read its RESULT line.
+
+`--xla_force_host_platform_device_count=8` must be set before jax initialises, hence the subprocess
+(`sharding_checks.py`, `ep_checks.py`). fast_compile: XLA backend optimisation off — both sides of every
+comparison run in that one process with the same flags.
+"""
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def run_checks(script: str, args, timeout: int, fast_compile: bool = True) -> dict:
+    flags = "--xla_force_host_platform_device_count=8"
+    if fast_compile:
+        flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    print(json.dumps(res, indent=1))
+    assert res["devices"] == 8
+    return res
