@@ -71,7 +71,7 @@ def plain(model, prompts):
     return {B: d.generate(params, config, prompts[:B], N_NEW, eos_token_id=-1, max_len=96)[0] for B in (1, 3)}
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("k", [1, *(pytest.param(k, marks=pytest.mark.slow) for k in (2, 3, 4)), 5])
 def test_greedy_speculative_equals_plain(model, prompts, plain, k):
     config, params = model
     for B in (1, 3):

@@ -82,7 +82,7 @@ def test_incremental_chain_matches_full_recompute_over_rounds(model):
         assert int(n[0]) == k
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("k", [1, *(pytest.param(k, marks=pytest.mark.slow) for k in (2, 3, 4)), 5])
 def test_greedy_speculative_equals_plain(model, prompts, plain, k):
     config, params = model
     for B in (1, 3):
@@ -170,7 +170,7 @@ def test_sampling_is_lossless_on_a_tiny_vocabulary():
             assert 0.05 < stats["draft_acceptance_rate"] < 0.95      # both accept and reject paths ran
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.8, marks=pytest.mark.slow)])
 def test_python_twin_gives_identical_results(model, prompts, temperature):
     config, params = model
     kw = dict(drafter="mtp", draft_n_max=3, temperature=temperature, top_p=0.95, seed=3, eos_token_id=-1,

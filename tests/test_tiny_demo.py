@@ -40,7 +40,7 @@ def test_the_target_has_learned_python(demo):
     assert loss < 2.5
 
 
-@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
+@pytest.mark.parametrize("drafter", [pytest.param("mtp", marks=pytest.mark.slow), "dspark"])
 def test_greedy_speculative_equals_plain_on_the_shipped_model(demo, prompts, drafter):
     kw = dict(eos_token_id=-1, max_len=128, pad_to=48)
     plain, _ = d.generate(demo.params, demo.config, prompts, 64, **kw)
@@ -100,6 +100,7 @@ def test_round_parts_split_a_round():
     assert parts["speedup_bound_free_drafter"] == pytest.approx(2.0)
 
 
+@pytest.mark.slow   # ~90 s of compiles; the accounting is test_round_parts_split_a_round
 def test_evaluate_bundle_reports_speedups_and_where_they_are_bounded():
     from dsv4_jax.training.evaluate import evaluate_bundle, format_table
     res = evaluate_bundle(n_prompts=1, max_new=12, ks=(1,), chain=2, chain_repeats=1)
