@@ -168,6 +168,7 @@ def test_random_params_on_device_follow_the_specs(expert_format):
 
 # ---- the report ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow   # runs the benchmark end to end (~45 s of compiles)
 def test_report_sections_and_meta(run):
     result, saved, out = run
     for key in ("meta", "prefill", "decode", "verify", "spec", "loop", "profile", "goals", "summary", "skipped",
@@ -184,6 +185,7 @@ def test_report_sections_and_meta(run):
     assert os.path.exists(os.path.splitext(str(out))[0] + ".md")
 
 
+@pytest.mark.slow   # runs the benchmark end to end (~45 s of compiles)
 def test_decode_verify_prefill_rows(run):
     _, saved, _ = run
     c = bench.small_flash(0)
@@ -206,6 +208,7 @@ def test_decode_verify_prefill_rows(run):
     assert saved["prefill"][0]["tokens_per_s"] == pytest.approx(2 / (saved["prefill"][0]["us"] * 1e-6))
 
 
+@pytest.mark.slow   # runs the benchmark end to end (~45 s of compiles)
 def test_spec_and_loop_rows(run):
     _, saved, _ = run
     dec = saved["decode"][0]
@@ -224,6 +227,7 @@ def test_spec_and_loop_rows(run):
     assert lp["host_loop_overhead_us"] == pytest.approx(lp["host_us_per_round"] - lp["async_us_per_round"])
 
 
+@pytest.mark.slow   # runs the benchmark end to end (~45 s of compiles)
 def test_profile_rows(run):
     _, saved, _ = run
     (tr,) = saved["profile"]["traces"]
@@ -240,6 +244,7 @@ def test_profile_rows(run):
     assert comp["sum_us"] == pytest.approx(sum(r["us_total"] for r in comp["components"]))
 
 
+@pytest.mark.slow   # runs the benchmark end to end (~45 s of compiles)
 def test_goals_and_tables(run):
     result, saved, out = run
     goals = saved["goals"]
@@ -261,6 +266,7 @@ def test_goals_and_tables(run):
     assert result["goals"] == goals
 
 
+@pytest.mark.slow   # runs the benchmark end to end (~45 s of compiles)
 def test_render_recomputes_the_same_report(run, tmp_path):
     """--render rebuilds goals, summary and tables from a saved JSON without measuring."""
     _, saved, out = run
