@@ -24,6 +24,7 @@ import sys  # noqa: E402
 
 import jax  # noqa: E402
 
+from dsv4_jax import libtpu  # noqa: E402
 from dsv4_jax.kernels import tpu_aot  # noqa: E402
 
 MiB = 2 ** 20
@@ -65,7 +66,7 @@ def main(argv=None):
     ap.add_argument("--no-reference", action="store_true", help="skip the XLA reference compiles")
     ap.add_argument("--out", help="JSON path (a .md with the table is written next to it)")
     args = ap.parse_args(argv)
-    if not tpu_aot.libtpu_available():
+    if not libtpu.available():
         sys.exit("libtpu is not installed: pip install libtpu (the version matching jax) to compile for TPU")
     topologies = args.topology or ["v5p:2x2x1", "v6e:2x2"]
     cases = [c for c in tpu_aot.default_cases() if not args.case or any(s in c.name for s in args.case)]

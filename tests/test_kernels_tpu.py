@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4_jax import backends
+from dsv4_jax import backends, libtpu
 from dsv4_jax.backends import Backends
 from dsv4_jax.config import tiny
 from dsv4_jax.kernels import moe_prefill, tpu_aot, tpu_common, tpu_indexer, tpu_moe
@@ -339,7 +339,7 @@ def test_kernels_lower_to_mosaic(fmt, chip):
     assert "tpu_custom_call" in text
 
 
-needs_libtpu = pytest.mark.skipif(not tpu_aot.libtpu_available(), reason="libtpu is not installed")
+needs_libtpu = pytest.mark.skipif(not libtpu.available(), reason="libtpu is not installed")
 
 
 @pytest.mark.slow

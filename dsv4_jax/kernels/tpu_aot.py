@@ -34,10 +34,6 @@ from . import moe_prefill, tpu_indexer, tpu_moe
 from . import tpu_common as tc
 
 
-class AotUnavailable(RuntimeError):
-    """libtpu is missing or cannot describe the topology."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Shapes:
     """Model dimensions the kernels see (defaults: DeepSeek-V4-Flash)."""
@@ -87,16 +83,9 @@ def default_cases(decode_tokens: int = 8, prefill_tokens: int = 2048) -> list[Ca
     return cases
 
 
-def libtpu_available() -> bool:
-    return libtpu.available()
-
-
 def topology_device(topology: str):
-    """The first chip of a libtpu topology ("v5p:2x2x1", "v6e:2x2", ...)."""
-    try:
-        return libtpu.topology_desc(topology).devices[0]
-    except libtpu.LibtpuMissing as e:
-        raise AotUnavailable(str(e)) from e
+    """The first chip of a libtpu topology ("v5p:2x2x1", "v6e:2x2", ...); `libtpu.LibtpuMissing` without libtpu."""
+    return libtpu.topology_desc(topology).devices[0]
 
 
 # ---- inputs ----
