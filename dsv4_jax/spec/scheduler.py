@@ -114,7 +114,8 @@ class RunResult:
 
 
 class SlotEngine:
-    """B slots: one compiled decode-chunk program, one prefill-chunk and one insert program."""
+    """B slots: one compiled decode-chunk program; an init-rows, a prefill-chunk and an insert program per
+    prefill width (`prefill_widths(B)`)."""
 
     def __init__(self, params: dict, prepared, requests: Sequence[tuple[list[int], int]], *, batch: int,
                  chunk_rounds: int, prefill_len: int, refill_min: int = 1):
@@ -140,8 +141,10 @@ class SlotEngine:
               eos_token_id: int | None = None, backends: Backends | str | None = None, **options) -> "SlotEngine":
         """Validate a run (the options of `generate`: groups or keywords) and build its engine.
 
-        max_new_tokens: one budget, or one per prompt; max_len (default: the longest prompt rounded up
-        to prefill_len + the largest budget + a verify block) fixes the decode state's capacity: the
+        max_new_tokens: one budget, or one per prompt; refill_min: under "continuous", the finishes a
+        decode chunk waits for before the host refills (module docstring); max_len (default: the longest
+        prompt rounded up to prefill_len + the largest budget + a verify block) fixes the decode state's
+        capacity: the
         compiled programs depend on (config, batch, max_len, drafter, draft_n_max, greedy, eos) only, so
         engines for other prompts and budgets with the same max_len reuse them."""
         budgets = [int(max_new_tokens)] * len(prompts) if np.ndim(max_new_tokens) == 0 else \
