@@ -145,14 +145,17 @@ def test_batch_eval_writes_documented_outputs(bundle, tmp_path):
     for r in rows:
         for key in ("n_requests", "total_predicted", "tokens_per_s", "vs_static", "speedup", "slot_utilization",
                     "latency_mean_s", "latency_p50_s", "latency_p90_s", "ttft_p50_s", "ttft_p90_s",
-                    "aggregate_accept_rate", "mean_accepted_length", "chunks", "warmup_s"):
+                    "aggregate_accept_rate", "mean_accepted_length", "chunks", "warmup_s", "decode_tokens_per_s",
+                    "decode_vs_static", "rounds_ratio", "ms_per_round"):
             assert key in r, key
         assert r["n_requests"] == 3 and r["total_predicted"] == sum(meta["budgets"])
+        assert abs(r["prefill_s"] + r["decode_s"] - r["wall_s"]) < 1e-9 and 1 <= r["refills"] <= r["prefill_calls"]
         assert r["latency_p90_s"] >= r["latency_p50_s"] >= r["ttft_p50_s"] > 0
     assert rows[0]["vs_static"] == 1.0 and rows[1]["outputs_match_static"] is True
     records = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
     assert len(records) == 6 and [len(r["output_tokens"]) for r in records[:3]] == meta["budgets"]
-    assert "| spec | k | knob | T | B | schedule | requests |" in open(os.path.join(out, "batch_eval.md")).read()
+    md = open(os.path.join(out, "batch_eval.md")).read()
+    assert "| spec | k | knob | T | B | schedule | requests |" in md and "| admission (s) | refills |" in md
 
 
 def test_padded_generation_equals_generate(bundle, sweep_out):
@@ -242,6 +245,7 @@ def _assert_rejected(main, args, message, tmp_path, capsys):
     (["--output-lengths", "16"], "--output-lengths: give a range LO-HI"),
     (["--output-lengths", "16-256", "--max-new-tokens", "8"], "--max-new-tokens or --output-lengths"),
     (["--chunk-rounds", "0"], "--chunk-rounds must be >= 1"),
+    (["--refill-min", "0"], "--refill-min must be >= 1"),
     (["--mesh", "2x2"], "expected DATAxEXPERTxMODEL"),
     (["--mesh", "1x3x1"], "needs 3 devices"),
 ])

@@ -17,7 +17,7 @@ from dsv4_jax.decode import CapacityError
 from dsv4_jax.drafters.dspark import DSparkConfig
 from dsv4_jax.params import init_dspark, init_mtp
 from dsv4_jax.spec import slots as S
-from dsv4_jax.spec.scheduler import SlotEngine
+from dsv4_jax.spec.scheduler import SlotEngine, prefill_widths
 
 PREFILL_LEN = 8
 MAX_LEN = 64
@@ -121,18 +121,60 @@ def test_one_chunk_program_across_refills(model, requests, alone, eos, none_b2):
     """Refills (a chunk per finished request) and a second engine with other prompts and budgets but the
     same (config, B, max_len, draft_n_max) compile nothing new."""
     none_b2.warm_up()
-    sizes = lambda: (S.run_chunk._cache_size(), S.prefill_chunk._cache_size(), S.insert._cache_size())
+    sizes = lambda: (S.run_chunk._cache_size(), S.prefill_chunk._cache_size(), S.insert._cache_size(),
+                     S.init_rows._cache_size())
     before = sizes()
     run = none_b2.run("continuous")
     assert run.chunks >= N_REQ                     # a chunk ends at each finish: at least one per request
     prompts, budgets = requests
     other = (list(reversed(prompts)), [b + 2 for b in reversed(budgets)])
-    eng2 = engine(model, other, None, 2, eos, chunk_rounds=3)
+    eng2 = engine(model, other, None, 2, eos, chunk_rounds=3, refill_min=2)
     run2 = eng2.run("continuous")
     run3 = eng2.run("static")
     assert sizes() == before
     assert [r.tokens for r in run2.results] == [r.tokens for r in run3.results] == \
         expected(list(reversed(alone)), other[1], eos)
+
+
+def test_prefill_widths():
+    assert prefill_widths(1) == (1,) and prefill_widths(2) == (1, 2) and prefill_widths(4) == (1, 2, 4)
+    assert prefill_widths(6) == (1, 2, 4, 6) and prefill_widths(16) == (1, 2, 4, 8, 16)
+
+
+def test_batched_admission_equals_one_at_a_time(model, eos):
+    """Three requests of 2 prefill chunks (one a row shorter) admitted by one [4, C] call per chunk (a
+    padded, masked row) write the same slot state as each admitted alone; the fourth slot is untouched."""
+    cfg, params, meta = model
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 90, n).tolist() for n in (16, 11, 9)]
+    eng = engine(model, (prompts, [5, 6, 7]), "mtp", 4, eos)       # the programs of the mtp-B4 case
+    empty = lambda: S.empty_carry(params, eng.config, batch=4, max_len=MAX_LEN, opts=eng.opts,
+                                  key=jax.random.PRNGKey(0))
+    group, calls = eng._admit(empty(), [(0, 3), (1, 0), (2, 1)], jax.random.PRNGKey(0))
+    assert calls == 2                                   # one call per chunk for all three rows
+    alone = empty()
+    for i, b in [(0, 3), (1, 0), (2, 1)]:
+        alone, calls = eng._admit(alone, [(i, b)], jax.random.PRNGKey(0))
+        assert calls == 2
+    ref = empty()
+    for ax, g, a, e in zip(eng.carry_axes, *(jax.tree.leaves(c) for c in (group, alone, ref))):
+        if ax is None:
+            continue
+        g, a, e = (np.moveaxis(np.asarray(x, np.float32), ax, 0) for x in (g, a, e))
+        np.testing.assert_allclose(g[[0, 1, 3]], a[[0, 1, 3]], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(g[2], e[2])      # slot 2 got no row
+    assert np.asarray(group.limit).tolist() == [6, 7, 0, 5]
+
+
+def test_refill_min_groups_refills(model, requests, alone, eos):
+    """refill_min 2: a chunk runs until two sequences finished, freed slots refilled together — fewer
+    refills than requests, and still every request's own tokens and statistics."""
+    prompts, budgets = requests
+    eng = engine(model, requests, "mtp", 4, eos, refill_min=2)
+    run = eng.run("continuous")
+    _check_requests(run, expected(alone, budgets, eos), budgets, eng.opts.k)
+    assert run.refills < N_REQ - 3 and run.prefill_calls >= run.refills
+    assert 0 < run.decode_s < run.wall_s
 
 
 def test_slot_utilization(none_b2):
@@ -167,8 +209,10 @@ def test_bad_requests(model):
         SlotEngine.build(params, cfg, [[1] * 9], 8, batch=2, max_len=16, prefill_len=8)
     with pytest.raises(ValueError, match="prompt token ids"):
         SlotEngine.build(params, cfg, [[1, 999]], 4, batch=2)
-    with pytest.raises(ValueError, match="batch, chunk_rounds and prefill_len"):
+    with pytest.raises(ValueError, match="batch, chunk_rounds, prefill_len and refill_min"):
         SlotEngine.build(params, cfg, [[1, 2]], 4, batch=0)
+    with pytest.raises(ValueError, match="refill_min must be >= 1"):
+        SlotEngine.build(params, cfg, [[1, 2]], 4, batch=2, refill_min=0)
     eng = SlotEngine.build(params, cfg, [[1, 2]], 4, batch=1, max_len=MAX_LEN, prefill_len=PREFILL_LEN)
     with pytest.raises(ValueError, match="schedule must be one of"):
         eng.run("fifo")
@@ -182,7 +226,7 @@ from dsv4_jax import sharding
 from dsv4_jax.config import _tiny_base
 from dsv4_jax.params import init_mtp
 from dsv4_jax.spec import slots as S
-from dsv4_jax.spec.scheduler import SlotEngine
+from dsv4_jax.spec.scheduler import SlotEngine, prefill_widths
 cfg = _tiny_base(name="slots-mesh", ratios=[4, 8], n_hash=0, hc_mult=2, hc_sinkhorn_iters=3, n_routed_experts=4,
                  num_heads=2, o_groups=2)
 params = d.init_params(cfg, 0)

@@ -65,9 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "every request gets --max-new-tokens and lengths spread by EOS only")
     s.add_argument("--chunk-rounds", type=int, default=32, metavar="N",
                    help="a decode chunk runs at most N speculative rounds before the host looks at the slots "
-                        "(it also ends when a sequence finishes; default 32)")
+                        "(it also ends when sequences finish, see --refill-min; default 32)")
+    s.add_argument("--refill-min", type=int, default=1, metavar="M",
+                   help="continuous: a decode chunk ends once M sequences have finished (fewer if fewer requests "
+                        "are queued), and their slots are refilled together; 1 refills every freed slot at once, "
+                        "larger values batch the prefills but leave slots idle meanwhile (default 1)")
     s.add_argument("--prefill-len", type=int, default=64, metavar="C",
-                   help="prompts are prefilled in chunks of C tokens (one compiled shape; default 64)")
+                   help="prompts are prefilled in chunks of C tokens, the requests of a refill with as many chunks "
+                        "together as the rows of one call (one compiled shape per row count 1, 2, 4, .. B; "
+                        "default 64)")
     s.add_argument("--mesh", metavar="DxExM",
                    help="shard the model over a data x expert x model device mesh, e.g. 1x8x1 (default: one "
                         "device)")
@@ -93,7 +99,7 @@ def parse_settings(a: argparse.Namespace) -> tuple[list[Setting], list[int]]:
     sizes = common.int_list(a.batch_size, "--batch-size", 1)
     if a.num_prompts < 1:
         raise OptionError(f"--num-prompts must be >= 1, got {a.num_prompts}")
-    for name in ("chunk_rounds", "prefill_len"):
+    for name in ("chunk_rounds", "prefill_len", "refill_min"):
         if getattr(a, name) < 1:
             raise OptionError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     a.schedules = schedule_list(a.schedule)
@@ -134,7 +140,7 @@ def cycle_to(prompts: list[dict], n: int) -> list[dict]:
 def build_engine(model, prompts: list[dict], budgets: list[int], setting: Setting, a) -> SlotEngine:
     return SlotEngine.build(
         model.params, model.bundle, [p["tokens"] for p in prompts], budgets, batch=setting.batch_size,
-        chunk_rounds=a.chunk_rounds, prefill_len=a.prefill_len,
+        chunk_rounds=a.chunk_rounds, prefill_len=a.prefill_len, refill_min=a.refill_min,
         sampling=Sampling(temperature=setting.temperature, top_p=a.top_p, seed=a.seed),
         speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1), p_min=setting.p_min,
                                 confidence_threshold=setting.confidence_threshold),
@@ -156,6 +162,9 @@ def schedule_row(setting: Setting, run: RunResult, walls: list[float], model) ->
             "mean_accepted_length": (accepted + rounds) / rounds if rounds else 0.0,
             "per_position_accept_rate": [x / y if y else 0.0 for x, y in zip(pos_acc, pos_prop)],
             "wall_s": run.wall_s, "walls": walls, "tokens_per_s": run.tokens_per_s, "prefill_s": run.prefill_s,
+            "decode_s": run.decode_s, "decode_tokens_per_s": run.generated / run.decode_s if run.decode_s > 0 else 0.0,
+            "ms_per_round": 1e3 * run.decode_s / run.rounds if run.rounds else 0.0, "refills": run.refills,
+            "prefill_calls": run.prefill_calls,
             "chunks": run.chunks, "loop_rounds": run.rounds, "slot_utilization": run.slot_utilization,
             "latency_mean_s": lat["mean"], "latency_p50_s": lat["p50"], "latency_p90_s": lat["p90"],
             "latency_max_s": lat["max"], "ttft_mean_s": ttft["mean"], "ttft_p50_s": ttft["p50"],
@@ -163,14 +172,20 @@ def schedule_row(setting: Setting, run: RunResult, walls: list[float], model) ->
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """vs_static: tokens/s over the static row of the same setting; speedup: over the 'none' row with the
+    """vs_static: tokens/s over the static row of the same setting (decode_vs_static: the decode phases',
+    rounds_ratio: the static row's loop rounds over this one's); speedup: over the 'none' row with the
     same schedule, temperature and batch size (None without one)."""
-    static = {r["label"]: r["tokens_per_s"] for r in rows if r["schedule"] == "static"}
+    static_rows = {r["label"]: r for r in rows if r["schedule"] == "static"}
+    static = {label: r["tokens_per_s"] for label, r in static_rows.items()}
     base = {(r["schedule"], r["temperature"], r["batch_size"]): r["tokens_per_s"] for r in rows
             if r["spec_type"] == BASELINE}
     for r in rows:
         s, b = static.get(r["label"]), base.get((r["schedule"], r["temperature"], r["batch_size"]))
         r["vs_static"] = r["tokens_per_s"] / s if s else None
+        st = static_rows.get(r["label"])
+        r["decode_vs_static"] = r["decode_tokens_per_s"] / st["decode_tokens_per_s"] \
+            if st and st["decode_tokens_per_s"] else None
+        r["rounds_ratio"] = st["loop_rounds"] / r["loop_rounds"] if st and r["loop_rounds"] else None
         r["speedup"] = r["tokens_per_s"] / b if b else None
     return rows
 
@@ -206,6 +221,8 @@ def evaluate(model, prompts: list[dict], budgets: list[int], setting: Setting, a
 MD_HEADER = ("spec", "k", "knob", "T", "B", "schedule", "requests", "generated", "tok/s", "vs static", "speed-up",
              "slot use", "accept_rate", "mean_acc_len", "latency mean (s)", "p50 (s)", "p90 (s)", "TTFT p50 (s)",
              "TTFT p90 (s)")
+PHASE_HEADER = ("spec", "k", "knob", "T", "B", "schedule", "wall (s)", "admission (s)", "refills", "prefill calls",
+                "loop rounds", "ms / round", "decode-phase tok/s", "rounds static / this", "decode-phase vs static")
 
 
 def markdown(summary: dict) -> str:
@@ -215,12 +232,18 @@ def markdown(summary: dict) -> str:
              f"{s['tokens_per_s']:.1f}", _times(s["vs_static"]), _times(s["speedup"]), s["slot_utilization"],
              s["aggregate_accept_rate"], s["mean_accepted_length"], s["latency_mean_s"], s["latency_p50_s"],
              s["latency_p90_s"], s["ttft_p50_s"], s["ttft_p90_s"]) for s in summary["settings"]]
+    phases = [(s["spec_type"], s["draft_n_max"] if s["spec_type"] != BASELINE else "–", report.knob_text(s),
+               f"{s['temperature']:g}", s["batch_size"], s["schedule"], f"{s['wall_s']:.1f}", f"{s['prefill_s']:.1f}",
+               s["refills"], s["prefill_calls"], s["loop_rounds"], f"{s['ms_per_round']:.1f}",
+               f"{s['decode_tokens_per_s']:.1f}", _ratio(s["rounds_ratio"]), _times(s["decode_vs_static"]))
+              for s in summary["settings"]]
     lengths = m["output_lengths"] or f"max_new_tokens {m['max_new_tokens']} (EOS spreads them)"
     return "\n".join([
         f"# Batch evaluation — {m['model']['name']}", "",
         f"- model: `{m['model']['source']}`; {m['n_prompts']} prompts from `{m['suite']}`, output lengths: "
         f"{lengths}; ignore_eos {m['ignore_eos']}, repeats {m['repeats']}, seed {m['seed']}",
-        f"- slots: chunk of at most {m['chunk_rounds']} rounds, prefill chunks of {m['prefill_len']} tokens; "
+        f"- slots: chunk of at most {m['chunk_rounds']} rounds, refill after {m.get('refill_min', 1)} finish(es), "
+        f"prefill chunks of {m['prefill_len']} tokens; "
         f"mesh {m['mesh'] or 'none'}",
         f"- {m['env']['backend']} ({', '.join(sorted(set(m['env']['devices'])))}), jax {m['env']['jax_version']}, "
         f"{m['env']['date']}", f"- command: `{m['env']['command']}`", "",
@@ -228,11 +251,18 @@ def markdown(summary: dict) -> str:
         "last token, TTFT = to its first; vs static = tok/s over the static schedule of the same setting; "
         "speed-up = over `none` with the same schedule, T and B; slot use = rounds a slot held a running "
         "request / (B × rounds).", "",
-        report.markdown_table(MD_HEADER, rows), ""])
+        report.markdown_table(MD_HEADER, rows), "",
+        "Admission (prefill + insert, synchronised) and the decode phase (the rest of the wall time: decode "
+        "chunks and the host's look at the slots) apart; ms / round = decode phase / loop rounds.", "",
+        report.markdown_table(PHASE_HEADER, phases), ""])
 
 
 def _times(v) -> str:
     return "–" if v is None else f"{v:.2f}×"
+
+
+def _ratio(v) -> str:
+    return "–" if v is None else f"{v:.2f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "output_lengths": a.output_lengths, "budgets": budgets, "repeats": a.repeats,
                             "seed": a.seed, "top_p": a.top_p, "ignore_eos": a.ignore_eos,
                             "chunk_rounds": a.chunk_rounds, "prefill_len": a.prefill_len,
+                            "refill_min": a.refill_min,
                             "mesh": None if a.mesh_obj is None else dict(sharding.mesh_sizes(a.mesh_obj)),
                             "timing": "per schedule: wall time of SlotEngine.run (prefills, inserts and decode "
                                       "chunks, host synchronised after each), median over repeats, after one "

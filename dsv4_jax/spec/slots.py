@@ -11,12 +11,13 @@ host refills freed slots, in the JetStream / MaxText manner (prefill → insert 
     insert        the rows' decode state written into slots [P] of the carry (donated; a slot index
                   B drops the row), with fresh outputs, statistics and per-request budgets: the slot's
                   previous target *and drafter* state are replaced, so nothing of the old request leaks
-    run_chunk     the speculative loop (`loop.round_step`) for at most `max_rounds` rounds, or until a
-                  sequence that was running at the start of the chunk finishes (or none is left)
+    run_chunk     the speculative loop (`loop.round_step`) for at most `max_rounds` rounds, or until
+                  `min_finished` sequences that were running at the start of the chunk have finished
+                  (or none is left running)
 
 Shapes are fixed by (config, B, max_len, opts): the chunk program compiles once per run, whatever
-the prompts, budgets, refills or chunk length (`max_rounds` is a traced scalar); prefill and insert
-compile once per prefill width P.
+the prompts, budgets, refills or chunk length (`max_rounds`, `min_finished` are traced scalars);
+init_rows, prefill and insert compile once per prefill width P.
 """
 from __future__ import annotations
 
@@ -159,14 +160,16 @@ def insert(carry: Carry, rows: Rows, slots: jax.Array, limits: jax.Array, *, opt
 
 
 @functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
-def run_chunk(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, max_rounds: jax.Array, *,
-              opts: Options) -> Carry:
-    """Speculative rounds (one on-device while loop) until max_rounds have run, a sequence running at the
-    start finishes, or every slot is done. carry.round counts rounds over the whole run."""
+def run_chunk(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, max_rounds: jax.Array,
+              min_finished: jax.Array, *, opts: Options) -> Carry:
+    """Speculative rounds (one on-device while loop) until max_rounds have run, min_finished of the
+    sequences running at the start have finished, or every slot is done. carry.round counts rounds
+    over the whole run."""
     running = ~carry.done
     r0 = carry.round
 
     def cond(c: Carry):
-        return jnp.any(~c.done) & ~jnp.any(c.done & running) & (c.round - r0 < max_rounds)
+        finished = jnp.sum(c.done & running)
+        return jnp.any(~c.done) & (finished < min_finished) & (c.round - r0 < max_rounds)
 
     return jax.lax.while_loop(cond, lambda c: round_step(params, config, c, knobs, opts), carry)
