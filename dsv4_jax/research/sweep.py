@@ -31,7 +31,9 @@ from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
 from .prompts import PromptError
 from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, per_sequence,
-                     plan_shapes, pool_for, run_batch, shapes, warm_up)
+                     plan_shapes, pool_for, precompile, run_batch, shapes, warm_up)
+
+COMPILE_THREADS = 2
 
 EXAMPLES = """examples:
   dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts,
@@ -65,11 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", default="1", metavar="B", help="prompts decoded together (default 1)")
     common.add_prompt_args(p, default_per_category=1)
     common.add_run_args(p)
+    g = p.add_argument_group("compilation")
+    g.add_argument("--compile-threads", type=int, default=COMPILE_THREADS, metavar="N",
+                   help=f"compile the sweep's distinct programs N at a time before the first run (default "
+                        f"{COMPILE_THREADS}: two cores compile two programs at once); 0 = compile each on first use")
     return p
 
 
 def parse_grid(a: argparse.Namespace) -> dict:
     """The grid lists from the options (raises OptionError)."""
+    if a.compile_threads < 0:
+        raise OptionError(f"--compile-threads must be >= 0, got {a.compile_threads}")
     return {"specs": common.spec_list(a.spec), "ks": common.int_list(a.draft_n_max, "--draft-n-max", 1),
             "p_mins": common.float_list(a.p_min, "--p-min", 0.0, 1.0),
             "confs": common.float_list(a.confidence, "--confidence", 0.0, 1.0),
@@ -281,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start, load_start = time.perf_counter(), list(os.getloadavg())
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "sweep") as bar:
         log = (lambda s: None) if a.quiet else bar.write
+        pre = precompile(model, prompts, settings, plan, a.compile_threads) if a.compile_threads else None
+        if pre:
+            log(f"== compiled {pre['programs']} programs in {pre['wall_s']:.1f} s ({a.compile_threads} at a time)")
         all_records, rows, baselines = [], [], {}
         for setting in settings:
             records, batch_records, warm = run_setting(model, prompts, setting, plan, a.repeats, log, bar)
@@ -297,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary["meta"]["env"].update(load_average=load_start, load_average_end=list(os.getloadavg()))
         summary["meta"]["sweep_wall_s"] = time.perf_counter() - t_start
         summary["meta"]["warmup_s_total"] = sum(r["warmup_s"] for r in rows)
+        summary["meta"]["precompile"] = None if pre is None else {**pre, "threads": a.compile_threads}
         report.write_jsonl(f"{tmp}/results.jsonl", all_records)
         report.write_json(f"{tmp}/summary.json", summary)
         with open(f"{tmp}/summary.md", "w", encoding="utf-8") as f:
