@@ -259,14 +259,18 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
 # the default sweep's process CPU time, ~ its wall time on idle cores); a prefill includes its drafter primings
 COMPILE_S_PER_LAYER = {"prefill": 2.4, "loop": 3.0}
 RUN_S_PER_LAYER_TOKEN = 0.33e-3
+# compiles running at once on idle cores (--compile-threads): tracing and lowering (Python) take turns
+PARALLEL_EFFICIENCY = 0.85
 
 
-def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int) -> tuple[float, float]:
+def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int, threads: int = 1) -> tuple[float, float]:
     """(compile seconds, run seconds): a rough forecast from the program and run counts, scaled by the
-    model's layers (calibrated on the bundled model; a converted checkpoint takes far longer)."""
+    model's layers (calibrated on the bundled model; a converted checkpoint takes far longer), the
+    compile time divided among `threads` compiles at once on idle cores."""
     n = programs(settings, prompts, plan, model)
     layers = model.config.num_layers
-    compile_s = layers * sum(COMPILE_S_PER_LAYER[k] * v for k, v in n.items())
+    parallel = max(1.0, min(threads, os.cpu_count() or 1) * PARALLEL_EFFICIENCY)
+    compile_s = layers * sum(COMPILE_S_PER_LAYER[k] * v for k, v in n.items()) / parallel
     runs = sum(repeats * len(batches(prompts, s.batch_size)) + len(shapes(prompts, s.batch_size, plan))
                for s in settings)
     return compile_s, runs * plan.max_new_tokens * layers * RUN_S_PER_LAYER_TOKEN
@@ -280,12 +284,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = build_settings(**grid)
     max_new, plan, total = plan_run(a, model, prompts, settings, suite_max_new, notes)
     n_prog = programs(settings, prompts, plan, model)
-    est_c, est_r = estimate_s(settings, prompts, plan, model, a.repeats)
+    est_c, est_r = estimate_s(settings, prompts, plan, model, a.repeats, a.compile_threads)
     print(f"dsv4-sweep: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "
           f"max_new_tokens {max_new}, repeats {a.repeats} -> {a.out}\n"
           f"dsv4-sweep: {n_prog['prefill']} prefill + {n_prog['loop']} loop programs to compile, prompt buckets "
           f"{list(plan.buckets)}; expect about {(est_c + est_r) / 60:.1f} min on 2 idle CPU cores "
-          f"(~{est_c:.0f} s compiling, seconds with a warm --compile-cache; longer on busy cores)", file=sys.stderr)
+          f"(~{est_c:.0f} s compiling, {max(a.compile_threads, 1)} program(s) at a time; seconds with a warm "
+          f"--compile-cache; longer on busy cores)", file=sys.stderr)
     t_start, load_start = time.perf_counter(), list(os.getloadavg())
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "sweep") as bar:
         log = (lambda s: None) if a.quiet else bar.write
