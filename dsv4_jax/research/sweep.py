@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("compilation")
     g.add_argument("--compile-threads", type=int, default=COMPILE_THREADS, metavar="N",
                    help=f"compile the sweep's distinct programs N at a time before the first run (default "
-                        f"{COMPILE_THREADS}: two cores compile two programs at once); 0 = compile each on first use")
+                        f"{COMPILE_THREADS}: two cores compile two programs at once; one-device runs); 0 = compile "
+                        "each on first use")
     return p
 
 
@@ -294,7 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start, load_start = time.perf_counter(), list(os.getloadavg())
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "sweep") as bar:
         log = (lambda s: None) if a.quiet else bar.write
-        pre = precompile(model, prompts, settings, plan, a.compile_threads) if a.compile_threads else None
+        # one device only: abstract arguments carry no mesh shardings, a sharded run would compile again
+        pre = precompile(model, prompts, settings, plan, a.compile_threads) \
+            if a.compile_threads and model.sharding is None else None
         if pre:
             log(f"== compiled {pre['programs']} programs in {pre['wall_s']:.1f} s ({a.compile_threads} at a time)")
         all_records, rows, baselines = [], [], {}
