@@ -71,8 +71,7 @@ def load_bundle(path: str, dtype=None):
             a = z[name]
             if kind == "bfloat16":
                 a = a.view(ml_dtypes.bfloat16)
-            a = jnp.asarray(a)
             if dtype is not None and jnp.issubdtype(a.dtype, jnp.floating) and a.ndim >= 2:
-                a = a.astype(dtype)
-            flat[name] = a
+                a = a.astype(jnp.dtype(dtype))   # on the host: a device cast compiles one program per shape
+            flat[name] = jnp.asarray(a)
     return config, _nest(flat), meta.get("info", {})

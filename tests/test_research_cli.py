@@ -9,6 +9,7 @@ import json
 import os
 
 import jax.numpy as jnp
+from jax import monitoring
 import numpy as np
 import pytest
 
@@ -23,6 +24,16 @@ from dsv4_jax.spec import generate as spec_generate, loop
 RUN = ["--limit", "1", "--max-new-tokens", "8", "--draft-n-max", "1,2", "--repeats", "2", "--no-compile-cache",
        "--quiet"]
 COMPILED = {}       # programs the sweep fixture compiled, by jitted function
+XLA_COMPILES = []   # names of the functions XLA compiled while the sweep fixture ran
+RECORDING = [False]
+
+
+def _on_event(event, duration, fun_name=None, **_):
+    if RECORDING[0] and event == "/jax/core/compile/backend_compile_duration":
+        XLA_COMPILES.append(fun_name)
+
+
+monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def _config():
@@ -49,7 +60,11 @@ def sweep_out(bundle, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sweep") / "new" / "res")      # its parent does not exist yet
     fns = {"loop": loop.run_rounds, "prefill": spec_generate.prefill_target, "prime": spec_generate.prime}
     before = {k: f._cache_size() for k, f in fns.items()}
-    assert sweep.main(["--model", bundle, "--out", out, "--spec", "none,mtp,dspark", *RUN]) == 0
+    RECORDING[0] = True
+    try:
+        assert sweep.main(["--model", bundle, "--out", out, "--spec", "none,mtp,dspark", *RUN]) == 0
+    finally:
+        RECORDING[0] = False
     COMPILED.update({k: f._cache_size() - before[k] for k, f in fns.items()})
     return out
 
@@ -58,6 +73,10 @@ def test_sweep_shares_compiled_programs(sweep_out):
     """5 settings (none, mtp k=1,2, dspark k=1,2), one prompt bucket: one prefill, two primings (none and the
     drafter pool), three loops (none, width 2 and width 3, each shared by MTP and DSpark) — not 5 + 5."""
     assert COMPILED == {"loop": 3, "prefill": 1, "prime": 2}
+    # compiled once each, two at a time before the first run (`spec.precompile`): the warm-ups and timed
+    # runs call exactly the compiled programs, nothing compiles twice
+    big = {n: XLA_COMPILES.count(f"jit({n})") for n in ("run_rounds", "prefill_target", "prime")}
+    assert big == {"run_rounds": 3, "prefill_target": 1, "prime": 2}, XLA_COMPILES
     meta = json.load(open(os.path.join(sweep_out, "summary.json")))["meta"]
     assert meta["drafter_pool"] == ["mtp", "dspark"] and meta["max_block"] == 3
 
@@ -220,6 +239,7 @@ def test_repeat_spread_and_speedup_ranges():
     (["--temperature", "-0.5"], "--temperature: values must be >= 0, got -0.5"),
     (["--batch-size", "0"], "--batch-size: values must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--compile-threads", "-1"], "--compile-threads must be >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--draft-n-max", "x"], "not an integer"),
     (["--categories", "poetry"], "unknown category"),

@@ -11,7 +11,9 @@ the whole invocation (`RunPlan`), so that settings share compiled programs:
     bucket for all draft_n_max values (`RunShape.max_block`);
   * the drafters of the sweep are compiled together (`RunShape.drafter_pool`): one loop program per
     draft width shared by MTP and DSpark, the drafter chosen at run time. The verify block stays
-    k + 1 wide (it is what a speculative round costs), so each width is its own program.
+    k + 1 wide (it is what a speculative round costs), so each width is its own program;
+  * `precompile` compiles those distinct programs before the first run, two at a time on two cores
+    (`spec.precompile`), so a first run (empty compilation cache) does not compile them one by one.
 
 Wall time covers prefill + all decode rounds and ends with `jax.block_until_ready` (inside
 `generate`'s machinery); prefill and decode are timed apart.
@@ -25,7 +27,8 @@ import time
 from typing import Any, Mapping, Sequence
 
 from ..drafters import registry
-from ..spec.generate import generate
+from ..spec.generate import generate, prepare
+from ..spec.precompile import compile_all, programs
 from ..spec.options import RunShape, Sampling, Speculation
 
 BASELINE = "none"                          # no speculation: what speed-ups are measured against
@@ -92,6 +95,17 @@ def grid_settings(specs: Sequence[str], ks: Sequence[int], knob_values: Mapping[
     return out
 
 
+def padded_options(setting: Setting, *, pad_to: int, max_len: int, top_p: float = 1.0,
+                   eos_token_id: int | None = None, seed: int = 0, max_block: int | None = None,
+                   drafter_pool: tuple[str, ...] | None = None) -> dict:
+    """`generate`'s option groups for one setting, prompts right-padded to `pad_to`, the shapes fixed by the plan."""
+    return {"sampling": Sampling(temperature=setting.temperature, top_p=top_p, seed=seed),
+            "speculation": Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
+                                       p_min=setting.p_min, confidence_threshold=setting.confidence_threshold),
+            "run": RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to, max_block=max_block,
+                            drafter_pool=drafter_pool)}
+
+
 def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, pad_to: int,
                     max_len: int, setting: Setting, top_p: float = 1.0, eos_token_id: int | None = None,
                     seed: int = 0, max_block: int | None = None, drafter_pool: tuple[str, ...] | None = None):
@@ -100,11 +114,15 @@ def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], max_
     config: a ModelConfig or a config bundle (`LoadedModel.bundle`: the drafters' settings come from it).
     max_block / drafter_pool: `RunShape`'s (shared programs across draft_n_max values and drafters)."""
     return generate(params, config, [list(p) for p in prompts], max_new_tokens,
-                    sampling=Sampling(temperature=setting.temperature, top_p=top_p, seed=seed),
-                    speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
-                                            p_min=setting.p_min, confidence_threshold=setting.confidence_threshold),
-                    run=RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to, max_block=max_block,
-                                 drafter_pool=drafter_pool))
+                    **padded_options(setting, pad_to=pad_to, max_len=max_len, top_p=top_p, eos_token_id=eos_token_id,
+                                     seed=seed, max_block=max_block, drafter_pool=drafter_pool))
+
+
+def plan_options(batch: Sequence[dict], setting: Setting, plan: "RunPlan") -> dict:
+    """`padded_options` of a batch under the plan (its bucket, the plan's shapes and knobs)."""
+    return padded_options(setting, pad_to=plan.pad_for([len(p["tokens"]) for p in batch]), max_len=plan.max_len,
+                          top_p=plan.top_p, eos_token_id=plan.eos_token_id, seed=plan.seed,
+                          max_block=plan.max_block, drafter_pool=plan.drafter_pool)
 
 
 GRANULE = 16       # padded prompt lengths are multiples of this
@@ -207,10 +225,8 @@ def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, rep
     pad_to = plan.pad_for([len(p["tokens"]) for p in batch])
     walls, prefills, decodes, tokens, stats = [], [], [], None, None
     for _ in range(repeats):
-        tokens, stats = generate_padded(model.params, model.bundle, [p["tokens"] for p in batch],
-                                        plan.max_new_tokens, pad_to=pad_to, max_len=plan.max_len,
-                                        setting=setting, top_p=plan.top_p, eos_token_id=plan.eos_token_id,
-                                        seed=plan.seed, max_block=plan.max_block, drafter_pool=plan.drafter_pool)
+        tokens, stats = generate(model.params, model.bundle, [list(p["tokens"]) for p in batch],
+                                 plan.max_new_tokens, **plan_options(batch, setting, plan))
         walls.append(stats["wall_s"])
         prefills.append(stats["prefill_s"])
         decodes.append(stats["decode_s"])
@@ -224,6 +240,20 @@ def warm_up(model, batch: Sequence[dict], setting: Setting, plan: RunPlan) -> fl
     t0 = time.perf_counter()
     run_batch(model, batch, setting, plan, repeats=1)
     return time.perf_counter() - t0
+
+
+def precompile(model, prompts: Sequence[dict], settings: Sequence[Setting], plan: RunPlan,
+               threads: int = 2) -> dict[str, Any]:
+    """Compile every program the settings' runs call (each batch shape), `threads` at a time, before any
+    run (`spec.precompile`); the warm-ups and timed runs then find them compiled.
+    -> {"programs": distinct programs, "wall_s": seconds}."""
+    progs = []
+    for s in settings:
+        for g in shapes(prompts, s.batch_size, plan):
+            r = prepare(model.params, model.bundle, [list(p["tokens"]) for p in g], plan.max_new_tokens,
+                        **plan_options(g, s, plan))
+            progs += programs(model.params, r)
+    return compile_all(progs, threads)
 
 
 def shapes(prompts: Sequence[dict], size: int, plan: RunPlan) -> list[list[dict]]:

@@ -31,7 +31,9 @@ from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
 from .prompts import PromptError
 from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, per_sequence,
-                     plan_shapes, pool_for, run_batch, shapes, warm_up)
+                     plan_shapes, pool_for, precompile, run_batch, shapes, warm_up)
+
+COMPILE_THREADS = 2
 
 EXAMPLES = """examples:
   dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts,
@@ -65,11 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", default="1", metavar="B", help="prompts decoded together (default 1)")
     common.add_prompt_args(p, default_per_category=1)
     common.add_run_args(p)
+    g = p.add_argument_group("compilation")
+    g.add_argument("--compile-threads", type=int, default=COMPILE_THREADS, metavar="N",
+                   help=f"compile the sweep's distinct programs N at a time before the first run (default "
+                        f"{COMPILE_THREADS}: two cores compile two programs at once; one-device runs); 0 = compile "
+                        "each on first use")
     return p
 
 
 def parse_grid(a: argparse.Namespace) -> dict:
     """The grid lists from the options (raises OptionError)."""
+    if a.compile_threads < 0:
+        raise OptionError(f"--compile-threads must be >= 0, got {a.compile_threads}")
     return {"specs": common.spec_list(a.spec), "ks": common.int_list(a.draft_n_max, "--draft-n-max", 1),
             "p_mins": common.float_list(a.p_min, "--p-min", 0.0, 1.0),
             "confs": common.float_list(a.confidence, "--confidence", 0.0, 1.0),
@@ -251,14 +260,18 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
 # the default sweep's process CPU time, ~ its wall time on idle cores); a prefill includes its drafter primings
 COMPILE_S_PER_LAYER = {"prefill": 2.4, "loop": 3.0}
 RUN_S_PER_LAYER_TOKEN = 0.33e-3
+# compiles running at once on idle cores (--compile-threads): tracing and lowering (Python) take turns
+PARALLEL_EFFICIENCY = 0.85
 
 
-def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int) -> tuple[float, float]:
+def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int, threads: int = 1) -> tuple[float, float]:
     """(compile seconds, run seconds): a rough forecast from the program and run counts, scaled by the
-    model's layers (calibrated on the bundled model; a converted checkpoint takes far longer)."""
+    model's layers (calibrated on the bundled model; a converted checkpoint takes far longer), the
+    compile time divided among `threads` compiles at once on idle cores."""
     n = programs(settings, prompts, plan, model)
     layers = model.config.num_layers
-    compile_s = layers * sum(COMPILE_S_PER_LAYER[k] * v for k, v in n.items())
+    parallel = max(1.0, min(threads, os.cpu_count() or 1) * PARALLEL_EFFICIENCY)
+    compile_s = layers * sum(COMPILE_S_PER_LAYER[k] * v for k, v in n.items()) / parallel
     runs = sum(repeats * len(batches(prompts, s.batch_size)) + len(shapes(prompts, s.batch_size, plan))
                for s in settings)
     return compile_s, runs * plan.max_new_tokens * layers * RUN_S_PER_LAYER_TOKEN
@@ -272,15 +285,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = build_settings(**grid)
     max_new, plan, total = plan_run(a, model, prompts, settings, suite_max_new, notes)
     n_prog = programs(settings, prompts, plan, model)
-    est_c, est_r = estimate_s(settings, prompts, plan, model, a.repeats)
+    est_c, est_r = estimate_s(settings, prompts, plan, model, a.repeats, a.compile_threads)
     print(f"dsv4-sweep: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "
           f"max_new_tokens {max_new}, repeats {a.repeats} -> {a.out}\n"
           f"dsv4-sweep: {n_prog['prefill']} prefill + {n_prog['loop']} loop programs to compile, prompt buckets "
           f"{list(plan.buckets)}; expect about {(est_c + est_r) / 60:.1f} min on 2 idle CPU cores "
-          f"(~{est_c:.0f} s compiling, seconds with a warm --compile-cache; longer on busy cores)", file=sys.stderr)
+          f"(~{est_c:.0f} s compiling, {max(a.compile_threads, 1)} program(s) at a time; seconds with a warm "
+          f"--compile-cache; longer on busy cores)", file=sys.stderr)
     t_start, load_start = time.perf_counter(), list(os.getloadavg())
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "sweep") as bar:
         log = (lambda s: None) if a.quiet else bar.write
+        # one device only: abstract arguments carry no mesh shardings, a sharded run would compile again
+        pre = precompile(model, prompts, settings, plan, a.compile_threads) \
+            if a.compile_threads and model.sharding is None else None
+        if pre:
+            log(f"== compiled {pre['programs']} programs in {pre['wall_s']:.1f} s ({a.compile_threads} at a time)")
         all_records, rows, baselines = [], [], {}
         for setting in settings:
             records, batch_records, warm = run_setting(model, prompts, setting, plan, a.repeats, log, bar)
@@ -297,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary["meta"]["env"].update(load_average=load_start, load_average_end=list(os.getloadavg()))
         summary["meta"]["sweep_wall_s"] = time.perf_counter() - t_start
         summary["meta"]["warmup_s_total"] = sum(r["warmup_s"] for r in rows)
+        summary["meta"]["precompile"] = None if pre is None else {**pre, "threads": a.compile_threads}
         report.write_jsonl(f"{tmp}/results.jsonl", all_records)
         report.write_json(f"{tmp}/summary.json", summary)
         with open(f"{tmp}/summary.md", "w", encoding="utf-8") as f:

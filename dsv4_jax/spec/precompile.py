@@ -1,0 +1,80 @@
+"""Compile `generate`'s programs before a run, several at once (research sweeps: a first run's compile time).
+
+`programs(params, r)` lists the three jitted programs a prepared run (`generate.prepare`) calls — the
+target's prefill, the priming, the decode loop — with abstract arguments where they are computed
+(nothing runs). `compile_all` traces, lowers and compiles the distinct ones on a thread pool: XLA
+compiles with the GIL released, so on two cores two programs compile at once (tracing and lowering,
+Python, take turns). The executables land in jit's own caches and in the persistent compilation cache
+(when on), so the run's jit calls find them: the same programs, the same tokens.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .generate import Prepared, prefill_target, prime
+from .loop import round_jit, run_rounds
+
+KIND_ORDER = {"loop": 0, "prefill": 1, "prime": 2}     # biggest first: the pool's threads finish together
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One jitted call of a run: fn(*args, **kwargs), args concrete or jax.ShapeDtypeStruct."""
+
+    kind: str                 # "prefill" | "prime" | "loop"
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    size: int = 0             # a rough size for ordering (the loop's drafts per round)
+
+    def key(self) -> tuple:
+        """Equal for calls that compile to the same program: the function, static arguments and shapes."""
+        spec = lambda x: (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else x
+        leaves, tree = jax.tree.flatten((self.args, self.kwargs))
+        return (self.kind, tree, tuple(spec(x) for x in leaves))
+
+    def compile(self):
+        return self.fn.trace(*self.args, **self.kwargs).lower().compile()
+
+
+def programs(params: dict, r: Prepared) -> list[Program]:
+    """The prefill, priming and loop programs `generate` runs for the prepared run r (nothing executes).
+
+    Each is called as `generate` calls it (the same arguments positional or by keyword): jit's caches
+    are keyed on the call's form, so a differently spelled call would trace and compile again."""
+    tokens, lengths = jnp.asarray(r.tokens), jnp.asarray(r.lengths)
+    key = jax.random.PRNGKey(r.seed)
+    fill = dict(max_len=r.max_len, max_block=r.max_block, taps=r.prefill_taps)
+    prefilled = jax.eval_shape(lambda p, t, n: prefill_target(p, r.config, t, n, **fill), params, tokens, lengths)
+    prime_kw = dict(max_len=r.max_len, opts=r.opts.replace(k=r.max_block - 1), prefill_taps=r.prefill_taps,
+                    knobs=r.knobs, key=key)
+    prime_args = (params, r.config, *prefilled, tokens, lengths)
+    carry = jax.eval_shape(lambda p, *a: prime(p, r.config, *a, **prime_kw), params, *prime_args[2:])
+    loop = round_jit if r.host_loop else run_rounds
+    return [Program("prefill", prefill_target, (params, r.config, tokens, lengths), fill),
+            Program("prime", prime, prime_args, prime_kw),
+            Program("loop", loop, (params, r.config, carry, r.knobs, r.opts), {}, size=r.opts.k)]
+
+
+def distinct(progs: Sequence[Program]) -> list[Program]:
+    """One of each program, biggest first (loops by draft width, then prefills, then primings)."""
+    seen: dict[tuple, Program] = {}
+    for p in progs:
+        seen.setdefault(p.key(), p)
+    return sorted(seen.values(), key=lambda p: (KIND_ORDER[p.kind], -p.size))
+
+
+def compile_all(progs: Sequence[Program], threads: int = 2) -> dict[str, Any]:
+    """Compile the distinct programs on `threads` threads. -> {"programs": n, "wall_s": seconds}."""
+    todo = distinct(progs)
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for f in [pool.submit(p.compile) for p in todo]:
+            f.result()
+    return {"programs": len(todo), "wall_s": time.perf_counter() - t0}
