@@ -1,6 +1,7 @@
 """dsv4-aot: HLO reading, topology names, the libtpu-missing message, and CPU-backend compiles of tiny
 configs through the report's code path (every layer counted; report files written). One slow test runs the
 same path through libtpu for a TPU topology."""
+import dataclasses
 import json
 import os
 
@@ -316,6 +317,36 @@ def test_extrapolated_costs_predict_the_unrolled_compile(monkeypatch):
     assert X.points(flash) == (2, 3, 20) and X.linear({"f": 1.0, "s": "x"}, {"f": 3.0}, 2, 20) == {"f": 37.0}
     with pytest.raises(ValueError, match="cannot keep 21"):
         X.with_reps(flash, 21)
+
+
+def test_fit_from_saved_report_rows():
+    """--fit-from: a saved row of the same program as run (same model, shapes, topology, weights, mesh; prefill:
+    the same chunk) is reused: a "scan" row's cost becomes cost_as_run, an "unrolled" row's memory_as_run the
+    memory; rows that differ in any of those, or unrolled rows without an as-run compile, are not."""
+    cfg = runner.model_config("flash")
+    sh = I.Shapes(8, 32768, 3, 256)
+    scan = {"program": "decode", "compiled": True, "cost_counts_every_layer": False, "cost": {"flops": 1.0},
+            "memory": {"peak": 5.0}, "hlo": {}, "tokens_per_sequence": 1}
+    unrolled = {"program": "verify", "compiled": True, "cost_counts_every_layer": True, "cost": {"flops": 9.0},
+                "memory": {"peak": 7.0}, "memory_as_run": {"peak": 6.0}, "hlo": {}, "tokens_per_sequence": 4}
+    prefill = dict(scan, program="prefill", tokens_per_sequence=128)
+    bare = dict(unrolled, program="spec-mtp")
+    del bare["memory_as_run"]
+    rep = {"meta": {"date": "d", "command": "c"}, "model": {"name": "flash", "layers": 43},
+           "shapes": dataclasses.asdict(sh),
+           "runs": [{"topology": "v5p:2x2x1", "weights": "fp8", "mesh_text": "1×4×1",
+                     "programs": [scan, unrolled, prefill, bare]}]}
+    find = lambda *a, chunk=256, config=cfg, shapes=sh: runner.reusable_row([("r.json", rep)], config, shapes, *a,
+                                                                            chunk)
+    d = find("v5p:2x2x1", "fp8", "1×4×1", "decode")
+    assert d["cost_as_run"] == {"flops": 1.0} and d["memory"] == {"peak": 5.0} and d["fit_source"] == "r.json (d: c)"
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "verify")["memory"] == {"peak": 6.0}
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "prefill") is None
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "prefill", chunk=128)["memory"] == {"peak": 5.0}
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "spec-mtp") is None
+    assert find("v5p:2x2x1", "bf16", "1×4×1", "decode") is None and find("v5p:2x2x2", "fp8", "1×4×1", "decode") is None
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "decode", shapes=I.Shapes(8, 4096, 3, 256)) is None
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "decode", config=runner.model_config("flash", pairs=2)) is None
 
 
 def test_report_on_cpu_backend(tmp_path):

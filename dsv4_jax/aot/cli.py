@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"N of --count extrapolate: the smaller number of repeated pairs compiled (default "
                         f"{X.DEFAULT_BASE})")
     p.add_argument("--no-unroll", action="store_true", help="the same as --count scan")
+    p.add_argument("--fit-from", nargs="+", metavar="JSON", default=(),
+                   help="with --count extrapolate: take each program as run (fit, HLO bytes, top ops, "
+                        "collectives) from these saved reports when they hold it (same model, shapes, topology, "
+                        "weights, mesh; layer scans kept) and compile only the two small unrolled programs")
     p.add_argument("--fit-from-unrolled", action="store_true",
                    help="with --count unroll: take the fit from the unrolled program (one compile per program "
                         "instead of two; the unrolled program may need more memory than the run's)")
@@ -217,6 +221,13 @@ def main(argv: Iterable[str] | None = None) -> int:
     _use_cpu_backend()
     libtpu.set_env()
     command = "dsv4-aot " + " ".join(sys.argv[1:] if argv is None else argv)
+    fit_from = []
+    for path in a.fit_from:
+        try:
+            with open(path) as f:
+                fit_from.append((path, json.load(f)))
+        except (OSError, json.JSONDecodeError) as e:
+            return _fail(f"cannot read --fit-from report {path}: {e}")
     partial = os.path.splitext(a.out)[0] + ".partial.json"
 
     def checkpoint(rep):
@@ -227,7 +238,7 @@ def main(argv: Iterable[str] | None = None) -> int:
                          mesh_preset=a.mesh_preset, hbm_gib=a.hbm_gib, top=a.top, force=a.force,
                          kernels=not a.no_kernels, hlo_dir=a.hlo_dir, command=command, checkpoint=checkpoint,
                          prefill_min=a.prefill_min, fit_as_run=not a.fit_from_unrolled, count=count,
-                         base=a.count_base)
+                         base=a.count_base, fit_from=fit_from)
     except (chips.TopologyError, chips.LibtpuMissing) as e:
         return _fail(str(e))
     for p in R.write(rep, a.out, not a.no_plot):

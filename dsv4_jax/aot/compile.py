@@ -171,7 +171,7 @@ def count_by_extrapolation(counting: Counting, options: dict | None, top: int) -
 def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_run: Program | None = None,
                     counting: Counting | None = None, options: dict | None = None, top: int = 15,
                     force: bool = False, hlo_dump: str | None = None, count_if_unfit: bool = True,
-                    unrolled: bool = True) -> dict:
+                    unrolled: bool = True, as_run_row: dict | None = None) -> dict:
     """Compile one program and return the report row (module docstring for the three ways of counting).
 
     counting given ("extrapolated"): `program` is the program as run (layer scans); `counting` the small
@@ -191,7 +191,8 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
                    reason=f"arguments alone need {args / GIB:.2f} GiB per device > {hbm / GIB:.2f} GiB HBM")
         return row
     if counting is not None:
-        return _extrapolated(row, program, counting, chip, chips, hbm, options, top, hlo_dump, count_if_unfit)
+        return _extrapolated(row, program, counting, chip, chips, hbm, options, top, hlo_dump, count_if_unfit,
+                             as_run_row)
     run_hlo = None
     if as_run is not None:
         compiled, _, secs, error = _compile(as_run, options)
@@ -245,18 +246,24 @@ def _finish(row: dict, chip: Chip, chips: int, hbm: float) -> dict:
 
 
 def _extrapolated(row: dict, program: Program, counting: Counting, chip: Chip, chips: int, hbm: float,
-                  options: dict | None, top: int, hlo_dump: str | None, count_if_unfit: bool) -> dict:
-    """The "extrapolated" row: fit, HLO analysis and cost_as_run from `program` (as run); costs from the two
-    small unrolled programs of `counting`, extrapolated (falls back to cost_as_run, said so, when one of them
-    fails to compile)."""
-    compiled, row["lower_s"], row["compile_s"], error = _compile(program, options)
-    if error:
-        return _failed(row, error)
-    row["memory"] = memory(compiled)
-    row["cost_as_run"] = cost(compiled)            # repeated layers counted once: for comparison only
-    row["hlo"] = _analyse(compiled, top, hlo_dump)
+                  options: dict | None, top: int, hlo_dump: str | None, count_if_unfit: bool,
+                  as_run_row: dict | None = None) -> dict:
+    """The "extrapolated" row: fit, HLO analysis and cost_as_run from `program` (as run; or from a saved
+    `as_run_row`); costs from the two small unrolled programs of `counting`, extrapolated (falls back to
+    cost_as_run, said so, when one of them fails to compile)."""
+    if as_run_row is not None:
+        row.update(memory=as_run_row["memory"], hlo=as_run_row["hlo"], fit_source=as_run_row["fit_source"],
+                   cost_as_run=as_run_row.get("cost_as_run", as_run_row.get("cost")),
+                   lower_s=as_run_row.get("lower_s", 0.0), compile_s=as_run_row.get("compile_s", 0.0))
+    else:
+        compiled, row["lower_s"], row["compile_s"], error = _compile(program, options)
+        if error:
+            return _failed(row, error)
+        row["memory"] = memory(compiled)
+        row["cost_as_run"] = cost(compiled)        # repeated layers counted once: for comparison only
+        row["hlo"] = _analyse(compiled, top, hlo_dump)
+        del compiled
     row["fit_from"] = "as run (layer scans)"
-    del compiled
     peak = row["memory"].get("peak")
     if not count_if_unfit and peak is not None and peak > hbm:
         return _unfit_as_run(row, row["memory"], row["hlo"], hbm)

@@ -47,6 +47,8 @@ def program_rows(run: dict) -> list[list]:
         bound = (r.get("bound") or {}).get("total")
         bpc = bound / run["chips"] if bound else None
         secs = "+".join(f"{r[k]:.0f}" for k in ("as_run_compile_s", "compile_s", "count_compile_s") if k in r) or "—"
+        if r.get("fit_source") and "count_compile_s" in r:      # the program as run compiled in an earlier run
+            secs = f"(saved {r.get('compile_s', 0):.0f})+{r['count_compile_s']:.0f}"
         rows.append([r["program"], cost_method(r), _fits(r), _g(r.get("argument_bytes_per_device")), _g(m.get("temp")),
                      _g(m.get("output")), _g(_peak(r)), _g(r.get("memory_unrolled", {}).get("peak")), secs,
                      _g(c.get("flops"), 1e12, ".3g"), _g(c.get("bytes_accessed"), GB, ".3g"), _g(ops, GB, ".3g"),
@@ -267,6 +269,10 @@ def markdown(report: dict) -> str:
               table(PROGRAM_HEAD, program_rows(run)), ""]
         notes = [f"- {r['program']}: {r['reason'][:300]}" for r in run["programs"] if r.get("reason")]
         notes += [f"- {r['program']}: {r['notes']}" for r in run["programs"] if r.get("notes")]
+        notes += [f"- {r['program']}: the program as run (fit, HLO-op bytes, top ops, collectives) from "
+                  f"{r['fit_source']}" for r in run["programs"] if r.get("fit_source")]
+        notes += [f"- {r['program']}: the small unrolled compiles failed, costs from the program as run: "
+                  f"{r['count_error'][:300]}" for r in run["programs"] if r.get("count_error")]
         if notes:
             L += notes + [""]
         col = collective_rows(run)

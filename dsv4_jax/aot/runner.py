@@ -152,11 +152,14 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
         rules=None, hbm_gib: float | None = None, top: int = 15, force: bool = False, kernels: bool = True,
         hlo_dir: str | None = None, command: str = "", log=sys.stdout, checkpoint: Callable | None = None,
         prefill_min: int = 8, fit_as_run: bool = True, count: str = "extrapolate",
-        base: int = X.DEFAULT_BASE) -> dict:
+        base: int = X.DEFAULT_BASE, fit_from: Sequence[tuple[str, dict]] = ()) -> dict:
     """Compile `programs` for every topology × weight format; returns the report dict. A prefill chunk that
     does not fit is halved until it does (`compile_prefill`, not below `prefill_min` tokens per sequence).
     count: how every layer is counted (`counting`; the config's own unroll_layers is not used); base: the
-    smaller repetition count of "extrapolate"; fit_as_run ("unroll" only): also compile each program with
+    smaller repetition count of "extrapolate"; fit_from: saved (path, report)s whose rows of the same
+    program as run (same model, shapes, topology, weights, mesh, chunk; compiled with the layer scans) give
+    the fit and HLO analysis instead of a new full compile ("extrapolate" only; `reusable_row`);
+    fit_as_run ("unroll" only): also compile each program with
     its layer scans (as a run executes it) for the fit. checkpoint(report) is called after every program
     (the CLI writes a partial JSON with it).
     """
@@ -183,8 +186,10 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
             report["runs"].append(run_)
             for name in programs:
                 dump = os.path.join(hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if hlo_dir else None
+                saved = functools.partial(reusable_row, fit_from, config, shapes, topo.name, w, run_["mesh_text"],
+                                          name)
                 one = functools.partial(compile_one, target, name, how, w, rules=rules, top=top,
-                                        force=force, hlo_dump=dump, say=say)
+                                        force=force, hlo_dump=dump, say=say, saved=saved)
                 run_["programs"].append(compile_prefill(one, shapes, prefill_min) if name == "prefill"
                                         else one(shapes))
                 if checkpoint:
@@ -215,10 +220,40 @@ def _counting_meta(how: Counting) -> dict:
     return out
 
 
+def reusable_row(sources: Sequence[tuple[str, dict]], config: ModelConfig, shapes: I.Shapes, topology: str,
+                 weights: str, mesh_text: str, name: str, chunk: int) -> dict | None:
+    """The row of program `name` as run in a saved report of the same model (name, layers), shapes
+    (prefill: the same chunk), topology, weights and mesh, compiled with its layer scans (`--count scan`, or
+    the as-run half of an "extrapolated" / "unrolled" row), with "fit_source" naming the report; else None."""
+    for path, rep in sources:
+        if (rep["model"]["name"], rep["model"]["layers"]) != (config.name, config.num_layers) or \
+                {k: v for k, v in rep["shapes"].items() if k != "prefill_chunk"} != \
+                {k: v for k, v in dataclasses.asdict(shapes).items() if k != "prefill_chunk"}:
+            continue
+        for run_ in rep["runs"]:
+            if (run_["topology"], run_["weights"], run_["mesh_text"]) != (topology, weights, mesh_text):
+                continue
+            for r in run_["programs"]:
+                if r["program"] != name or not r.get("compiled") or \
+                        (name == "prefill" and r["tokens_per_sequence"] != chunk):
+                    continue
+                method = r.get("cost_method") or ("unrolled" if r.get("cost_counts_every_layer", True) else "scan")
+                if method == "scan":
+                    out = dict(r, cost_as_run=r["cost"])
+                elif "memory_as_run" in r or method == "extrapolated":   # its "hlo" is the program as run's
+                    out = dict(r, memory=r.get("memory_as_run", r["memory"]))
+                else:
+                    continue
+                out["fit_source"] = f"{path} ({rep['meta'].get('date')}: {rep['meta'].get('command')})"
+                return out
+    return None
+
+
 def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: I.Shapes, last_try: bool = True,
                 *, rules=None, top: int = 15, force: bool = False, hlo_dump: str | None = None,
-                say=lambda msg: None) -> dict:
-    """Build program `name` from the configs of `how` and compile it (`compile.compile_program`)."""
+                say=lambda msg: None, saved: Callable[[int], dict | None] = lambda chunk: None) -> dict:
+    """Build program `name` from the configs of `how` and compile it (`compile.compile_program`); with
+    "extrapolated" counting, `saved(chunk)` may give a saved row of the program as run (`reusable_row`)."""
     label = f"{target.topology.name} {weights} {name}"
     say(f"{label}: building ({how.method})")
     build = lambda cfg: PR.build(name, cfg, target.mesh, weights, shapes, rules)
@@ -228,9 +263,12 @@ def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: 
     if how.points:
         a, n, ca, cb = how.points
         points = C.Counting(a, n, build(ca), build(cb), (ca.num_layers, cb.num_layers))
+    reuse = saved(shapes.prefill_chunk) if points is not None else None
+    if reuse is not None:
+        say(f"{label}: fit and HLO analysis from {reuse['fit_source'][:160]}")
     row = C.compile_program(prog, target.topology.chip, len(target.devices), target.hbm, as_run=as_run,
                             counting=points, options=target.options, top=top, force=force, hlo_dump=hlo_dump,
-                            count_if_unfit=last_try, unrolled=how.method == "unrolled")
+                            count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse)
     say(f"{label}: {summary_line(row)}")
     return row
 
