@@ -1,16 +1,18 @@
 """dsv4-aot: HLO reading, topology names, the libtpu-missing message, and CPU-backend compiles of tiny
 configs through the report's code path (every layer counted; report files written). One slow test runs the
 same path through libtpu for a TPU topology."""
+import dataclasses
 import json
 import os
 
+import jax.numpy as jnp
 import pytest
 
 from dsv4_jax import config as C
 from dsv4_jax import libtpu, traffic
 from dsv4_jax import params as P
 from dsv4_jax.ops import quant
-from dsv4_jax.aot import chips, cli, compile as AC, hlo, inputs as I, programs as PR, report as R, runner
+from dsv4_jax.aot import chips, cli, compile as AC, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -208,12 +210,12 @@ def test_plan_needs_no_libtpu(monkeypatch, capsys):
 SHAPES = I.Shapes(batch=2, context=64, draft_n_max=2, prefill_chunk=8)
 
 
-def scan_config(reps: int, unroll: bool = True) -> C.ModelConfig:
+def scan_config(reps: int, unroll: bool = True, hidden: int = 512) -> C.ModelConfig:
     """One hash-routed sliding layer, then `reps` score-routed sliding layers (a layer scan when reps ≥ 2).
     Wider than tiny() so the layer's work dominates what XLA shares across layers (positions, masks)."""
-    cfg = C.tiny().replace(name=f"aot-test-{reps}", num_layers=1 + reps, layer_types=(C.SLIDING,) * (1 + reps),
+    cfg = C.tiny().replace(name=f"aot-test-{reps}-{hidden}", num_layers=1 + reps, layer_types=(C.SLIDING,) * (1 + reps),
                            compress_ratios=(0,) * (1 + reps), mlp_layer_types=(C.HASH_MOE,) + (C.MOE,) * reps,
-                           hidden_size=512, q_lora_rank=256, head_dim=64, rope_head_dim=16, o_lora_rank=128,
+                           hidden_size=hidden, q_lora_rank=256, head_dim=64, rope_head_dim=16, o_lora_rank=128,
                            moe_intermediate_size=512, index_head_dim=32)
     return cfg.with_backends(cfg.backends.replace(unroll_layers=unroll))
 
@@ -278,6 +280,73 @@ def test_unrolled_scan_counts_every_layer():
     assert unrolled - base == pytest.approx(2 * body, rel=0.01)
     assert row["memory"] == row["memory_as_run"] and row["fit_from"].startswith("as run") and row["fits"]
     assert row["memory_unrolled"]["peak"] > 0 and row["as_run_compile_s"] > 0
+
+
+def test_extrapolated_costs_predict_the_unrolled_compile(monkeypatch):
+    """The default counting ("extrapolated"): the program as run (a 4-rep layer scan) gives the fit; the 2- and
+    3-rep unrolled compiles, extrapolated linearly (cost(4) = cost(2) + 2·(cost(3) − cost(2))), predict the
+    4-rep unrolled compile's flops and transcendentals to 1e-6 and its bytes accessed to 1e-3 (measured:
+    1.4e-7 and 1.0e-4). f32 weights: with bf16 the CPU backend converts each whole stacked weight to f32 for
+    every unrolled rep (a CPU-only cost growing as reps², measured −5 % flops / −7 % bytes from 2 and 3 reps
+    to 4); the TPU numbers at Flash shapes are in experiments/results/aot_extrapolation_2026-12-01.md. From 1
+    and 2 reps the bytes miss by 4 % (a single rep is not a stacked segment: no slicing of a stack), hence
+    the default base of 2 reps."""
+    monkeypatch.setattr(I, "COMPUTE_DTYPE", jnp.float32)
+    topo = chips.parse("cpu")
+    mesh = runner.S.make_mesh((1, 1, 1), chips.devices(topo))
+    cfg = scan_config(4, hidden=256)
+    how = runner.counting(cfg, "extrapolate")
+    a, n, at_a, at_b = how.points
+    assert (how.method, a, n, at_a.num_layers, at_b.num_layers) == ("extrapolated", 2, 4, 3, 4)
+    assert not how.program.backends.unroll_layers and at_a.backends.unroll_layers
+    build = lambda c: PR.build("decode", c, mesh, "bf16", SHAPES)
+    row = AC.compile_program(build(how.program), topo.chip, 1, 16 * chips.GIB,
+                             counting=AC.Counting(a, n, build(at_a), build(at_b), (3, 4)))
+    truth = cpu_compile(cfg)["cost"]                                    # the 4-rep program unrolled
+    assert row["cost_method"] == "extrapolated" and row["cost_counts_every_layer"] and row["fits"]
+    assert row["cost"]["flops"] == pytest.approx(truth["flops"], rel=1e-6)
+    assert row["cost"]["transcendentals"] == pytest.approx(truth["transcendentals"], rel=1e-6)
+    assert row["cost"]["bytes_accessed"] == pytest.approx(truth["bytes_accessed"], rel=1e-3)
+    assert row["cost_as_run"]["flops"] < 0.75 * truth["flops"]          # the scan counts its body once
+    assert [p["reps"] for p in row["cost_points"]] == [2, 3] and row["fit_from"].startswith("as run")
+    assert R.cost_method(row) == "extrapolated (3, 4 L)"
+    assert runner.counting(scan_config(3), "extrapolate").method == "unrolled"   # 3 reps: as small as 2 + 3
+    assert runner.counting(cfg, "scan").as_run is None and runner.counting(cfg, "unroll").as_run is not None
+    flash = runner.model_config("flash")
+    assert [X.with_reps(flash, r).num_layers for r in (2, 3, 20)] == [7, 9, 43]
+    assert X.points(flash) == (2, 3, 20) and X.linear({"f": 1.0, "s": "x"}, {"f": 3.0}, 2, 20) == {"f": 37.0}
+    with pytest.raises(ValueError, match="cannot keep 21"):
+        X.with_reps(flash, 21)
+
+
+def test_fit_from_saved_report_rows():
+    """--fit-from: a saved row of the same program as run (same model, shapes, topology, weights, mesh; prefill:
+    the same chunk) is reused: a "scan" row's cost becomes cost_as_run, an "unrolled" row's memory_as_run the
+    memory; rows that differ in any of those, or unrolled rows without an as-run compile, are not."""
+    cfg = runner.model_config("flash")
+    sh = I.Shapes(8, 32768, 3, 256)
+    scan = {"program": "decode", "compiled": True, "cost_counts_every_layer": False, "cost": {"flops": 1.0},
+            "memory": {"peak": 5.0}, "hlo": {}, "tokens_per_sequence": 1}
+    unrolled = {"program": "verify", "compiled": True, "cost_counts_every_layer": True, "cost": {"flops": 9.0},
+                "memory": {"peak": 7.0}, "memory_as_run": {"peak": 6.0}, "hlo": {}, "tokens_per_sequence": 4}
+    prefill = dict(scan, program="prefill", tokens_per_sequence=128)
+    bare = dict(unrolled, program="spec-mtp")
+    del bare["memory_as_run"]
+    rep = {"meta": {"date": "d", "command": "c"}, "model": {"name": "flash", "layers": 43},
+           "shapes": dataclasses.asdict(sh),
+           "runs": [{"topology": "v5p:2x2x1", "weights": "fp8", "mesh_text": "1×4×1",
+                     "programs": [scan, unrolled, prefill, bare]}]}
+    find = lambda *a, chunk=256, config=cfg, shapes=sh: runner.reusable_row([("r.json", rep)], config, shapes, *a,
+                                                                            chunk)
+    d = find("v5p:2x2x1", "fp8", "1×4×1", "decode")
+    assert d["cost_as_run"] == {"flops": 1.0} and d["memory"] == {"peak": 5.0} and d["fit_source"] == "r.json (d: c)"
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "verify")["memory"] == {"peak": 6.0}
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "prefill") is None
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "prefill", chunk=128)["memory"] == {"peak": 5.0}
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "spec-mtp") is None
+    assert find("v5p:2x2x1", "bf16", "1×4×1", "decode") is None and find("v5p:2x2x2", "fp8", "1×4×1", "decode") is None
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "decode", shapes=I.Shapes(8, 4096, 3, 256)) is None
+    assert find("v5p:2x2x1", "fp8", "1×4×1", "decode", config=runner.model_config("flash", pairs=2)) is None
 
 
 def test_report_on_cpu_backend(tmp_path):

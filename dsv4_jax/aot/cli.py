@@ -21,7 +21,7 @@ from .. import backends as B
 from .. import libtpu
 from ..config import PRESETS
 from ..sharding import parse_mesh_shape
-from . import chips, inputs as I, programs as PR, report as R, runner
+from . import chips, extrapolate as X, inputs as I, programs as PR, report as R, runner
 
 EXAMPLES = """examples:
   dsv4-aot --topology v5p:2x2x2 --weights bf16 --batch 8 --context 32768 --out aot_v5p8.json
@@ -31,7 +31,9 @@ EXAMPLES = """examples:
   dsv4-aot --topology cpu --small                                                         # without libtpu
   dsv4-aot --render a.json b.json --out merged.json                                       # re-render / merge
 
-Full flash() compiles take minutes per program on 2 cores (every layer is unrolled into the program)."""
+Full flash() compiles take minutes per program on 2 cores. Every layer is counted by default from the program
+as run plus two small unrolled compiles (3 + 2 and 3 + 3 layers of Flash), extrapolated to all 20 HCA/CSA
+pairs (--count extrapolate); --count unroll compiles every layer written out (tens of minutes per program)."""
 
 
 def _list(choices=None):
@@ -98,11 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hot-op implementations, a static dsv4_jax.backends.Backends: reference (XLA), pallas_tpu "
                         "(the Mosaic TPU kernels for the MoE experts and the indexer scores; auto = the same on "
                         "TPU); default reference")
-    p.add_argument("--no-unroll", action="store_true",
-                   help="keep the layer scans (faster compiles; XLA then counts each repeated layer once)")
+    p.add_argument("--count", choices=runner.COUNT_METHODS, default="extrapolate",
+                   help="how XLA's costs count every layer (its cost analysis counts a while body once): "
+                        "extrapolate (default: the program as run gives the fit and HLO analysis; the leading "
+                        "layers + N and + N+1 repeated pairs compiled unrolled give the costs, extrapolated "
+                        "linearly to every pair); unroll (the whole program unrolled: exact, slow); scan (one "
+                        "compile, each repeated layer counted once)")
+    p.add_argument("--count-base", type=_positive, default=X.DEFAULT_BASE,
+                   help=f"N of --count extrapolate: the smaller number of repeated pairs compiled (default "
+                        f"{X.DEFAULT_BASE})")
+    p.add_argument("--no-unroll", action="store_true", help="the same as --count scan")
+    p.add_argument("--fit-from", nargs="+", metavar="JSON", default=(),
+                   help="with --count extrapolate: take each program as run (fit, HLO bytes, top ops, "
+                        "collectives) from these saved reports when they hold it (same model, shapes, topology, "
+                        "weights, mesh; layer scans kept) and compile only the two small unrolled programs")
     p.add_argument("--fit-from-unrolled", action="store_true",
-                   help="take the fit from the unrolled program (one compile per program instead of two; the "
-                        "unrolled program may need more memory than the run's, which keeps its layer scans)")
+                   help="with --count unroll: take the fit from the unrolled program (one compile per program "
+                        "instead of two; the unrolled program may need more memory than the run's)")
     p.add_argument("--plan", "--dry-run", dest="plan", action="store_true",
                    help="print what would be compiled (per-device arguments, bounds) and stop; needs no libtpu")
     p.add_argument("--force", action="store_true",
@@ -188,8 +202,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     if platform == "tpu" and any(not t.is_tpu for t in topologies):
         return _fail("mix of TPU and cpu topologies: run them separately")
     try:
+        count = "scan" if a.no_unroll else a.count
         config = runner.model_config(a.preset, pairs=a.pairs, small=a.small, backends=a.kernels,
-                                     platform=platform, unroll=not a.no_unroll)
+                                     platform=platform, unroll=count != "scan")
         shapes = I.Shapes(a.batch, a.context, a.draft_n_max, a.prefill_chunk)
         for t in topologies:
             runner.mesh_shape(t.chips, a.mesh, a.mesh_preset)
@@ -206,6 +221,13 @@ def main(argv: Iterable[str] | None = None) -> int:
     _use_cpu_backend()
     libtpu.set_env()
     command = "dsv4-aot " + " ".join(sys.argv[1:] if argv is None else argv)
+    fit_from = []
+    for path in a.fit_from:
+        try:
+            with open(path) as f:
+                fit_from.append((path, json.load(f)))
+        except (OSError, json.JSONDecodeError) as e:
+            return _fail(f"cannot read --fit-from report {path}: {e}")
     partial = os.path.splitext(a.out)[0] + ".partial.json"
 
     def checkpoint(rep):
@@ -215,7 +237,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         rep = runner.run(a.topology, a.weights, shapes, config, programs=a.programs, mesh=a.mesh,
                          mesh_preset=a.mesh_preset, hbm_gib=a.hbm_gib, top=a.top, force=a.force,
                          kernels=not a.no_kernels, hlo_dir=a.hlo_dir, command=command, checkpoint=checkpoint,
-                         prefill_min=a.prefill_min, fit_as_run=not a.fit_from_unrolled)
+                         prefill_min=a.prefill_min, fit_as_run=not a.fit_from_unrolled, count=count,
+                         base=a.count_base, fit_from=fit_from)
     except (chips.TopologyError, chips.LibtpuMissing) as e:
         return _fail(str(e))
     for p in R.write(rep, a.out, not a.no_plot):

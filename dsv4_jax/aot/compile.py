@@ -7,23 +7,33 @@ collectives (`aot.hlo`, while bodies × their trip counts); the bytes bound spli
 time estimates at the chip's HBM bandwidth and peak bf16 rate (roofline: the larger of bytes / bandwidth and
 flops / peak).
 
-Two compiles per program. The program as a run executes it, with its layer scans, gives the memory (hence
-the fit) and the HLO analysis: bytes per op, top ops and collectives, each while body counted × its trip
-count. The program with every layer unrolled gives XLA's flops and bytes accessed with every layer counted
-(XLA's cost analysis counts a `while` body once); unrolled, XLA may start several layers' weight transfers
-at once and copies / re-lays out the stacked layer weights, so its memory and bytes overstate the run's. A program fits
-when its peak ≤ the HBM one device may use. Before compiling, the exact per-device argument bytes (from the
-shardings) are checked: arguments alone over HBM is "does not fit" without a compile (unless `force`).
-On TPU the compiles run with `xla_tpu_no_crash_on_oom`, so a program that does not fit still compiles and
-reports its memory and costs; a compile that fails anyway with RESOURCE_EXHAUSTED is "does not fit" with the
-compiler's message.
+How every layer is counted (`method`, recorded in each row as `cost_method`):
+
+  * "extrapolated" (the default, `Counting`): the full program as a run executes it, with its layer scans,
+    gives the memory (hence the fit), the HLO analysis (bytes per op, top ops, collectives: each while body
+    counted × its trip count) and XLA's costs with each repeated layer once ("cost_as_run"); two small
+    programs, the leading layers + a and + a + 1 repetitions of the repeated segment compiled unrolled, give
+    XLA's flops / bytes accessed / transcendentals / optimal seconds extrapolated linearly to every repetition
+    (`aot.extrapolate`): three compiles; the two small ones hold 7 + 9 of Flash's 43 layers, unrolled.
+  * "unrolled": the full program with every layer unrolled gives XLA's costs (XLA's cost analysis counts a
+    `while` body once), the program as run (`as_run`) the memory and the HLO analysis; unrolled, XLA may
+    start several layers' weight transfers at once and copies / re-lays out the stacked layer weights, so its
+    memory and bytes overstate the run's (both peaks are reported).
+  * "scan": one compile of the program as run; XLA's costs then count each repeated layer once.
+
+A program fits when its peak ≤ the HBM one device may use. Before compiling, the exact per-device argument
+bytes (from the shardings) are checked: arguments alone over HBM is "does not fit" without a compile (unless
+`force`). On TPU the compiles run with `xla_tpu_no_crash_on_oom`, so a program that does not fit still
+compiles and reports its memory and costs; a compile that fails anyway with RESOURCE_EXHAUSTED is "does not
+fit" with the compiler's message.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
-from . import hlo
+from . import extrapolate, hlo
 from .chips import GIB, Chip, required_from_error
 from .programs import Program
 
@@ -120,17 +130,56 @@ def _analyse(compiled, top: int, dump: str | None) -> dict:
     return out
 
 
-def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_run: Program | None = None,
-                    options: dict | None = None, top: int = 15, force: bool = False,
-                    hlo_dump: str | None = None, count_if_unfit: bool = True, unrolled: bool = True) -> dict:
-    """Compile `program` (every layer unrolled: the costs) and `as_run` (the same program with the layer
-    scans a real run has: the memory, hence the fit) and return the report row (module docstring).
+@dataclasses.dataclass
+class Counting:
+    """The small unrolled programs whose costs are extrapolated to every layer: the leading layers + `a` and
+    + `a + 1` repetitions of the repeated segment (`aot.extrapolate`), to `n` repetitions."""
 
-    options: compiler options of both compiles (the TPU ones keep an oversized program compiling so that
-    its memory and costs are still reported, `chips.TPU_COMPILE_OPTIONS`). count_if_unfit=False skips the
-    unrolled compile when the program as run does not fit (a smaller prefill chunk will be tried).
-    unrolled=False: `program` keeps its layer scans (`--no-unroll`): one compile gives the fit and the HLO
-    analysis (every layer counted), XLA's cost analysis then counts each repeated layer once.
+    a: int
+    n: int
+    at_a: Program
+    at_b: Program
+    layers: tuple[int, int] = (0, 0)      # layers of the two small programs (for the report)
+
+
+def _hlo_totals(h: dict) -> dict:
+    return {"hlo_op_bytes": h["top_ops"]["total_bytes"], "instructions": h["top_ops"]["instructions"],
+            "collectives": h["collectives"]["count"], "collective_operand_bytes": h["collectives"]["total_operand_bytes"]}
+
+
+def count_by_extrapolation(counting: Counting, options: dict | None, top: int) -> dict:
+    """Compile the two small unrolled programs and extrapolate their costs (and the HLO-op / collective totals
+    of their unrolled text, for comparison with the loop-scaled ones) to `counting.n` repetitions. Returns
+    {"cost", "hlo_unrolled_totals", "points": [per small program: reps, layers, cost, peak, compile s]} or
+    {"error"}."""
+    points = []
+    for reps, layers, prog in ((counting.a, counting.layers[0], counting.at_a),
+                               (counting.a + 1, counting.layers[1], counting.at_b)):
+        compiled, lower_s, secs, error = _compile(prog, options)
+        if error:
+            return {"error": f"{reps}-repetition compile: {error}"}
+        h = _analyse(compiled, top, None)
+        points.append({"reps": reps, "layers": layers, "cost": cost(compiled), "hlo_totals": _hlo_totals(h),
+                       "peak": memory(compiled).get("peak"), "lower_s": lower_s, "compile_s": secs})
+        del compiled
+    lo, hi = points
+    return {"cost": extrapolate.linear(lo["cost"], hi["cost"], counting.a, counting.n),
+            "hlo_unrolled_totals": extrapolate.linear(lo["hlo_totals"], hi["hlo_totals"], counting.a, counting.n),
+            "points": points}
+
+
+def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_run: Program | None = None,
+                    counting: Counting | None = None, options: dict | None = None, top: int = 15,
+                    force: bool = False, hlo_dump: str | None = None, count_if_unfit: bool = True,
+                    unrolled: bool = True, as_run_row: dict | None = None) -> dict:
+    """Compile one program and return the report row (module docstring for the three ways of counting).
+
+    counting given ("extrapolated"): `program` is the program as run (layer scans); `counting` the small
+    unrolled programs for the costs. Otherwise `program` is the unrolled program ("unrolled") and `as_run` the
+    same with its layer scans, or `program` keeps its scans and unrolled=False ("scan", `--count scan`).
+    options: compiler options of every compile (the TPU ones keep an oversized program compiling so that its
+    memory and costs are still reported, `chips.TPU_COMPILE_OPTIONS`). count_if_unfit=False skips the costs'
+    compiles when the program as run does not fit (a smaller prefill chunk will be tried).
     """
     args = program.argument_bytes_per_device
     row = {"program": program.name, "tokens_per_sequence": program.tokens_per_sequence, "bound": program.bound,
@@ -141,6 +190,9 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
         row.update(fits=False, compiled=False,
                    reason=f"arguments alone need {args / GIB:.2f} GiB per device > {hbm / GIB:.2f} GiB HBM")
         return row
+    if counting is not None:
+        return _extrapolated(row, program, counting, chip, chips, hbm, options, top, hlo_dump, count_if_unfit,
+                             as_run_row)
     run_hlo = None
     if as_run is not None:
         compiled, _, secs, error = _compile(as_run, options)
@@ -153,9 +205,7 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
         del compiled
         peak = row["memory_as_run"].get("peak")
         if not count_if_unfit and peak is not None and peak > hbm:
-            row.update(compiled=False, fits=False, required_bytes=peak, memory=row["memory_as_run"], hlo=run_hlo,
-                       reason=f"as run it needs {peak / GIB:.2f} GiB per device > {hbm / GIB:.2f} GiB HBM")
-            return row
+            return _unfit_as_run(row, row["memory_as_run"], run_hlo, hbm)
     compiled, row["lower_s"], row["compile_s"], error = _compile(program, options)
     if error:
         return _failed(row, error)
@@ -165,6 +215,7 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
     row["fit_from"] = "as run (layer scans)" if as_run is not None or not unrolled else "the unrolled program"
     row["cost"] = cost(compiled)
     row["cost_counts_every_layer"] = unrolled
+    row["cost_method"] = "unrolled" if unrolled else "scan"
     text_hlo = _analyse(compiled, top, hlo_dump)
     del compiled
     # bytes, top ops and collectives: the program as run, loop bodies × trip counts (the unrolled text has
@@ -175,9 +226,54 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
         row["hlo_unrolled"] = {"top_ops": {k: text_hlo["top_ops"][k] for k in ("total_bytes", "instructions")},
                                "collectives": {k: text_hlo["collectives"][k]
                                                for k in ("by_opcode", "count", "total_operand_bytes")}}
+    return _finish(row, chip, chips, hbm)
+
+
+def _unfit_as_run(row: dict, mem: dict, run_hlo: dict, hbm: float) -> dict:
+    peak = mem["peak"]
+    row.update(compiled=False, fits=False, required_bytes=peak, memory=mem, hlo=run_hlo,
+               reason=f"as run it needs {peak / GIB:.2f} GiB per device > {hbm / GIB:.2f} GiB HBM")
+    return row
+
+
+def _finish(row: dict, chip: Chip, chips: int, hbm: float) -> dict:
     peak = row["memory"].get("peak")
     row["fits"] = None if peak is None else peak <= hbm
     if row["fits"] is False:
         row["required_bytes"] = peak
     row["estimate"] = estimates(row, chip, chips)
     return row
+
+
+def _extrapolated(row: dict, program: Program, counting: Counting, chip: Chip, chips: int, hbm: float,
+                  options: dict | None, top: int, hlo_dump: str | None, count_if_unfit: bool,
+                  as_run_row: dict | None = None) -> dict:
+    """The "extrapolated" row: fit, HLO analysis and cost_as_run from `program` (as run; or from a saved
+    `as_run_row`); costs from the two small unrolled programs of `counting`, extrapolated (falls back to
+    cost_as_run, said so, when one of them fails to compile)."""
+    if as_run_row is not None:
+        row.update(memory=as_run_row["memory"], hlo=as_run_row["hlo"], fit_source=as_run_row["fit_source"],
+                   cost_as_run=as_run_row.get("cost_as_run", as_run_row.get("cost")),
+                   lower_s=as_run_row.get("lower_s", 0.0), compile_s=as_run_row.get("compile_s", 0.0))
+    else:
+        compiled, row["lower_s"], row["compile_s"], error = _compile(program, options)
+        if error:
+            return _failed(row, error)
+        row["memory"] = memory(compiled)
+        row["cost_as_run"] = cost(compiled)        # repeated layers counted once: for comparison only
+        row["hlo"] = _analyse(compiled, top, hlo_dump)
+        del compiled
+    row["fit_from"] = "as run (layer scans)"
+    peak = row["memory"].get("peak")
+    if not count_if_unfit and peak is not None and peak > hbm:
+        return _unfit_as_run(row, row["memory"], row["hlo"], hbm)
+    row["compiled"] = True
+    counted = count_by_extrapolation(counting, options, top)
+    if "error" in counted:
+        row.update(cost=row["cost_as_run"], cost_counts_every_layer=False, cost_method="scan",
+                   count_error=counted["error"][:600])
+    else:
+        row.update(cost=counted["cost"], cost_counts_every_layer=True, cost_method="extrapolated",
+                   cost_points=counted["points"], hlo_unrolled_totals=counted["hlo_unrolled_totals"],
+                   count_compile_s=sum(p["compile_s"] for p in counted["points"]))
+    return _finish(row, chip, chips, hbm)

@@ -46,8 +46,10 @@ def program_rows(run: dict) -> list[list]:
         ops = r.get("hlo", {}).get("top_ops", {}).get("total_bytes")
         bound = (r.get("bound") or {}).get("total")
         bpc = bound / run["chips"] if bound else None
-        secs = "+".join(f"{r[k]:.0f}" for k in ("as_run_compile_s", "compile_s") if k in r) or "—"
-        rows.append([r["program"], _fits(r), _g(r.get("argument_bytes_per_device")), _g(m.get("temp")),
+        secs = "+".join(f"{r[k]:.0f}" for k in ("as_run_compile_s", "compile_s", "count_compile_s") if k in r) or "—"
+        if r.get("fit_source") and "count_compile_s" in r:      # the program as run compiled in an earlier run
+            secs = f"(saved {r.get('compile_s', 0):.0f})+{r['count_compile_s']:.0f}"
+        rows.append([r["program"], cost_method(r), _fits(r), _g(r.get("argument_bytes_per_device")), _g(m.get("temp")),
                      _g(m.get("output")), _g(_peak(r)), _g(r.get("memory_unrolled", {}).get("peak")), secs,
                      _g(c.get("flops"), 1e12, ".3g"), _g(c.get("bytes_accessed"), GB, ".3g"), _g(ops, GB, ".3g"),
                      _g(bpc, GB, ".3g"), f"{e['xla_bytes_over_bound']:.2f}" if "xla_bytes_over_bound" in e else "—",
@@ -57,10 +59,29 @@ def program_rows(run: dict) -> list[list]:
     return rows
 
 
-PROGRAM_HEAD = ["program", "fits", "args GiB", "temp GiB", "out GiB", "peak GiB", "peak unrolled GiB",
+PROGRAM_HEAD = ["program", "costs", "fits", "args GiB", "temp GiB", "out GiB", "peak GiB", "peak unrolled GiB",
                 "compile s", "TFLOP",
                 "XLA GB", "HLO-op GB", "bound GB", "XLA / bound", "ms @HBM (XLA bytes)", "ms @peak flops",
                 "ms roofline", "ms bound", "ms XLA optimal"]
+
+
+def cost_method(row: dict) -> str:
+    """How the row's XLA costs count the layers: "extrapolated (7, 9 L)", "unrolled", "scan ¹" (older rows
+    without cost_method: from cost_counts_every_layer)."""
+    if not row.get("compiled"):
+        return "—"
+    method = row.get("cost_method") or ("unrolled" if row.get("cost_counts_every_layer", True) else "scan")
+    if method == "extrapolated":
+        return f"extrapolated ({', '.join(str(p['layers']) for p in row['cost_points'])} L)"
+    return "scan ¹" if method == "scan" else method
+
+
+def counting_method(report: dict) -> str:
+    """The report's way of counting layers (`runner.Counting`); older reports: from model.unroll_layers."""
+    c = report.get("counting")
+    if c:
+        return c["method"]
+    return "unrolled" if report["model"].get("unroll_layers", True) else "scan"
 
 
 def collective_rows(run: dict) -> list[list]:
@@ -161,7 +182,8 @@ def merge(reports: list[dict], paths: list[str]) -> dict:
                              f"first ({merged['model']['name']}, {merged['shapes']})")
         merged["meta"]["sources"].append({"path": path, "date": r["meta"].get("date"),
                                           "command": r["meta"].get("command"),
-                                          "unroll_layers": r["model"].get("unroll_layers")})
+                                          "unroll_layers": r["model"].get("unroll_layers"),
+                                          "counting": counting_method(r)})
         if r is reports[0]:
             continue
         for run in r["runs"]:
@@ -177,30 +199,57 @@ def merge(reports: list[dict], paths: list[str]) -> dict:
     return merged
 
 
+_METHOD_TEXT = {"extrapolated": "every layer counted, extrapolated from two small unrolled compiles",
+                "unrolled": "every layer unrolled", "scan": "layer scans kept: repeated layers counted once"}
+
+
+def _source_method(src: dict) -> str:
+    method = src.get("counting") or ("unrolled" if src.get("unroll_layers", True) else "scan")
+    return _METHOD_TEXT[method]
+
+
+def _counting_line(report: dict) -> str:
+    c = report.get("counting") or {"method": counting_method(report)}
+    if c["method"] == "extrapolated":
+        (a, b), (la, lb) = c["reps"], c["layers"]
+        return (f"- XLA's costs (TFLOP, XLA GB): **extrapolated** from the program compiled unrolled with {a} and "
+                f"{b} of the {c['extrapolated_to']} repeated layer-pattern repetitions ({la} and {lb} layers): "
+                f"cost({c['extrapolated_to']}) = cost({a}) + ({c['extrapolated_to']} − {a})·(cost({b}) − cost({a})) "
+                f"(`dsv4_jax.aot.extrapolate`); fit, HLO-op bytes, top ops and collectives from the full program as "
+                f"run (layer scans, loop bodies × trip counts)")
+    if c["method"] == "unrolled":
+        return "- XLA's costs: the full program compiled with every layer unrolled; fit from the program as run"
+    return "- XLA's costs: the program as run (layer scans kept): each repeated layer counted once ¹"
+
+
 def markdown(report: dict) -> str:
     m, sh = report["meta"], report["shapes"]
     L = ["# dsv4-aot: ahead-of-time compile, fit and traffic report", "",
          f"- date: {m['date']}; machine: {m['machine']}; jax {m['jax']}, libtpu {m.get('libtpu') or 'absent'}",
          f"- command: `{m['command']}`" if not m.get("sources") else "- merged from (`dsv4-aot --render`):",
-         *[f"  - {src['date']}: `{src['command']}`" + ("" if src.get("unroll_layers", True) else " (layer scans kept)")
-           for src in m.get("sources", [])],
+         *[f"  - {src['date']}: `{src['command']}` (costs: {_source_method(src)})" for src in m.get("sources", [])],
          f"- model: {report['model']['name']} ({report['model']['layers']} layers, {report['model']['params_b']:.1f} B "
          f"parameters), backends: {report['backends']}",
          f"- batch {sh['batch']}, context {sh['context']}, draft_n_max {sh['draft_n_max']} (verify block "
          f"{sh['draft_n_max'] + 1}), prefill chunk {sh['prefill_chunk']} tokens per sequence",
+         _counting_line(report) if not m.get("sources") else "- costs per program: column \"costs\"",
          f"- compile wall time: {m.get('wall_s', 0):.0f} s", "",
          "Per chip unless marked. peak = argument + output − alias + temp (`memory_analysis`) of the program as a "
          "run executes it (layer scans; fits = peak ≤ HBM), peak unrolled = the same of the program compiled with "
-         "every layer written out, which gives XLA's counts (compile s = as run + unrolled); TFLOP and XLA GB = "
-         "`cost_analysis` flops and bytes accessed of the unrolled program (XLA's bytes include on-chip traffic and "
-         "the unrolled program's copies of the stacked layer weights); HLO-op GB = HBM operands + results of the "
+         "every layer written out (costs \"unrolled\" only); compile s = as run + unrolled, or as run + the two "
+         "small unrolled compiles (costs \"extrapolated\"); TFLOP and XLA GB = `cost_analysis` flops and bytes "
+         "accessed counting every layer as the column \"costs\" says: extrapolated linearly from two unrolled "
+         "compiles of the leading layers + a and a + 1 repetitions of the repeated layers (`dsv4_jax.aot.extrapolate`), "
+         "or of the whole unrolled program (XLA's bytes include on-chip traffic and the unrolled program's copies "
+         "of the stacked layer weights), or ¹ of the program as run (each repeated layer once: an under-count); "
+         "HLO-op GB = HBM operands + results of the "
          "top-level HLO instructions of the program as run, loop bodies × trip counts (`dsv4_jax.aot.hlo`; top ops "
          "and collectives likewise); bound = what the step must read (active weights under uniform routing + cache "
          "rows, `dsv4_jax.aot.bounds`) split evenly over the chips. Times at the chip's HBM bandwidth and peak "
          "bf16 rate; roofline = max(HLO-op bytes / bandwidth, flops / peak); ms XLA optimal = the TPU "
-         "compiler's own `optimal_seconds`. Every layer is in the program (layer scans unrolled) unless noted.",
+         "compiler's own `optimal_seconds`.",
          ""]
-    if not report["model"].get("unroll_layers", True):
+    if counting_method(report) == "scan":
         L += ["**Compiled with the layer scans kept (`--no-unroll`)**: one compile per program, the program as a "
               "run executes it. Fit, HLO-op GB, top ops and collectives count every layer (loop bodies × trip "
               "counts); TFLOP and XLA GB are XLA's `cost_analysis`, which counts each repeated layer once (an "
@@ -220,6 +269,10 @@ def markdown(report: dict) -> str:
               table(PROGRAM_HEAD, program_rows(run)), ""]
         notes = [f"- {r['program']}: {r['reason'][:300]}" for r in run["programs"] if r.get("reason")]
         notes += [f"- {r['program']}: {r['notes']}" for r in run["programs"] if r.get("notes")]
+        notes += [f"- {r['program']}: the program as run (fit, HLO-op bytes, top ops, collectives) from "
+                  f"{r['fit_source']}" for r in run["programs"] if r.get("fit_source")]
+        notes += [f"- {r['program']}: the small unrolled compiles failed, costs from the program as run: "
+                  f"{r['count_error'][:300]}" for r in run["programs"] if r.get("count_error")]
         if notes:
             L += notes + [""]
         col = collective_rows(run)

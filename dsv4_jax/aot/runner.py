@@ -1,9 +1,12 @@
 """Run the report: for each topology × weight format, build and compile every requested program.
 
 `model_config` picks the model (a preset, optionally with fewer of Flash's repeated HCA/CSA pairs, or
-`small` dimensions for quick checks) and sets the backends with `unroll_layers=True`, so the compiled
-text holds every layer (XLA's cost analysis counts a `while` body once). `mesh_shape` resolves `--mesh` /
-`--mesh-preset` to (data, expert, model) sizes. `run` returns the report dict that `report.write` renders.
+`small` dimensions for quick checks). `Counting` says how every layer is counted (XLA's cost analysis counts
+a `while` body once; `aot.compile` describes the methods): "extrapolate" (default: the program as run for
+the fit and HLO analysis, two small unrolled programs for the costs, `aot.extrapolate`), "unroll" (the full
+program unrolled) or "scan" (one compile, repeated layers counted once by XLA). `mesh_shape` resolves
+`--mesh` / `--mesh-preset` to (data, expert, model) sizes. `run` returns the report dict that
+`report.write` renders.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from .. import backends as B
 from .. import params as P
 from .. import sharding as S
 from ..config import ModelConfig, preset
-from . import chips, compile as C, inputs as I, programs as PR
+from . import chips, compile as C, extrapolate as X, inputs as I, programs as PR
 from .kernel_hook import kernel_reports
 
 # --mesh-preset: name -> (data, expert, model) sizes for n devices. "default" is sharding.default_mesh_shape
@@ -61,6 +64,40 @@ def model_config(name: str = "flash", *, pairs: int | None = None, small: bool =
         raise B.BackendError(f"backends {b.describe()}: the Pallas GPU (Triton) kernels do not compile for TPU; "
                              "use --kernels reference or pallas_tpu")
     return c.with_backends(b.replace(unroll_layers=unroll))
+
+
+COUNT_METHODS = ("extrapolate", "unroll", "scan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Counting:
+    """The configs a program is compiled from under one way of counting every layer.
+
+    method: "extrapolated" (`program` = the model as run; `points` = (a, n, config with a, with a + 1
+    repetitions, unrolled)), "unrolled" (`program` unrolled; `as_run` with the layer scans, or None with
+    --fit-from-unrolled) or "scan" (`program` as run, nothing else)."""
+
+    method: str
+    program: ModelConfig
+    as_run: ModelConfig | None = None
+    points: tuple | None = None
+
+
+def counting(config: ModelConfig, count: str = "extrapolate", fit_as_run: bool = True,
+             base: int = X.DEFAULT_BASE) -> Counting:
+    """The configs for `count` (one of COUNT_METHODS); "extrapolate" on a model with at most base + 1
+    repetitions compiles it unrolled (as small as the two extrapolation points)."""
+    if count not in COUNT_METHODS:
+        raise ValueError(f"unknown count method {count!r}; choose from {COUNT_METHODS}")
+    rolled = config.with_backends(config.backends.replace(unroll_layers=False))
+    flat = config.with_backends(config.backends.replace(unroll_layers=True))
+    if count == "scan":
+        return Counting("scan", rolled)
+    pts = X.points(config, base) if count == "extrapolate" else None
+    if pts is None:
+        return Counting("unrolled", flat, rolled if fit_as_run else None)
+    a, b, n = pts
+    return Counting("extrapolated", rolled, points=(a, n, X.with_reps(flat, a), X.with_reps(flat, b)))
 
 
 def mesh_shape(n_devices: int, mesh: Sequence[int] | None = None, preset_name: str = "default") -> tuple[int, ...]:
@@ -114,21 +151,26 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
         programs: Sequence[str] = PR.PROGRAMS, mesh: Sequence[int] | None = None, mesh_preset: str = "default",
         rules=None, hbm_gib: float | None = None, top: int = 15, force: bool = False, kernels: bool = True,
         hlo_dir: str | None = None, command: str = "", log=sys.stdout, checkpoint: Callable | None = None,
-        prefill_min: int = 8, fit_as_run: bool = True) -> dict:
+        prefill_min: int = 8, fit_as_run: bool = True, count: str = "extrapolate",
+        base: int = X.DEFAULT_BASE, fit_from: Sequence[tuple[str, dict]] = ()) -> dict:
     """Compile `programs` for every topology × weight format; returns the report dict. A prefill chunk that
     does not fit is halved until it does (`compile_prefill`, not below `prefill_min` tokens per sequence).
-    fit_as_run: also compile each program with its layer scans (as a run executes it) for the fit.
-    checkpoint(report) is called after every program (the CLI writes a partial JSON with it).
+    count: how every layer is counted (`counting`; the config's own unroll_layers is not used); base: the
+    smaller repetition count of "extrapolate"; fit_from: saved (path, report)s whose rows of the same
+    program as run (same model, shapes, topology, weights, mesh, chunk; compiled with the layer scans) give
+    the fit and HLO analysis instead of a new full compile ("extrapolate" only; `reusable_row`);
+    fit_as_run ("unroll" only): also compile each program with
+    its layer scans (as a run executes it) for the fit. checkpoint(report) is called after every program
+    (the CLI writes a partial JSON with it).
     """
     t0 = time.perf_counter()
     say = lambda msg: _log(msg, t0, log)
-    # the program as a run executes it (layer scans) decides the fit; the unrolled one gives the costs
-    rolled = config.with_backends(config.backends.replace(unroll_layers=False)) \
-        if fit_as_run and config.backends.unroll_layers else None
+    how = counting(config, count, fit_as_run, base)
     report = {"meta": meta(command), "model": {"name": config.name, "layers": config.num_layers,
                                                "params_b": P.count_params(config) / 1e9,
-                                               "unroll_layers": config.backends.unroll_layers},
-              "backends": config.backends.describe(), "shapes": dataclasses.asdict(shapes), "runs": []}
+                                               "unroll_layers": how.method == "unrolled"},
+              "counting": _counting_meta(how), "backends": how.program.backends.describe(),
+              "shapes": dataclasses.asdict(shapes), "runs": []}
     for tname in topologies:
         topo = chips.parse(tname)
         devs = chips.devices(topo)
@@ -144,8 +186,10 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
             report["runs"].append(run_)
             for name in programs:
                 dump = os.path.join(hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if hlo_dir else None
-                one = functools.partial(compile_one, target, name, config, rolled, w, rules=rules, top=top,
-                                        force=force, hlo_dump=dump, say=say)
+                saved = functools.partial(reusable_row, fit_from, config, shapes, topo.name, w, run_["mesh_text"],
+                                          name)
+                one = functools.partial(compile_one, target, name, how, w, rules=rules, top=top,
+                                        force=force, hlo_dump=dump, say=say, saved=saved)
                 run_["programs"].append(compile_prefill(one, shapes, prefill_min) if name == "prefill"
                                         else one(shapes))
                 if checkpoint:
@@ -168,17 +212,63 @@ class Target:
     options: dict | None
 
 
-def compile_one(target: Target, name: str, config: ModelConfig, rolled: ModelConfig | None, weights: str,
-                shapes: I.Shapes, last_try: bool = True, *, rules=None, top: int = 15, force: bool = False,
-                hlo_dump: str | None = None, say=lambda msg: None) -> dict:
-    """Build program `name` (unrolled `config`, and as run with `rolled` when given) and compile it."""
+def _counting_meta(how: Counting) -> dict:
+    out = {"method": how.method}
+    if how.points:
+        a, n, ca, cb = how.points
+        out.update(reps=(a, a + 1), layers=(ca.num_layers, cb.num_layers), extrapolated_to=n)
+    return out
+
+
+def reusable_row(sources: Sequence[tuple[str, dict]], config: ModelConfig, shapes: I.Shapes, topology: str,
+                 weights: str, mesh_text: str, name: str, chunk: int) -> dict | None:
+    """The row of program `name` as run in a saved report of the same model (name, layers), shapes
+    (prefill: the same chunk), topology, weights and mesh, compiled with its layer scans (`--count scan`, or
+    the as-run half of an "extrapolated" / "unrolled" row), with "fit_source" naming the report; else None."""
+    for path, rep in sources:
+        if (rep["model"]["name"], rep["model"]["layers"]) != (config.name, config.num_layers) or \
+                {k: v for k, v in rep["shapes"].items() if k != "prefill_chunk"} != \
+                {k: v for k, v in dataclasses.asdict(shapes).items() if k != "prefill_chunk"}:
+            continue
+        for run_ in rep["runs"]:
+            if (run_["topology"], run_["weights"], run_["mesh_text"]) != (topology, weights, mesh_text):
+                continue
+            for r in run_["programs"]:
+                if r["program"] != name or not r.get("compiled") or \
+                        (name == "prefill" and r["tokens_per_sequence"] != chunk):
+                    continue
+                method = r.get("cost_method") or ("unrolled" if r.get("cost_counts_every_layer", True) else "scan")
+                if method == "scan":
+                    out = dict(r, cost_as_run=r["cost"])
+                elif "memory_as_run" in r or method == "extrapolated":   # its "hlo" is the program as run's
+                    out = dict(r, memory=r.get("memory_as_run", r["memory"]))
+                else:
+                    continue
+                out["fit_source"] = f"{path} ({rep['meta'].get('date')}: {rep['meta'].get('command')})"
+                return out
+    return None
+
+
+def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: I.Shapes, last_try: bool = True,
+                *, rules=None, top: int = 15, force: bool = False, hlo_dump: str | None = None,
+                say=lambda msg: None, saved: Callable[[int], dict | None] = lambda chunk: None) -> dict:
+    """Build program `name` from the configs of `how` and compile it (`compile.compile_program`); with
+    "extrapolated" counting, `saved(chunk)` may give a saved row of the program as run (`reusable_row`)."""
     label = f"{target.topology.name} {weights} {name}"
-    say(f"{label}: building")
-    prog = PR.build(name, config, target.mesh, weights, shapes, rules)
-    as_run = PR.build(name, rolled, target.mesh, weights, shapes, rules) if rolled is not None else None
+    say(f"{label}: building ({how.method})")
+    build = lambda cfg: PR.build(name, cfg, target.mesh, weights, shapes, rules)
+    prog = build(how.program)
+    as_run = build(how.as_run) if how.as_run is not None else None
+    points = None
+    if how.points:
+        a, n, ca, cb = how.points
+        points = C.Counting(a, n, build(ca), build(cb), (ca.num_layers, cb.num_layers))
+    reuse = saved(shapes.prefill_chunk) if points is not None else None
+    if reuse is not None:
+        say(f"{label}: fit and HLO analysis from {reuse['fit_source'][:160]}")
     row = C.compile_program(prog, target.topology.chip, len(target.devices), target.hbm, as_run=as_run,
-                            options=target.options, top=top, force=force, hlo_dump=hlo_dump,
-                            count_if_unfit=last_try, unrolled=config.backends.unroll_layers)
+                            counting=points, options=target.options, top=top, force=force, hlo_dump=hlo_dump,
+                            count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse)
     say(f"{label}: {summary_line(row)}")
     return row
 
@@ -212,7 +302,10 @@ def summary_line(row: dict) -> str:
     g = chips.GIB
     unrolled = f"; unrolled {row['memory_unrolled']['peak'] / g:.2f}" if "memory_unrolled" in row else ""
     as_run = f"as run in {row['as_run_compile_s']:.0f} s, unrolled " if "as_run_compile_s" in row else ""
-    return (f"compiled ({as_run}in {row['compile_s']:.0f} s, lower {row['lower_s']:.0f} s); peak "
+    counted = f", costs {row.get('cost_method')}" + (f" from {'+'.join(str(p['layers']) for p in row['cost_points'])}"
+                                                    f"-layer compiles in {row['count_compile_s']:.0f} s"
+                                                    if "cost_points" in row else "")
+    return (f"compiled ({as_run}in {row['compile_s']:.0f} s, lower {row['lower_s']:.0f} s{counted}); peak "
             f"{m['peak'] / g:.2f} GiB/chip (args {m['argument'] / g:.2f}, temp {m['temp'] / g:.2f}{unrolled}) "
             f"{'fits' if row['fits'] else 'DOES NOT FIT'}; "
             f"{c['flops'] / 1e12:.3g} TFLOP, XLA {c['bytes_accessed'] / 1e9:.3g} GB, HLO ops "
