@@ -1,7 +1,8 @@
 """Timed generation runs for the research CLIs: settings, shared shapes, warm-up, repeats.
 
-Every run goes through `generate_padded`, which is `dsv4_jax.generate` with fixed shapes chosen for
-the whole invocation (`RunPlan`), so that settings share compiled programs:
+Every run is `dsv4_jax.generate` with the option groups of `plan_options` (`padded_options`, also behind
+`generate_padded`): fixed shapes chosen for the whole invocation (`RunPlan`), so that settings share
+compiled programs:
 
   * prompts are right-padded to one of a few length buckets (`length_buckets`: at most --prompt-buckets
     lengths, chosen to minimise padding), not all to the longest prompt; the prompt lengths are passed
@@ -222,11 +223,12 @@ def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, rep
     seed), "walls", "prefills", "decodes" (every repeat), "wall_s", "prefill_s", "decode_s" (medians;
     decode = the decode loop after the prefill, which also samples the first token), "pad_to"}.
     """
-    pad_to = plan.pad_for([len(p["tokens"]) for p in batch])
+    options = plan_options(batch, setting, plan)
+    pad_to = options["run"].pad_to
     walls, prefills, decodes, tokens, stats = [], [], [], None, None
     for _ in range(repeats):
         tokens, stats = generate(model.params, model.bundle, [list(p["tokens"]) for p in batch],
-                                 plan.max_new_tokens, **plan_options(batch, setting, plan))
+                                 plan.max_new_tokens, **options)
         walls.append(stats["wall_s"])
         prefills.append(stats["prefill_s"])
         decodes.append(stats["decode_s"])
