@@ -95,6 +95,28 @@ def test_greedy_speculative_equals_plain(model, prompts, plain, k):
         assert stats["drafted"] == stats["rounds"] * k
 
 
+def test_dynamic_draft_n_equals_plain_in_one_program(model, prompts, plain):
+    """RunShape.dynamic_draft_n: one loop program (verify blocks 4 wide) runs draft_n_max 1 and 2, with and
+    without p_min; greedy tokens equal plain decoding and no round proposes more than draft_n_max drafts."""
+    config, params = model
+    kw = dict(drafter="mtp", eos_token_id=-1, max_len=256, max_block=4, dynamic_draft_n=True)
+    n0 = loop.run_rounds._cache_size()
+    for k, p_min in ((1, 0.0), (2, 0.0), (2, 0.5)):
+        toks, stats = d.generate(params, config, prompts, 40, draft_n_max=k, p_min=p_min, **kw)
+        assert toks == [t[:40] for t in plain[3]]
+        assert stats["draft_n_max"] == k and len(stats["per_position_accepted"]) == k
+        assert sum(stats["draft_length_histogram"]) == stats["rounds"] and stats["drafted"] <= stats["rounds"] * k
+        if p_min == 0:
+            assert stats["drafted"] == stats["rounds"] * k
+        else:
+            assert stats["drafted"] < stats["rounds"] * k       # the p_min rule still shortens chains
+    assert loop.run_rounds._cache_size() == n0 + 1
+    with pytest.raises(ValueError, match="needs max_block"):
+        d.generate(params, config, [[1, 2]], 4, drafter="mtp", dynamic_draft_n=True)
+    with pytest.raises(ValueError, match="wider than max_block=4"):
+        d.generate(params, config, [[1, 2]], 4, draft_n_max=4, **kw)
+
+
 def test_oracle_drafter_exercises_every_acceptance_length(model, prompts, plain):
     config, params = model
     k, B = 5, 3

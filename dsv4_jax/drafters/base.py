@@ -17,7 +17,8 @@ only calls these methods, never compares names:
                                          n_draft [B]): k = setup.k drafts after `last` (the token at
                                          position pos, not yet processed by the target), their draft
                                          distributions q (what rejection sampling needs) and how many
-                                         to verify
+                                         to verify; the loop caps n_draft at knobs.draft_n (when set),
+                                         and a drafter may skip the work for drafts beyond it
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ class Knobs:
     p_min: jax.Array          # MTP: stop the chain before a draft whose top-1 probability is below it
     confidence: jax.Array     # DSpark: confidence threshold
     drafter_index: jax.Array | None = None   # `drafters.pool`: which member drafts (int32 scalar)
+    # drafts per round when the loop is compiled for a wider bound (`RunShape.dynamic_draft_n`): int32
+    # scalar <= DraftSetup.k; None: DraftSetup.k (the static case)
+    draft_n: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

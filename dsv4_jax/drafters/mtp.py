@@ -73,24 +73,35 @@ def observe(mtp: dict, target: dict, config: ModelConfig, st: MTPState, hidden, 
 
 
 def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax.Array, key, k: int, *,
-            temperature, top_p, p_min, greedy: bool):
+            temperature, top_p, p_min, greedy: bool, n_steps=None):
     """Draft a chain of k tokens after committed position pos−1 (pos = target's committed count).
 
+    n_steps: None (all k, the chain written out step by step) or a traced int32 scalar <= k
+    (`Knobs.draft_n`): only the first n_steps drafts are computed, in a loop; the rest stay 0.
     Returns (drafts [B,k], draft probs q [B,k,V], n_draft [B] ≤ k after the p_min rule).
     """
     keys = jax.random.split(key, k)
     tok, q, top1 = draw(keys[0], st.last_logits, temperature, top_p, greedy)
-    drafts, probs, tops = [tok], [q], [top1]
-    X, cache = st.last_hidden, st.cache
     ones = jnp.ones_like(pos)
-    for j in range(1, k):
+
+    def step(j, chain):
         # chain row at position pos−1+j: (X1 of the previous row, previous draft)
-        X1, logits, cache = rows(mtp, target, config, cache, X[:, None], drafts[-1][:, None], pos - 1 + j, ones)
-        X = X1[:, 0]
+        X, cache, drafts, probs, tops = chain
+        X1, logits, cache = rows(mtp, target, config, cache, X[:, None], drafts[:, j - 1][:, None], pos - 1 + j, ones)
         tok, q, top1 = draw(keys[j], logits[:, 0], temperature, top_p, greedy)
-        drafts.append(tok), probs.append(q), tops.append(top1)
-    n = chain_length(jnp.stack(tops, axis=1), p_min)
-    return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1), n
+        return X1[:, 0], cache, drafts.at[:, j].set(tok), probs.at[:, j].set(q), tops.at[:, j].set(top1)
+
+    put = lambda first, like: jnp.zeros(first.shape[:1] + (k,) + first.shape[1:], like).at[:, 0].set(first)
+    chain = (st.last_hidden, st.cache, put(tok, jnp.int32), put(q, q.dtype), put(top1, top1.dtype))
+    if n_steps is None:
+        for j in range(1, k):
+            chain = step(j, chain)
+    else:
+        n_steps = jnp.clip(n_steps, 1, k)
+        chain = jax.lax.fori_loop(1, n_steps, step, chain)
+    _, _, drafts, probs, tops = chain
+    n = chain_length(tops, p_min)
+    return drafts, probs, n if n_steps is None else jnp.minimum(n, n_steps)
 
 
 class MTPDrafter(Drafter):
@@ -113,7 +124,7 @@ class MTPDrafter(Drafter):
 
     def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
         return propose(params["mtp"][0], params, config, state, pos, key, setup.k, temperature=knobs.temperature,
-                       top_p=knobs.top_p, p_min=knobs.p_min, greedy=greedy)
+                       top_p=knobs.top_p, p_min=knobs.p_min, greedy=greedy, n_steps=knobs.draft_n)
 
 
 DRAFTER = MTPDrafter()

@@ -233,6 +233,7 @@ def sweep_markdown(summary: dict) -> str:
         f"- max_new_tokens {m['max_new_tokens']}, seed {m['seed']}; every figure is the median over "
         f"{m['repeats']} timed repeats, [min–max] of the repeats beside it; warm-up runs (compilation) are not timed",
         pad_line,
+        *([f"- verify block: {m['verify_width']}"] if m.get("verify_width") else []),
         f"- machine: {machine_line(m['env'])}",
         f"- {m['env']['backend']} ({', '.join(sorted(set(m['env']['devices'])))}), jax {m['env']['jax_version']}, "
         f"{m['env']['date']}",

@@ -11,8 +11,13 @@ compiled programs:
     (the largest draft_n_max + 1) for every run: the prefill and the drafter priming compile once per
     bucket for all draft_n_max values (`RunShape.max_block`);
   * the drafters of the sweep are compiled together (`RunShape.drafter_pool`): one loop program per
-    draft width shared by MTP and DSpark, the drafter chosen at run time. The verify block stays
-    k + 1 wide (it is what a speculative round costs), so each width is its own program;
+    draft width shared by MTP and DSpark, the drafter chosen at run time;
+  * with `RunPlan.dynamic_draft_n` (dsv4-sweep's default) one loop program serves every draft_n_max:
+    it is compiled for the widest verify block and draft_n_max is a run-time bound
+    (`RunShape.dynamic_draft_n`: greedy tokens equal the static program's; MTP runs only draft_n_max
+    chain steps; the verify block is max_block wide at every draft_n_max — the cost measured in
+    experiments/results/sweep_speed_2026-12-01_v3.md). Without it each width is its own program with
+    a k + 1 wide verify block;
   * `precompile` compiles those distinct programs before the first run, two at a time on two cores
     (`spec.precompile`), so a first run (empty compilation cache) does not compile them one by one.
 
@@ -98,13 +103,13 @@ def grid_settings(specs: Sequence[str], ks: Sequence[int], knob_values: Mapping[
 
 def padded_options(setting: Setting, *, pad_to: int, max_len: int, top_p: float = 1.0,
                    eos_token_id: int | None = None, seed: int = 0, max_block: int | None = None,
-                   drafter_pool: tuple[str, ...] | None = None) -> dict:
+                   drafter_pool: tuple[str, ...] | None = None, dynamic_draft_n: bool = False) -> dict:
     """`generate`'s option groups for one setting, prompts right-padded to `pad_to`, the shapes fixed by the plan."""
     return {"sampling": Sampling(temperature=setting.temperature, top_p=top_p, seed=seed),
             "speculation": Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
                                        p_min=setting.p_min, confidence_threshold=setting.confidence_threshold),
             "run": RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to, max_block=max_block,
-                            drafter_pool=drafter_pool)}
+                            drafter_pool=drafter_pool, dynamic_draft_n=dynamic_draft_n and max_block is not None)}
 
 
 def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, pad_to: int,
@@ -123,7 +128,8 @@ def plan_options(batch: Sequence[dict], setting: Setting, plan: "RunPlan") -> di
     """`padded_options` of a batch under the plan (its bucket, the plan's shapes and knobs)."""
     return padded_options(setting, pad_to=plan.pad_for([len(p["tokens"]) for p in batch]), max_len=plan.max_len,
                           top_p=plan.top_p, eos_token_id=plan.eos_token_id, seed=plan.seed,
-                          max_block=plan.max_block, drafter_pool=plan.drafter_pool)
+                          max_block=plan.max_block, drafter_pool=plan.drafter_pool,
+                          dynamic_draft_n=plan.dynamic_draft_n)
 
 
 GRANULE = 16       # padded prompt lengths are multiples of this
@@ -170,13 +176,15 @@ class RunPlan:
 
     buckets: the prompt lengths runs are padded to (`length_buckets`); max_len: the cache capacity of
     every run; max_block: the widest verify block (largest draft_n_max + 1); drafter_pool: the drafters
-    compiled together (None: each its own program)."""
+    compiled together (None: each its own program); dynamic_draft_n: one loop program (max_block wide)
+    for every draft_n_max (`RunShape.dynamic_draft_n`)."""
 
     max_new_tokens: int
     buckets: tuple[int, ...]
     max_len: int
     max_block: int = 1
     drafter_pool: tuple[str, ...] | None = None
+    dynamic_draft_n: bool = False
     seed: int = 0
     top_p: float = 1.0
     eos_token_id: int | None = None     # None: the config's; -1: never stop early

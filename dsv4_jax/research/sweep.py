@@ -36,8 +36,8 @@ from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_
 COMPILE_THREADS = 2
 
 EXAMPLES = """examples:
-  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts,
-                                                     # 3 repeats (about 2.5 min on 2 idle cores, cold cache)
+  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 18 prompts,
+                                                     # 3 repeats (about 2 min on 2 idle cores, cold cache)
   dsv4-sweep --out results/tiny-full --full-suite --draft-n-max 1-5 --repeats 3
   dsv4-sweep --out results/pmin --spec mtp --draft-n-max 2,4 --p-min 0,0.3,0.6
   dsv4-sweep --out results/conf --spec none,dspark --confidence 0,0.5,0.8 --temperature 0,1
@@ -65,13 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", default="0", metavar="T", help="0 = greedy; > 0 = lossless rejection sampling "
                                                                    "(default 0)")
     g.add_argument("--batch-size", default="1", metavar="B", help="prompts decoded together (default 1)")
-    common.add_prompt_args(p, default_per_category=1)
+    common.add_prompt_args(p, default_per_category=2)
     common.add_run_args(p)
     g = p.add_argument_group("compilation")
     g.add_argument("--compile-threads", type=int, default=COMPILE_THREADS, metavar="N",
                    help=f"compile the sweep's distinct programs N at a time before the first run (default "
                         f"{COMPILE_THREADS}: two cores compile two programs at once; one-device runs); 0 = compile "
                         "each on first use")
+    g.add_argument("--static-draft-widths", action="store_true",
+                   help="compile one loop per draft_n_max, its verify block exactly draft_n_max + 1 wide; default: "
+                        "one loop for all of them, compiled for the widest verify block, draft_n_max bounding the "
+                        "drafts at run time (the same greedy tokens, fewer compiles; narrower settings then verify "
+                        "a block as wide as the widest)")
     return p
 
 
@@ -235,6 +240,7 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
     pool = None if a.no_shared_programs else pool_for(model, specs, max(s.draft_n_max for s in settings))
     plan = RunPlan(max_new_tokens=max_new, buckets=buckets, max_len=max_len,
                    max_block=None if a.no_shared_programs else max_draft + 1, drafter_pool=pool,
+                   dynamic_draft_n=not (a.no_shared_programs or a.static_draft_widths),
                    seed=a.seed, top_p=a.top_p, eos_token_id=common.eos_for(a))
     for n in notes:
         print(n, file=sys.stderr)
@@ -252,7 +258,8 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
             prefill.add((len(g), plan.pad_for([len(p["tokens"]) for p in g]), s.spec if plan.max_block is None
                          else None))
         kind = "none" if s.spec == BASELINE else ("pool" if plan.drafter_pool else s.spec)
-        loops.add((kind, effective_draft_n_max(s, model), s.temperature == 0, s.batch_size))
+        width = plan.max_block - 1 if plan.dynamic_draft_n and kind != "none" else effective_draft_n_max(s, model)
+        loops.add((kind, width, s.temperature == 0, s.batch_size))
     return {"prefill": len(prefill), "loop": len(loops)}
 
 
@@ -339,6 +346,9 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> 
             "repeats": a.repeats, "seed": plan.seed, "top_p": plan.top_p, "ignore_eos": a.ignore_eos,
             "pad_to": plan.pad_to, "max_len": plan.max_len, "max_block": plan.max_block,
             "drafter_pool": list(plan.drafter_pool) if plan.drafter_pool else None,
+            "dynamic_draft_n": plan.dynamic_draft_n,
+            "verify_width": "max_block for every draft_n_max (one loop program)" if plan.dynamic_draft_n
+            else "draft_n_max + 1 (one loop program per width)",
             "padding": {"buckets": list(plan.buckets), "prompt_tokens": sum(len(p["tokens"]) for p in prompts),
                         "padded_tokens": sum(plan.pad_for([len(p["tokens"])]) for p in prompts)},
             "prompt_template": a.prompt_template,

@@ -114,16 +114,19 @@ def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Arr
                  opts=opts.replace(k=max_block - 1), prefill_taps=prefill_taps, knobs=knobs, key=key)
 
 
-def summarize(c: Carry, opts: Options, wall_s: float) -> dict[str, Any]:
-    """Statistics of a finished run (drafters.md §4.1 definitions); per-sequence arrays as lists."""
+def summarize(c: Carry, opts: Options, wall_s: float, k: int | None = None) -> dict[str, Any]:
+    """Statistics of a finished run (drafters.md §4.1 definitions); per-sequence arrays as lists.
+
+    k: the run's drafts per round (default opts.k; less when the loop was compiled for a wider bound,
+    `RunShape.dynamic_draft_n`)."""
     s = jax.tree.map(np.asarray, c.stats)
-    k = opts.k                      # the carry may be sized for a wider bound (RunShape.max_block): trim
+    k = opts.k if k is None else k  # the carry may be sized for a wider bound (RunShape.max_block): trim
     s = s.replace(per_position=s.per_position[:, :k], proposed_at=s.proposed_at[:, :k],
                   length_hist=s.length_hist[:, :k + 1])
     n_out = np.asarray(c.out_len)
     rounds, drafted, accepted = int(s.rounds.sum()), int(s.drafted.sum()), int(s.accepted.sum())
     return {
-        "drafter": opts.drafter, "draft_n_max": opts.k, "rounds": rounds, "drafted": drafted, "accepted": accepted,
+        "drafter": opts.drafter, "draft_n_max": k, "rounds": rounds, "drafted": drafted, "accepted": accepted,
         "generated": int(n_out.sum()), "per_sequence_generated": n_out.tolist(),
         "per_position_accepted": s.per_position.sum(0).tolist(),
         "per_position_proposed": s.proposed_at.sum(0).tolist(),
@@ -151,6 +154,7 @@ class Prepared(NamedTuple):
     host_loop: bool
     max_block: int               # the decode state's and carry's widest verify block (>= opts.k + 1)
     prefill_taps: tuple          # tap layers the prefill computes (contains opts.taps)
+    draft_n: int                 # the run's drafts per round (< opts.k under RunShape.dynamic_draft_n)
 
 
 def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
@@ -169,17 +173,26 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
     meta = dict(bundle_meta)
     if spec.dspark_meta is not None:            # the published keyword for DSpark's settings
         meta["dspark"] = spec.dspark_meta
-    pool_setup = registry.get(pool.NAME).configure(params, config, max(spec.draft_n_max, 1),
+    if shape.dynamic_draft_n and drafter.name != "none" and shape.max_block is None:
+        raise ValueError("dynamic_draft_n needs max_block: the verify width the loop is compiled for")
+    dynamic = shape.dynamic_draft_n and drafter.name != "none"
+    # the program's drafts per round: the run's, or the bound max_block - 1 (dynamic_draft_n)
+    k_program = shape.max_block - 1 if dynamic else max(spec.draft_n_max, 1)
+    pool_setup = registry.get(pool.NAME).configure(params, config, k_program,
                                                    {**meta, "members": tuple(shape.drafter_pool)}) \
         if shape.drafter_pool else None
     if pool_setup is not None and drafter.name != "none":
         if drafter.name not in pool.member_names(pool_setup):
             raise ValueError(f"drafter {drafter.name!r} is not in drafter_pool {tuple(shape.drafter_pool)}")
         setup, index = pool_setup, pool.member_names(pool_setup).index(drafter.name)
-        drafter = registry.get(pool.NAME)
+        run_drafter, drafter = drafter, registry.get(pool.NAME)
     else:
-        setup, index = drafter.configure(params, config, spec.draft_n_max, meta.get(drafter.name)), 0
+        setup, index, run_drafter = drafter.configure(params, config, k_program, meta.get(drafter.name)), 0, drafter
     k = setup.k
+    # the run's drafts per round (a drafter may cap draft_n_max: DSpark at its block size)
+    draft_n = run_drafter.configure(params, config, spec.draft_n_max, meta.get(run_drafter.name)).k if dynamic else k
+    if draft_n > k:
+        raise ValueError(f"draft_n_max={spec.draft_n_max} needs verify blocks wider than max_block={shape.max_block}")
     max_block = shape.max_block or k + 1
     if max_block < k + 1:
         raise ValueError(f"max_block={max_block} is narrower than a verify block of draft_n_max {k} (+1)")
@@ -193,9 +206,10 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
                    eos_token_id=int(eos), taps=setup.taps, settings=setup.settings)
     knobs = Knobs(temperature=jnp.float32(max(sp.temperature, 1e-6)), top_p=jnp.float32(sp.top_p),
                   p_min=jnp.float32(spec.p_min), confidence=jnp.float32(spec.confidence_threshold),
-                  drafter_index=jnp.int32(index))
+                  drafter_index=jnp.int32(index), draft_n=jnp.int32(draft_n) if dynamic else None)
     prefill_taps = pool_setup.taps if pool_setup is not None else setup.taps
-    return Prepared(config, tokens, lengths, opts, knobs, max_len, sp.seed, shape.host_loop, max_block, prefill_taps)
+    return Prepared(config, tokens, lengths, opts, knobs, max_len, sp.seed, shape.host_loop, max_block, prefill_taps,
+                    draft_n)
 
 
 def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
@@ -215,12 +229,14 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
         stops the MTP chain before a draft whose top-1 probability is below it; confidence_threshold is
         DSpark's cut-off; dspark_meta overrides the bundle's DSpark settings (a DSparkConfig).
       run=RunShape(eos_token_id=None, max_len=None, pad_to=None, host_loop=False, max_block=None,
-        drafter_pool=None): stop a sequence after eos_token_id (None: the config's; -1: never); max_len /
+        drafter_pool=None, dynamic_draft_n=False): stop a sequence after eos_token_id (None: the config's; -1: never); max_len /
         pad_to fix the cache capacity and the padded prompt length, so that runs with other prompts reuse
         the compiled functions; host_loop drives rounds from Python (debugging twin; identical results);
         max_block sizes the state for verify blocks up to that width, so runs with any draft_n_max below
         it share the prefill; drafter_pool (names) compiles one loop per draft width for all of them,
-        the drafter picked at run time (`drafters.pool`; same tokens as the drafter alone).
+        the drafter picked at run time (`drafters.pool`; same tokens as the drafter alone);
+        dynamic_draft_n (with max_block) compiles one loop for every draft_n_max < max_block, the
+        verify block max_block wide and draft_n_max a run-time bound (greedy: the same tokens).
     backends: the kernels (a `Backends`, or "auto" | "reference" | "pallas"; default: the config's).
 
     Returns (tokens: list of int lists, stats dict: rounds, drafted, accepted, per-position
@@ -238,6 +254,6 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
     carry = jax.block_until_ready(loop(params, r.config, carry, r.knobs, r.opts))
     t2 = time.perf_counter()
     out, n = np.asarray(carry.out), np.asarray(carry.out_len)
-    stats = summarize(carry, r.opts, t2 - t0)
+    stats = summarize(carry, r.opts, t2 - t0, r.draft_n)
     stats.update(prefill_s=t1 - t0, decode_s=t2 - t1)   # the first token comes from the prefill
     return [out[b, :n[b]].tolist() for b in range(out.shape[0])], stats

@@ -121,6 +121,8 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
     B = pos.shape[0]
     drafts, q, n_draft = drafter.propose(params, config, opts.setup, c.drafter, pos, c.last, k_draft, knobs,
                                          opts.greedy)
+    if knobs.draft_n is not None:                     # a run-time bound below the compiled k (RunShape)
+        n_draft = jnp.minimum(n_draft, knobs.draft_n)
     n_draft = jnp.where(c.done, 0, n_draft)
     block = jnp.concatenate([c.last[:, None], drafts], axis=1)                       # [B,k+1]
     logits, tstate, aux = process_block(params, config, c.target, block, jnp.full((B,), k + 1, jnp.int32),

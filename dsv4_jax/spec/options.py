@@ -2,7 +2,7 @@
 
     Sampling      temperature, top_p, seed                         what is drawn
     Speculation   drafter, draft_n_max, p_min, confidence_threshold, dspark_meta    how drafts are made
-    RunShape      eos_token_id, max_len, pad_to, host_loop, max_block, drafter_pool
+    RunShape      eos_token_id, max_len, pad_to, host_loop, max_block, drafter_pool, dynamic_draft_n
                                                                      when to stop, fixed shapes, loop driver
 
 `generate(..., sampling=Sampling(temperature=0.8), speculation=Speculation("dspark", 5))` and
@@ -51,7 +51,14 @@ class RunShape:
     draft_n_max < max_block share the prefill programs; drafter_pool (registered names) compiles the
     loop once per draft width for all of them, the drafter chosen at run time (`drafters.pool`), and
     makes the prefill compute every member's tap layers. Neither changes the generated tokens; the
-    verify block stays draft_n_max + 1 wide."""
+    verify block stays draft_n_max + 1 wide. dynamic_draft_n (with max_block) goes one step further:
+    the loop is compiled for verify blocks max_block wide and draft_n_max becomes a run-time bound
+    (`Knobs.draft_n`): the drafter proposes at most draft_n_max drafts (MTP runs that many chain steps)
+    and the verify block is max_block wide whatever draft_n_max is, so every draft_n_max < max_block
+    shares one loop program. Greedy tokens and statistics equal the static program's; sampled runs
+    draw from the same distributions but other random numbers (the round's draws are sized for the
+    wider block). A wider verify block costs little where the target step is memory-bound (a decode
+    step reads the weights once for all block positions), more where it is compute-bound."""
 
     eos_token_id: int | None = None
     max_len: int | None = None
@@ -59,6 +66,7 @@ class RunShape:
     host_loop: bool = False
     max_block: int | None = None
     drafter_pool: tuple[str, ...] | None = None
+    dynamic_draft_n: bool = False
 
 
 GROUPS = {"sampling": Sampling, "speculation": Speculation, "run": RunShape}
