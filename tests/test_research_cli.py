@@ -18,7 +18,8 @@ from dsv4_jax.config import HASH_MOE, MOE, _schedule
 from dsv4_jax.demo_io import save_bundle
 from dsv4_jax.params import init_dspark, init_mtp
 from dsv4_jax.research import batch_eval, common, prompts as P, report, sweep
-from dsv4_jax.research.runner import RunPlan, Setting, bucket_of, generate_padded, length_buckets, plan_shapes
+from dsv4_jax.research.runner import (RunPlan, Setting, bucket_of, generate_padded, length_buckets, plan_options,
+                                      plan_shapes)
 from dsv4_jax.spec import generate as spec_generate, loop
 
 RUN = ["--limit", "1", "--max-new-tokens", "8", "--draft-n-max", "1,2", "--repeats", "2", "--no-compile-cache",
@@ -71,15 +72,14 @@ def sweep_out(bundle, tmp_path_factory):
 
 def test_sweep_shares_compiled_programs(sweep_out):
     """5 settings (none, mtp k=1,2, dspark k=1,2), one prompt bucket: one prefill, two primings (none and the
-    drafter pool), two loops (none, and one for MTP and DSpark at every draft_n_max: verify blocks 3 wide,
-    draft_n_max a run-time bound) — not 5 + 5."""
-    assert COMPILED == {"loop": 2, "prefill": 1, "prime": 2}
+    drafter pool), three loops (none, width 2 and width 3, each shared by MTP and DSpark) — not 5 + 5."""
+    assert COMPILED == {"loop": 3, "prefill": 1, "prime": 2}
     # compiled once each, two at a time before the first run (`spec.precompile`): the warm-ups and timed
     # runs call exactly the compiled programs, nothing compiles twice
     big = {n: XLA_COMPILES.count(f"jit({n})") for n in ("run_rounds", "prefill_target", "prime")}
-    assert big == {"run_rounds": 2, "prefill_target": 1, "prime": 2}, XLA_COMPILES
+    assert big == {"run_rounds": 3, "prefill_target": 1, "prime": 2}, XLA_COMPILES
     meta = json.load(open(os.path.join(sweep_out, "summary.json")))["meta"]
-    assert meta["drafter_pool"] == ["mtp", "dspark"] and meta["max_block"] == 3 and meta["dynamic_draft_n"]
+    assert meta["drafter_pool"] == ["mtp", "dspark"] and meta["max_block"] == 3 and not meta["dynamic_draft_n"]
 
 
 def _umask() -> int:
@@ -354,3 +354,20 @@ def test_lists_suites_and_prompt_files(tmp_path):
     assert agg["per_position_accept_rate"] == [pytest.approx(2 / 3), 0.0] and agg["tokens_per_s"] == 4.0
     assert agg["decode_tokens_per_s"] == 4.0      # 7 tokens from the loop (the prefill sampled the first)
     np.testing.assert_equal(agg["n_requests"], 1)
+
+
+def test_shared_draft_widths_plans_one_loop(bundle):
+    """--shared-draft-widths: one loop program for MTP and DSpark at every draft_n_max (RunShape.dynamic_draft_n,
+    verify blocks max_block wide); by default one per width."""
+    loops = {}
+    for extra in ([], ["--shared-draft-widths"]):
+        parser = sweep.build_parser()
+        a = parser.parse_args(["--model", bundle, "--out", "unused", "--draft-n-max", "1,2", "--limit", "1", *extra])
+        grid, model, notes, _, prompts, suite_max_new = sweep.prepare_run(
+            parser, a, sweep.parse_grid, lambda g: (g["specs"], g["ks"]))
+        settings = sweep.build_settings(**grid)
+        _, plan, _ = sweep.plan_run(a, model, prompts, settings, suite_max_new, notes)
+        loops[bool(extra)] = (plan.dynamic_draft_n, sweep.programs(settings, prompts, plan, model)["loop"])
+        opts = plan_options(prompts, settings[1], plan)["run"]
+        assert opts.dynamic_draft_n == bool(extra) and opts.max_block == 3
+    assert loops == {False: (False, 3), True: (True, 2)}

@@ -12,12 +12,12 @@ compiled programs:
     bucket for all draft_n_max values (`RunShape.max_block`);
   * the drafters of the sweep are compiled together (`RunShape.drafter_pool`): one loop program per
     draft width shared by MTP and DSpark, the drafter chosen at run time;
-  * with `RunPlan.dynamic_draft_n` (dsv4-sweep's default) one loop program serves every draft_n_max:
-    it is compiled for the widest verify block and draft_n_max is a run-time bound
+  * with `RunPlan.dynamic_draft_n` (dsv4-sweep --shared-draft-widths) one loop program serves every
+    draft_n_max: it is compiled for the widest verify block and draft_n_max is a run-time bound
     (`RunShape.dynamic_draft_n`: greedy tokens equal the static program's; MTP runs only draft_n_max
-    chain steps; the verify block is max_block wide at every draft_n_max — the cost measured in
-    experiments/results/sweep_speed_2026-12-01_v3.md). Without it each width is its own program with
-    a k + 1 wide verify block;
+    chain steps), but every setting then verifies max_block tokens, which costs more than k + 1 where
+    the target step is not memory-bound (experiments/results/sweep_speed_2026-12-01_v3.md). By default
+    each width is its own program with a k + 1 wide verify block;
   * `precompile` compiles those distinct programs before the first run, two at a time on two cores
     (`spec.precompile`), so a first run (empty compilation cache) does not compile them one by one.
 
