@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from ..cache import EMPTY
 from ..config import CSA, SLIDING, ModelConfig
 from ..ops.linear import grouped_linear, linear
+from ..sharding import constrain_state_rows
 from . import compressor, indexer
 from .norms import rms_norm
 from .rope import apply_rope, inv_freq, layer_rope_kind
@@ -103,9 +104,10 @@ def attention_sequence(h: jax.Array, p: dict, config: ModelConfig, layer_type: s
 
 def _compressed_block(h, p, config, ratio, dim, overlap, positions, pos, n_valid, table, ring_a, ring_z, freqs):
     """Close this block's windows into `table` and push its projections to the ring. Returns the 3 arrays."""
-    a, z = compressor.block_projections(h, p, positions, ratio)
+    a, z = (constrain_state_rows(v, config) for v in compressor.block_projections(h, p, positions, ratio))
     rows, w, ok = compressor.close_windows(a, z, ring_a, ring_z, pos, n_valid, ratio, dim, overlap)
     rows = compressor.finish_rows(rows, p["norm"], w * ratio, freqs, config.rms_norm_eps)
+    rows = constrain_state_rows(rows, config)
     return (compressor.write_rows(table, rows, w, ok),
             compressor.write_ring(ring_a, a, pos, n_valid),
             compressor.write_ring(ring_z, z, pos, n_valid))
@@ -121,7 +123,7 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
     """
     freqs = inv_freq(config, layer_rope_kind(layer_type))
     qr, q = project_q(h, p, config, positions, freqs)
-    kv = project_kv(h, p, config, positions, freqs)
+    kv = constrain_state_rows(project_kv(h, p, config, positions, freqs), config)
     ring_pos = jnp.where(cache["win_pos"] < pos[:, None], cache["win_pos"], EMPTY)   # committed rows only
     keys = jnp.concatenate([cache["win_kv"], kv], axis=1)
     mask = window_mask(positions, jnp.concatenate([ring_pos, positions], axis=1), config.sliding_window)

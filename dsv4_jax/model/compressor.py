@@ -110,11 +110,29 @@ def close_windows(a: jax.Array, z: jax.Array, ring_a: jax.Array, ring_z: jax.Arr
     return pool(slots_a, slots_z), w, ok
 
 
+# At most this many rows (B·J) are written one `dynamic_update_slice` each; more (prefill) as one scatter.
+# Both update the table in place, but XLA's cost model counts a scatter fusion as a read and a write of
+# the whole table (a [8, 8193, 512] compressed cache: 128 MiB per layer and step at B = 8) and an in-place
+# dynamic-update-slice as its update only, the bytes the step really moves.
+ROW_UPDATES_MAX = 64
+
+
 def write_rows(table: jax.Array, rows: jax.Array, index: jax.Array, ok: jax.Array) -> jax.Array:
     """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c], rows [B,J,c]."""
-    T = table.shape[1]
-    idx = jnp.where(ok, index, T)
-    return jax.vmap(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"))(table, idx, rows)
+    B, T = table.shape[:2]
+    J = index.shape[1]
+    if B * J > ROW_UPDATES_MAX:
+        idx = jnp.where(ok, index, T)
+        return jax.vmap(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"))(table, idx, rows)
+    tail = (0,) * (table.ndim - 2)
+    one = (1, 1) + table.shape[2:]
+    for b in range(B):
+        for j in range(J):
+            start = (jnp.int32(b), jnp.clip(index[b, j], 0, T - 1).astype(jnp.int32)) + tuple(jnp.int32(0) for _ in tail)
+            old = jax.lax.dynamic_slice(table, start, one)
+            new = jnp.where(ok[b, j], rows[b, j].astype(table.dtype).reshape(one), old)   # not ok: rewrite the row
+            table = jax.lax.dynamic_update_slice(table, new, start)
+    return table
 
 
 def write_ring(ring: jax.Array, values: jax.Array, pos: jax.Array, n_valid: jax.Array) -> jax.Array:
