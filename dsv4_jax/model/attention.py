@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..cache import EMPTY
+from ..cache import EMPTY, rows_of, take_rows
 from ..config import CSA, SLIDING, ModelConfig
 from ..ops.linear import grouped_linear, linear
 from ..sharding import constrain_state_rows
@@ -141,11 +141,12 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
                 h, pi["compressor"], config, ratio, config.index_head_dim, True, positions, pos, n_valid,
                 cache["idx_keys"], cache["idx_a"], cache["idx_z"], freqs)
             qi = indexer.index_queries(qr, pi, config, positions, freqs)
-            sel, query_mask = indexer.select(qi, new["idx_keys"], h, pi, config, positions, ratio)  # [B,S,k]
-            query_keys = jax.vmap(lambda rows, i: rows[i])(new["comp_kv"], sel)       # [B,S,k,d]
+            sel, query_mask = indexer.select(qi, rows_of(new["idx_keys"]), h, pi, config, positions, ratio)  # [B,S,k]
+            query_keys = take_rows(new["comp_kv"], sel)                                # [B,S,k,d]
         else:
-            keys = jnp.concatenate([keys, new["comp_kv"]], axis=1)
-            mask = jnp.concatenate([mask, compressed_visible(positions, new["comp_kv"].shape[1], ratio)], axis=2)
+            comp = rows_of(new["comp_kv"])
+            keys = jnp.concatenate([keys, comp], axis=1)
+            mask = jnp.concatenate([mask, compressed_visible(positions, comp.shape[1], ratio)], axis=2)
     o = attend(q, keys, mask, p["attn_sink"], query_keys, query_mask)
     o = apply_rope(o, positions, freqs, inverse=True)
     return grouped_output(o, p, config), new

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..cache import StackedRows, rows_of
 from ..ops.linear import linear
 from .norms import rms_norm
 from .rope import apply_rope
@@ -117,22 +118,27 @@ def close_windows(a: jax.Array, z: jax.Array, ring_a: jax.Array, ring_z: jax.Arr
 ROW_UPDATES_MAX = 64
 
 
-def write_rows(table: jax.Array, rows: jax.Array, index: jax.Array, ok: jax.Array) -> jax.Array:
-    """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c], rows [B,J,c]."""
-    B, T = table.shape[:2]
+def write_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array):
+    """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c] (or a `cache.StackedRows`,
+    written in its stacked buffer, returned as one), rows [B,J,c]."""
+    stacked = isinstance(table, StackedRows)
+    buf = table.slab if stacked else table
+    lead = (table.index.astype(jnp.int32),) if stacked else ()
+    B, T = buf.shape[len(lead):len(lead) + 2]
     J = index.shape[1]
     if B * J > ROW_UPDATES_MAX:
         idx = jnp.where(ok, index, T)
-        return jax.vmap(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"))(table, idx, rows)
-    tail = (0,) * (table.ndim - 2)
-    one = (1, 1) + table.shape[2:]
+        out = jax.vmap(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"))(rows_of(table), idx, rows)
+        return StackedRows(jax.lax.dynamic_update_index_in_dim(buf, out, lead[0], 0), table.index) if stacked else out
+    tail = tuple(jnp.int32(0) for _ in buf.shape[len(lead) + 2:])
+    one = (1,) * (len(lead) + 2) + buf.shape[len(lead) + 2:]
     for b in range(B):
         for j in range(J):
-            start = (jnp.int32(b), jnp.clip(index[b, j], 0, T - 1).astype(jnp.int32)) + tuple(jnp.int32(0) for _ in tail)
-            old = jax.lax.dynamic_slice(table, start, one)
-            new = jnp.where(ok[b, j], rows[b, j].astype(table.dtype).reshape(one), old)   # not ok: rewrite the row
-            table = jax.lax.dynamic_update_slice(table, new, start)
-    return table
+            start = lead + (jnp.int32(b), jnp.clip(index[b, j], 0, T - 1).astype(jnp.int32)) + tail
+            old = jax.lax.dynamic_slice(buf, start, one)
+            new = jnp.where(ok[b, j], rows[b, j].astype(buf.dtype).reshape(one), old)   # not ok: rewrite the row
+            buf = jax.lax.dynamic_update_slice(buf, new, start)
+    return StackedRows(buf, table.index) if stacked else buf
 
 
 def write_ring(ring: jax.Array, values: jax.Array, pos: jax.Array, n_valid: jax.Array) -> jax.Array:
