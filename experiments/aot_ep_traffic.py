@@ -27,6 +27,7 @@ Variants (`--variants`, comma list):
     gspmd-tp        mesh 1x1x8, default rules, moe=reference (before)
     latency         the "latency" preset: 1x1x8, TP attention + expert-TP experts, moe=ep (after)
     latency-ep      1x1x8, TP attention + whole experts split 8 ways (default rules), moe=ep
+    latency-v1      the latency preset with its small projections replicated (no `sharding.LATENCY_SPLIT`)
     throughput      the "throughput" preset: 1x8x1, DP attention + EP experts, moe=ep (after)
 
     JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost ALLOW_MULTIPLE_LIBTPU_LOAD=1 \\
@@ -78,10 +79,9 @@ VARIANTS = {
     "latency": ("latency", None, "ep"),
     "latency-ep": ((1, 1, 8), None, "ep"),
     "throughput": ("throughput", None, "ep"),
-    # the latency preset with the weights it leaves replicated split over `model` too (q latent, compressor
-    # and K=V projections, mHC mixing input)
-    "latency-split": ("latency", {"q_lora": ("model",), "comp_dim": ("model",), "head_dim": ("model",),
-                                  "hc_embed": ("model",)}, "ep"),
+    # the latency preset without `sharding.LATENCY_SPLIT` (q latent, compressor and K=V projections, mHC
+    # mixing matrices replicated: the placement before issue 19's second pass)
+    "latency-v1": ("latency", {k: () for k in S.LATENCY_SPLIT}, "ep"),
 }
 # compiler options that switch VMEM memory-space assignment off, per topology family
 NO_VMEM_MSA = {"v5p": {"xla_vf_vmem_memory_space_assignment": False}}
