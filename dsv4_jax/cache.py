@@ -56,13 +56,18 @@ def rows_of(table) -> jax.Array:
     return table.view() if isinstance(table, StackedRows) else table
 
 
-def take_rows(table, sel: jax.Array) -> jax.Array:
+def take_rows(table, sel: jax.Array, batch_split: bool = True) -> jax.Array:
     """table[b, sel[b, ...]] for a table [B, T, c] or a `StackedRows`: sel int [B, ...] -> [B, ..., c]. A stacked
-    table is gathered from its slab directly (a gather from `view()` would first copy the whole table out)."""
-    if isinstance(table, StackedRows):
-        b = jnp.arange(sel.shape[0]).reshape((-1,) + (1,) * (sel.ndim - 1))
-        return table.slab[table.index, b, sel]
-    return jax.vmap(lambda rows, i: rows[i])(table, sel)
+    table is gathered from its slab directly (a gather from `view()` would first copy the whole table out):
+    batched over the slab's B axis when the batch may be split (GSPMD then splits the gather like B), else one
+    gather with explicit (rep, sequence, row) indices (v5p AOT, latency preset, 7 layers, B = 8: 3.00 against
+    3.52 GiB per chip with the batched form)."""
+    if not isinstance(table, StackedRows):
+        return jax.vmap(lambda rows, i: rows[i])(table, sel)
+    if batch_split:
+        return jax.vmap(lambda s, i: s[table.index, i], in_axes=(1, 0))(table.slab, sel)
+    b = jnp.arange(sel.shape[0]).reshape((-1,) + (1,) * (sel.ndim - 1))
+    return table.slab[table.index, b, sel]
 
 
 @struct.dataclass

@@ -336,6 +336,17 @@ def constrain_state_rows(x: jax.Array, config: ModelConfig) -> jax.Array:
     return constrain(x, ep.mesh, ("batch",) + (None,) * (x.ndim - 1), ep.rules_dict)
 
 
+def state_batch_entry(config: ModelConfig, batch: int):
+    """How the batch dim of a [B, ...] decode-state leaf is split under the config's expert-parallel backend:
+    ("split", PartitionSpec entry), ("whole", None), or ("unknown", None) without that backend (plain GSPMD
+    or one device: the model code cannot see the placement)."""
+    ep = config.backends.ep
+    if config.backends.moe != "ep" or ep is None:
+        return "unknown", None
+    spec = partition_spec((batch,), ("batch",), mesh_sizes(ep.mesh), ep.rules_dict)
+    return ("split", spec[0]) if len(spec) else ("whole", None)
+
+
 # ---- presets: mesh shape + rules + backends ---------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -475,7 +486,7 @@ def describe(shardings) -> dict[str, str]:
 
 
 __all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "LATENCY_SPLIT", "MESH_AXES", "PRESETS", "ShardingPreset", "constrain", "constrain_state_rows",
-           "default_mesh_shape",
+           "default_mesh_shape", "state_batch_entry",
            "describe", "drafter_shardings", "init_state", "initialize_distributed", "leaf_partition_spec", "make_mesh", "mesh_sizes",
            "param_partition_specs", "param_shardings", "partition_spec", "preset", "shard_batch", "shard_params",
            "shard_state", "shardings_like", "spec_sharding", "spec_tree_partition_specs", "state_partition_specs",

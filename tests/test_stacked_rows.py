@@ -45,8 +45,9 @@ def test_take_rows_stacked_equals_plain():
     slab = jnp.asarray(rng.normal(size=(3, 2, 7, 4)).astype(np.float32))
     sel = jnp.asarray(rng.integers(0, 7, size=(2, 3, 5)))
     for r in range(3):
-        got = jax.jit(lambda s, i: take_rows(StackedRows(s, i), sel))(slab, jnp.int32(r))
         want = np.stack([np.asarray(slab[r, b])[np.asarray(sel[b])] for b in range(2)])
-        assert got.shape == (2, 3, 5, 4)
-        np.testing.assert_array_equal(np.asarray(got), want)
+        for split in (True, False):
+            got = jax.jit(lambda s, i: take_rows(StackedRows(s, i), sel, batch_split=split))(slab, jnp.int32(r))
+            assert got.shape == (2, 3, 5, 4)
+            np.testing.assert_array_equal(np.asarray(got), want)
         np.testing.assert_array_equal(np.asarray(take_rows(slab[r], sel)), want)

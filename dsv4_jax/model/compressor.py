@@ -118,15 +118,16 @@ def close_windows(a: jax.Array, z: jax.Array, ring_a: jax.Array, ring_z: jax.Arr
 ROW_UPDATES_MAX = 64
 
 
-def write_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array):
+def write_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array, per_row: bool = True):
     """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c] (or a `cache.StackedRows`,
-    written in its stacked buffer, returned as one), rows [B,J,c]."""
+    written in its stacked buffer, returned as one), rows [B,J,c]. per_row=False: always the scatter (a batch
+    split by GSPMD: a row update at a constant sequence index b would gather the whole table)."""
     stacked = isinstance(table, StackedRows)
     buf = table.slab if stacked else table
     lead = (table.index.astype(jnp.int32),) if stacked else ()
     B, T = buf.shape[len(lead):len(lead) + 2]
     J = index.shape[1]
-    if B * J > ROW_UPDATES_MAX:
+    if B * J > ROW_UPDATES_MAX or not per_row:
         idx = jnp.where(ok, index, T)
         out = jax.vmap(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"))(rows_of(table), idx, rows)
         return StackedRows(jax.lax.dynamic_update_index_in_dim(buf, out, lead[0], 0), table.index) if stacked else out
