@@ -94,11 +94,13 @@ def attention_specs(c: ModelConfig, layer_type: str, ratio: int) -> dict[str, An
 
 def moe_specs(c: ModelConfig, mlp_type: str) -> dict[str, Any]:
     D, E, I, k = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
-    gate = {"weight": ParamSpec((E, D), ("experts", "embed"))}
+    # the router has axes of its own ("router_experts" is never split: the top-k wants every expert's score on
+    # every device; "router_in", its contraction, could be split: a psum of the [T, E] logits; no preset does)
+    gate = {"weight": ParamSpec((E, D), ("router_experts", "router_in"))}
     if mlp_type == HASH_MOE:
         gate["tid2eid"] = ParamSpec((c.vocab_size, k), ("vocab", None), "index", "tid2eid")
     else:
-        gate["bias"] = ParamSpec((E,), ("experts",), "f32", "bias")
+        gate["bias"] = ParamSpec((E,), ("router_experts",), "f32", "bias")
     out = {"gate": gate,
            "experts": {"w1": ParamSpec((E, I, D), ("experts", "mlp", "embed")),
                        "w2": ParamSpec((E, D, I), ("experts", "embed", "mlp")),

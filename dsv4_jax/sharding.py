@@ -66,9 +66,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "expert"),
 }
 
-# Flat parameter paths (regex, searched) kept replicated whatever their axes: the router is tiny and
-# its top-k wants every expert's score on every device.
-DEFAULT_REPLICATED: tuple[str, ...] = (r"(^|\.)ffn\.gate\.(weight|bias)$",)
+# Flat parameter paths (regex, searched) kept replicated whatever their axes: the router bias (its top-k
+# wants every expert's score on every device; the router weight's own axes, `router_experts` and
+# `router_in`, have no default rule, so it is replicated too unless a preset splits its contraction).
+DEFAULT_REPLICATED: tuple[str, ...] = (r"(^|\.)ffn\.gate\.bias$",)
 
 
 # ---- meshes --------------------------------------------------------------------------------------
@@ -321,6 +322,31 @@ def constrain(x, mesh: Mesh, axes: Sequence[str | None], rules=None):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def constrain_state_rows(x: jax.Array, config: ModelConfig) -> jax.Array:
+    """A [B, ...] activation bound for the decode state (new K=V rows, compressed rows, ring entries) placed
+    like the state: the batch per the rules, every other dim whole. With the expert-parallel backend
+    (the presets) the mesh and rules come from `config.backends.ep`; identity otherwise.
+
+    Without it GSPMD carries a split of the projection's output dim (the latency preset splits W_kv and the
+    compressors by output row) into the cache tables it writes, and then all-gathers whole tables where
+    the attention reads them."""
+    ep = config.backends.ep
+    if config.backends.moe != "ep" or ep is None:
+        return x
+    return constrain(x, ep.mesh, ("batch",) + (None,) * (x.ndim - 1), ep.rules_dict)
+
+
+def state_batch_entry(config: ModelConfig, batch: int):
+    """How the batch dim of a [B, ...] decode-state leaf is split under the config's expert-parallel backend:
+    ("split", PartitionSpec entry), ("whole", None), or ("unknown", None) without that backend (plain GSPMD
+    or one device: the model code cannot see the placement)."""
+    ep = config.backends.ep
+    if config.backends.moe != "ep" or ep is None:
+        return "unknown", None
+    spec = partition_spec((batch,), ("batch",), mesh_sizes(ep.mesh), ep.rules_dict)
+    return ("split", spec[0]) if len(spec) else ("whole", None)
+
+
 # ---- presets: mesh shape + rules + backends ---------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +387,21 @@ class ShardingPreset:
         return config.with_backends(self.backends(mesh, config.backends))
 
 
+# The latency preset's splits of the matrices that have no head / group / vocabulary axis, all over `model`
+# (GSPMD inserts the small collectives: an all-gather of the [T, q_lora] / [T, d] / [T, cd] outputs, a psum of
+# the [T, E] router logits and of the [T, n_out] mHC mixes):
+#   q_lora    W_qa [q_lora, D] by output row (and q_norm); W_qb / the indexer's W_qb keep their head split
+#   head_dim  the K=V projection W_kv [d, D] by output row (and kv_norm, the compressors' norms)
+#   comp_dim  the compressors' W_kv / W_gate [cd, D] by output row (and the position biases B)
+#   hc_embed  the mHC mixing matrices [n_out, n_hc·D] along their contraction
+# The router W_r [E, D] (0.2 % of the non-expert bytes) stays replicated: split along its contraction
+# (`router_in`) GSPMD all-gathers the weight at B = 8 (v5p AOT) instead of summing the [T, E] logits.
+# The rows these projections write to the decode state are placed like the state
+# (`constrain_state_rows`), so the split output dims do not spread into the cache tables.
+LATENCY_SPLIT: dict[str, tuple[str, ...]] = {"q_lora": ("model",), "head_dim": ("model",), "comp_dim": ("model",),
+                                              "hc_embed": ("model",)}
+
+
 def _preset_rules(**changes) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return ExpertParallel.freeze_rules({**DEFAULT_RULES, **changes})
 
@@ -369,10 +410,11 @@ PRESETS: dict[str, ShardingPreset] = {
     # Decode latency, small batches: attention heads, O-LoRA groups, indexer heads and the vocabulary are
     # split over `model` (tensor parallelism); each routed expert is split along its intermediate axis
     # `mlp` over `model` too (expert-tensor parallelism), so a decode step reads 1/n of every *active*
-    # expert on each device instead of whole experts on the few devices that hold them. The decode
-    # state is replicated (one shared K=V head: nothing to split by head).
+    # expert on each device instead of whole experts on the few devices that hold them. The small
+    # projections are split too, so no device reads a whole non-expert matrix (`LATENCY_SPLIT`). The
+    # decode state is replicated (one shared K=V head: nothing to split by head).
     "latency": ShardingPreset(
-        "latency", "model", _preset_rules(experts=()),
+        "latency", "model", _preset_rules(experts=(), **LATENCY_SPLIT),
         "tensor-parallel attention / O-LoRA groups / vocabulary + expert-tensor-parallel experts on 'model' "
         "(small batches)"),
     # Throughput, large batches: the batch (decode state, attention) is split over `expert` (data-parallel
@@ -443,7 +485,8 @@ def describe(shardings) -> dict[str, str]:
     return dict(sorted(flat.items()))
 
 
-__all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "MESH_AXES", "PRESETS", "ShardingPreset", "constrain", "default_mesh_shape",
+__all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "LATENCY_SPLIT", "MESH_AXES", "PRESETS", "ShardingPreset", "constrain", "constrain_state_rows",
+           "default_mesh_shape", "state_batch_entry",
            "describe", "drafter_shardings", "init_state", "initialize_distributed", "leaf_partition_spec", "make_mesh", "mesh_sizes",
            "param_partition_specs", "param_shardings", "partition_spec", "preset", "shard_batch", "shard_params",
            "shard_state", "shardings_like", "spec_sharding", "spec_tree_partition_specs", "state_partition_specs",

@@ -27,6 +27,7 @@ Variants (`--variants`, comma list):
     gspmd-tp        mesh 1x1x8, default rules, moe=reference (before)
     latency         the "latency" preset: 1x1x8, TP attention + expert-TP experts, moe=ep (after)
     latency-ep      1x1x8, TP attention + whole experts split 8 ways (default rules), moe=ep
+    latency-v1      the latency preset with its small projections replicated (no `sharding.LATENCY_SPLIT`)
     throughput      the "throughput" preset: 1x8x1, DP attention + EP experts, moe=ep (after)
 
     JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost ALLOW_MULTIPLE_LIBTPU_LOAD=1 \\
@@ -78,10 +79,9 @@ VARIANTS = {
     "latency": ("latency", None, "ep"),
     "latency-ep": ((1, 1, 8), None, "ep"),
     "throughput": ("throughput", None, "ep"),
-    # the latency preset with the weights it leaves replicated split over `model` too (q latent, compressor
-    # and K=V projections, mHC mixing input)
-    "latency-split": ("latency", {"q_lora": ("model",), "comp_dim": ("model",), "head_dim": ("model",),
-                                  "hc_embed": ("model",)}, "ep"),
+    # the latency preset without `sharding.LATENCY_SPLIT` (q latent, compressor and K=V projections, mHC
+    # mixing matrices replicated: the placement before issue 19's second pass)
+    "latency-v1": ("latency", {k: () for k in S.LATENCY_SPLIT}, "ep"),
 }
 # compiler options that switch VMEM memory-space assignment off, per topology family
 NO_VMEM_MSA = {"v5p": {"xla_vf_vmem_memory_space_assignment": False}}
@@ -132,13 +132,19 @@ def _placed(mesh, a, s):
     return sds(a, s)
 
 
-def abstract_inputs(config, mesh, rules, batch: int, block: int, context: int, dtype, formats=None):
+def capacity(context: int, block: int, multiple: int = 1) -> int:
+    """The decode state's max_len: context + block rounded up to a multiple of `multiple` tokens."""
+    return -(-(context + block) // multiple) * multiple
+
+
+def abstract_inputs(config, mesh, rules, batch: int, block: int, context: int, dtype, formats=None,
+                    capacity_multiple: int = 1):
     """ShapeDtypeStructs with shardings: params (QArrays where `formats` quantizes), state (max_len =
-    context + block), tokens, n_valid."""
+    `capacity(context, block, capacity_multiple)`), tokens, n_valid."""
     specs = S.param_partition_specs(config, mesh, rules, formats=formats)
     shapes = P.abstract_params(config, dtype, formats)
     params = jax.tree.map(lambda a, s: _placed(mesh, a, s), shapes, specs, is_leaf=quant.is_qarray)
-    st = state_shapes(config, batch, context + block, block, dtype)
+    st = state_shapes(config, batch, capacity(context, block, capacity_multiple), block, dtype)
     st_specs = S.state_partition_specs(st, mesh, rules)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
                          st, st_specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
@@ -286,9 +292,9 @@ def _stats(compiled, seconds: float, suffix: str) -> dict:
 
 
 def compile_one(config, mesh, rules, batch, block, context, dtype, no_msa: dict | None, hlo_path: str | None = None,
-                formats=None, default: bool = True) -> dict:
+                formats=None, default: bool = True, capacity_multiple: int = 1) -> dict:
     """Lower once; compile with the default options (`default`) and / or with `no_msa` (VMEM prefetching off)."""
-    args = abstract_inputs(config, mesh, rules, batch, block, context, dtype, formats)
+    args = abstract_inputs(config, mesh, rules, batch, block, context, dtype, formats, capacity_multiple)
     t0 = time.perf_counter()
     lowered = process_block.lower(args[0], config, *args[1:])
     out = {"lower_s": round(time.perf_counter() - t0, 1), "xla_bytes": float("nan"), "compile_s": 0.0}
@@ -386,6 +392,10 @@ def main(argv=None) -> int:
                     help="compile only with VMEM prefetching off (half the compile time; no default-compile bytes)")
     ap.add_argument("--no-nomsa", default="", metavar="VARIANTS",
                     help="variants (comma list, or 'all') that skip the second compile with VMEM prefetching off")
+    ap.add_argument("--capacity-multiple", type=int, default=1, metavar="N",
+                    help="decode state capacity (max_len) = context + block rounded up to a multiple of N tokens "
+                         "(default 1: exactly context + block; 1024 gives compressed tables with a multiple of 8 "
+                         "rows, which v5p lays out without the copies an odd row count costs)")
     a = ap.parse_args(argv)
     devices = topology_devices(a.topology)
     no_msa = NO_VMEM_MSA.get(a.topology.split(":")[0])
@@ -417,7 +427,9 @@ def main(argv=None) -> int:
                 row.update(compile_one(cfg, mesh, rules, batch, block, a.context, jnp.bfloat16,
                                        None if vname in skip_nomsa else no_msa,
                                        os.path.join(a.hlo_dir, f"{vname}_{pname}.hlo.gz") if a.hlo_dir else None,
-                                       WEIGHTS[a.weights], default=not a.only_nomsa))
+                                       WEIGHTS[a.weights], default=not a.only_nomsa,
+                                       capacity_multiple=a.capacity_multiple))
+                row["max_len"] = capacity(a.context, block, a.capacity_multiple)
                 row.update(bounds(config, batch, block, a.context, chips, a.weights))
                 row["per_layer"] = per_layer(row["collectives"], config.num_layers)
                 nomsa = row.get("xla_bytes_nomsa", float("nan"))

@@ -69,6 +69,29 @@ def test_presets():
     assert cfg.backends.moe == "ep" and cfg.backends.ep.rules == lat.rules and cfg.backends.resolved
 
 
+
+def test_latency_preset_splits_every_large_matrix():
+    """No device reads a whole non-expert matrix in the latency preset: every parameter of Flash with ≥ 2 dims
+    (besides the stacking axis) and ≥ 64 Ki elements per layer is split over 'model' (the router, 1 Mi
+    elements per layer, stays replicated: see sharding.LATENCY_SPLIT), and no preset splits the router."""
+    flash, lat = C.flash(), S.preset("latency")
+    sizes = dict(zip(S.MESH_AXES, lat.mesh_shape(8)))
+    specs = P.flatten(S.param_partition_specs(flash, sizes, lat.rules_dict))
+    whole = []
+    for path, spec in P.flatten(P.param_specs(flash)).items():
+        dims = spec.shape[1:] if spec.axes[0] == "layers" else spec.shape
+        split = {a for e in specs[path] for a in (e if isinstance(e, tuple) else (e,))}
+        if len(dims) >= 2 and np.prod(dims) >= 65536 and "model" not in split and ".gate." not in path:
+            whole.append(path)
+    assert not whole, whole
+    router = "segments.2.0.ffn.gate.weight"                        # [reps, E, D]
+    assert specs[router] == PS()
+    thr = S.preset("throughput")
+    assert P.flatten(S.param_partition_specs(flash, dict(zip(S.MESH_AXES, thr.mesh_shape(8))),
+                                             thr.rules_dict))[router] == PS()
+    assert P.flatten(S.param_partition_specs(flash, {"expert": 8}))[router] == PS()
+
+
 # ---- local grouped matmuls ---------------------------------------------------------------------------------
 
 def _numpy_local(x, idx, w, local, w1, w2, w3, limit):

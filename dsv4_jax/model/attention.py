@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
-from ..cache import EMPTY
+from ..cache import EMPTY, StackedRows, rows_of, take_rows
 from ..config import CSA, SLIDING, ModelConfig
 from ..ops.linear import grouped_linear, linear
+from ..sharding import constrain_state_rows, state_batch_entry
 from . import compressor, indexer
 from .norms import rms_norm
 from .rope import apply_rope, inv_freq, layer_rope_kind
@@ -101,12 +103,33 @@ def attention_sequence(h: jax.Array, p: dict, config: ModelConfig, layer_type: s
     return grouped_output(o, p, config)
 
 
+def write_state_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array, config: ModelConfig):
+    """`compressor.write_rows` where the decode state lives: one in-place row update per (sequence, window)
+    when the batch is whole on every device; per device on its own sequences (a `shard_map` over the batch
+    axes, no collective) when the expert-parallel backend splits the batch; the batched scatter when the
+    placement is unknown (plain GSPMD, one device). table [B,T,c] or `cache.StackedRows`, rows [B,J,c]."""
+    how, entry = state_batch_entry(config, rows.shape[0])
+    if how != "split":
+        return compressor.write_rows(table, rows, index, ok, per_row=how == "whole")
+    b = PartitionSpec(entry)
+    mesh = config.backends.ep.mesh
+    if isinstance(table, StackedRows):
+        body = lambda slab, r, *a: compressor.write_rows(StackedRows(slab, r), *a).slab
+        slab = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(None, entry), PartitionSpec(), b, b, b),
+                             out_specs=PartitionSpec(None, entry), check_vma=False)(table.slab, table.index, rows,
+                                                                                   index, ok)
+        return StackedRows(slab, table.index)
+    return jax.shard_map(compressor.write_rows, mesh=mesh, in_specs=(b, b, b, b), out_specs=b,
+                         check_vma=False)(table, rows, index, ok)
+
+
 def _compressed_block(h, p, config, ratio, dim, overlap, positions, pos, n_valid, table, ring_a, ring_z, freqs):
     """Close this block's windows into `table` and push its projections to the ring. Returns the 3 arrays."""
-    a, z = compressor.block_projections(h, p, positions, ratio)
+    a, z = (constrain_state_rows(v, config) for v in compressor.block_projections(h, p, positions, ratio))
     rows, w, ok = compressor.close_windows(a, z, ring_a, ring_z, pos, n_valid, ratio, dim, overlap)
     rows = compressor.finish_rows(rows, p["norm"], w * ratio, freqs, config.rms_norm_eps)
-    return (compressor.write_rows(table, rows, w, ok),
+    rows = constrain_state_rows(rows, config)
+    return (write_state_rows(table, rows, w, ok, config),
             compressor.write_ring(ring_a, a, pos, n_valid),
             compressor.write_ring(ring_z, z, pos, n_valid))
 
@@ -121,7 +144,7 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
     """
     freqs = inv_freq(config, layer_rope_kind(layer_type))
     qr, q = project_q(h, p, config, positions, freqs)
-    kv = project_kv(h, p, config, positions, freqs)
+    kv = constrain_state_rows(project_kv(h, p, config, positions, freqs), config)
     ring_pos = jnp.where(cache["win_pos"] < pos[:, None], cache["win_pos"], EMPTY)   # committed rows only
     keys = jnp.concatenate([cache["win_kv"], kv], axis=1)
     mask = window_mask(positions, jnp.concatenate([ring_pos, positions], axis=1), config.sliding_window)
@@ -139,11 +162,13 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
                 h, pi["compressor"], config, ratio, config.index_head_dim, True, positions, pos, n_valid,
                 cache["idx_keys"], cache["idx_a"], cache["idx_z"], freqs)
             qi = indexer.index_queries(qr, pi, config, positions, freqs)
-            sel, query_mask = indexer.select(qi, new["idx_keys"], h, pi, config, positions, ratio)  # [B,S,k]
-            query_keys = jax.vmap(lambda rows, i: rows[i])(new["comp_kv"], sel)       # [B,S,k,d]
+            sel, query_mask = indexer.select(qi, rows_of(new["idx_keys"]), h, pi, config, positions, ratio)  # [B,S,k]
+            whole = state_batch_entry(config, sel.shape[0])[0] == "whole"
+            query_keys = take_rows(new["comp_kv"], sel, batch_split=not whole)       # [B,S,k,d]
         else:
-            keys = jnp.concatenate([keys, new["comp_kv"]], axis=1)
-            mask = jnp.concatenate([mask, compressed_visible(positions, new["comp_kv"].shape[1], ratio)], axis=2)
+            comp = rows_of(new["comp_kv"])
+            keys = jnp.concatenate([keys, comp], axis=1)
+            mask = jnp.concatenate([mask, compressed_visible(positions, comp.shape[1], ratio)], axis=2)
     o = attend(q, keys, mask, p["attn_sink"], query_keys, query_mask)
     o = apply_rope(o, positions, freqs, inverse=True)
     return grouped_output(o, p, config), new

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..cache import StackedRows, rows_of
 from ..ops.linear import linear
 from .norms import rms_norm
 from .rope import apply_rope
@@ -110,11 +111,35 @@ def close_windows(a: jax.Array, z: jax.Array, ring_a: jax.Array, ring_z: jax.Arr
     return pool(slots_a, slots_z), w, ok
 
 
-def write_rows(table: jax.Array, rows: jax.Array, index: jax.Array, ok: jax.Array) -> jax.Array:
-    """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c], rows [B,J,c]."""
-    T = table.shape[1]
-    idx = jnp.where(ok, index, T)
-    return jax.vmap(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"))(table, idx, rows)
+# At most this many rows (B·J) are written one `dynamic_update_slice` each; more (prefill) as one scatter.
+# Both update the table in place, but XLA's cost model counts a scatter fusion as a read and a write of
+# the whole table (a [8, 8193, 512] compressed cache: 128 MiB per layer and step at B = 8) and an in-place
+# dynamic-update-slice as its update only, the bytes the step really moves.
+ROW_UPDATES_MAX = 64
+
+
+def write_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array, per_row: bool = True):
+    """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c] (or a `cache.StackedRows`,
+    written in its stacked buffer, returned as one), rows [B,J,c]. per_row=False: always the scatter (a batch
+    split by GSPMD: a row update at a constant sequence index b would gather the whole table)."""
+    stacked = isinstance(table, StackedRows)
+    buf = table.slab if stacked else table
+    lead = (table.index.astype(jnp.int32),) if stacked else ()
+    B, T = buf.shape[len(lead):len(lead) + 2]
+    J = index.shape[1]
+    if B * J > ROW_UPDATES_MAX or not per_row:
+        idx = jnp.where(ok, index, T)
+        out = jax.vmap(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"))(rows_of(table), idx, rows)
+        return StackedRows(jax.lax.dynamic_update_index_in_dim(buf, out, lead[0], 0), table.index) if stacked else out
+    tail = tuple(jnp.int32(0) for _ in buf.shape[len(lead) + 2:])
+    one = (1,) * (len(lead) + 2) + buf.shape[len(lead) + 2:]
+    for b in range(B):
+        for j in range(J):
+            start = lead + (jnp.int32(b), jnp.clip(index[b, j], 0, T - 1).astype(jnp.int32)) + tail
+            old = jax.lax.dynamic_slice(buf, start, one)
+            new = jnp.where(ok[b, j], rows[b, j].astype(buf.dtype).reshape(one), old)   # not ok: rewrite the row
+            buf = jax.lax.dynamic_update_slice(buf, new, start)
+    return StackedRows(buf, table.index) if stacked else buf
 
 
 def write_ring(ring: jax.Array, values: jax.Array, pos: jax.Array, n_valid: jax.Array) -> jax.Array:

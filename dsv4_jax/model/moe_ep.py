@@ -1,8 +1,9 @@
 """Expert-parallel MoE under `jax.shard_map` (backend moe="ep"; DESIGN property 10; target_model.md §2.8).
 
 The routed experts' collectives are written down here; everything around them stays GSPMD. The router
-runs before (GSPMD, router weights replicated by `sharding.DEFAULT_REPLICATED`, once per token on the
-device that holds it), then one `shard_map` over the whole mesh takes, per device,
+runs before (GSPMD, the router weight replicated: its logical axes `router_experts` / `router_in` have no
+rule in the presets, and the bias is in `sharding.DEFAULT_REPLICATED`; every device gets every score), then
+one `shard_map` over the whole mesh takes, per device,
 
     x [T/n_tok, D], idx / w [T/n_tok, k]   the tokens split like the batch (logical axis "batch")
     w1 / w3 [E/n_e, I/n_i, D], w2 [E/n_e, D, I/n_i]   the routed experts as placed (logical axes

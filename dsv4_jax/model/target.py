@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from ..backends import Backends
 from ..bundle import CheckpointConfig, target_config
+from ..cache import STACKED_TABLES, StackedRows
 from ..config import ModelConfig
 from ..ops.linear import embed as embed_rows
 from ..ops.linear import linear
@@ -54,13 +55,47 @@ def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: lis
             first = lambda tree: jax.tree.map(lambda a: a[0], tree)
             carry, outs = one_rep(carry, first(slots), first(cache_slots), 0)
             outs = jax.tree.map(lambda a: a[None], outs)
-        elif config.backends.unroll_layers:
-            carry, outs = unrolled(one_rep, carry, slots, cache_slots, seg.reps)
         else:
-            carry, outs = jax.lax.scan(lambda c, xs: one_rep(c, *xs), carry,
-                                       (slots, cache_slots, jnp.arange(seg.reps)))
+            rest, tables = zip(*map(split_tables, cache_slots))
+            body = in_place_tables(one_rep)
+            if config.backends.unroll_layers:
+                (carry, tables), outs = unrolled(body, (carry, list(tables)), slots, list(rest), seg.reps)
+            else:
+                (carry, tables), outs = jax.lax.scan(lambda c, xs: body(c, *xs), (carry, list(tables)),
+                                                     (slots, list(rest), jnp.arange(seg.reps)))
+            outs = [None if o is None else {**o, **t} for o, t in zip(outs, tables)]
         new_states.append(outs)
     return carry, new_states
+
+
+def split_tables(slot: dict | None) -> tuple[dict | None, dict | None]:
+    """A segment slot's stacked state {name: [reps, B, ...]} -> (the rings etc., the row tables
+    `cache.STACKED_TABLES`), None -> (None, None)."""
+    if slot is None:
+        return None, None
+    return ({k: v for k, v in slot.items() if k not in STACKED_TABLES},
+            {k: v for k, v in slot.items() if k in STACKED_TABLES})
+
+
+def in_place_tables(one_rep):
+    """`one_rep` with the row tables carried whole ((carry, tables) in, (carry, tables) out): rep r's layer
+    gets each table as `cache.StackedRows(slab, r)` and writes its rows into the slab, so a step moves only
+    the rows it writes (scan: the slabs are loop-carried buffers, updated in place)."""
+    def body(carry_tables, rep_params, rep_rest, rep):
+        carry, tables = carry_tables
+        states = [None if r is None else {**r, **{k: StackedRows(v, rep) for k, v in t.items()}}
+                  for r, t in zip(rep_rest, tables)]
+        carry, outs = one_rep(carry, rep_params, states, rep)
+        rest, new_tables = zip(*map(split_tables, outs))
+        new_tables = [None if t is None else {k: _slab(v) for k, v in t.items()} for t in new_tables]
+        return (carry, new_tables), list(rest)
+    return body
+
+
+def _slab(table):
+    if not isinstance(table, StackedRows):
+        raise TypeError(f"a layer returned its row table as {type(table).__name__}, not the StackedRows it got")
+    return table.slab
 
 
 def unrolled(one_rep, carry, slots, cache_slots, reps: int):
