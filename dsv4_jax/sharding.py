@@ -322,6 +322,11 @@ def constrain(x, mesh: Mesh, axes: Sequence[str | None], rules=None):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def _expert_parallel(config: ModelConfig):
+    """The config's expert-parallel placement (`backends.ExpertParallel`: mesh + rules), None without it."""
+    return config.backends.ep if config.backends.moe == "ep" else None
+
+
 def constrain_state_rows(x: jax.Array, config: ModelConfig) -> jax.Array:
     """A [B, ...] activation bound for the decode state (new K=V rows, compressed rows, ring entries) placed
     like the state: the batch per the rules, every other dim whole. With the expert-parallel backend
@@ -330,8 +335,8 @@ def constrain_state_rows(x: jax.Array, config: ModelConfig) -> jax.Array:
     Without it GSPMD carries a split of the projection's output dim (the latency preset splits W_kv and the
     compressors by output row) into the cache tables it writes, and then all-gathers whole tables where
     the attention reads them."""
-    ep = config.backends.ep
-    if config.backends.moe != "ep" or ep is None:
+    ep = _expert_parallel(config)
+    if ep is None:
         return x
     return constrain(x, ep.mesh, ("batch",) + (None,) * (x.ndim - 1), ep.rules_dict)
 
@@ -340,8 +345,8 @@ def state_batch_entry(config: ModelConfig, batch: int):
     """How the batch dim of a [B, ...] decode-state leaf is split under the config's expert-parallel backend:
     ("split", PartitionSpec entry), ("whole", None), or ("unknown", None) without that backend (plain GSPMD
     or one device: the model code cannot see the placement)."""
-    ep = config.backends.ep
-    if config.backends.moe != "ep" or ep is None:
+    ep = _expert_parallel(config)
+    if ep is None:
         return "unknown", None
     spec = partition_spec((batch,), ("batch",), mesh_sizes(ep.mesh), ep.rules_dict)
     return ("split", spec[0]) if len(spec) else ("whole", None)

@@ -173,9 +173,9 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
     meta = dict(bundle_meta)
     if spec.dspark_meta is not None:            # the published keyword for DSpark's settings
         meta["dspark"] = spec.dspark_meta
-    if shape.dynamic_draft_n and drafter.name != "none" and shape.max_block is None:
-        raise ValueError("dynamic_draft_n needs max_block: the verify width the loop is compiled for")
     dynamic = shape.dynamic_draft_n and drafter.name != "none"
+    if dynamic and shape.max_block is None:
+        raise ValueError("dynamic_draft_n needs max_block: the verify width the loop is compiled for")
     # the program's drafts per round: the run's, or the bound max_block - 1 (dynamic_draft_n)
     k_program = shape.max_block - 1 if dynamic else max(spec.draft_n_max, 1)
     pool_setup = registry.get(pool.NAME).configure(params, config, k_program,
@@ -229,9 +229,9 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
         stops the MTP chain before a draft whose top-1 probability is below it; confidence_threshold is
         DSpark's cut-off; dspark_meta overrides the bundle's DSpark settings (a DSparkConfig).
       run=RunShape(eos_token_id=None, max_len=None, pad_to=None, host_loop=False, max_block=None,
-        drafter_pool=None, dynamic_draft_n=False): stop a sequence after eos_token_id (None: the config's; -1: never); max_len /
-        pad_to fix the cache capacity and the padded prompt length, so that runs with other prompts reuse
-        the compiled functions; host_loop drives rounds from Python (debugging twin; identical results);
+        drafter_pool=None, dynamic_draft_n=False): stop a sequence after eos_token_id (None: the config's;
+        -1: never); max_len / pad_to fix the cache capacity and the padded prompt length, so that runs
+        with other prompts reuse the compiled functions; host_loop drives rounds from Python (debugging twin; identical results);
         max_block sizes the state for verify blocks up to that width, so runs with any draft_n_max below
         it share the prefill; drafter_pool (names) compiles one loop per draft width for all of them,
         the drafter picked at run time (`drafters.pool`; same tokens as the drafter alone);
