@@ -267,6 +267,7 @@ def _assert_rejected(main, args, message, tmp_path, capsys):
     (["--output-lengths", "16-256", "--max-new-tokens", "8"], "--max-new-tokens or --output-lengths"),
     (["--chunk-rounds", "0"], "--chunk-rounds must be >= 1"),
     (["--refill-min", "0"], "--refill-min must be >= 1"),
+    (["--prefill-ahead", "0"], "--prefill-ahead must be >= 1"),
     (["--mesh", "2x2"], "expected DATAxEXPERTxMODEL"),
     (["--mesh", "1x3x1"], "needs 3 devices"),
 ])

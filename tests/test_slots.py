@@ -17,7 +17,7 @@ from dsv4_jax.decode import CapacityError
 from dsv4_jax.drafters.dspark import DSparkConfig
 from dsv4_jax.params import init_dspark, init_mtp
 from dsv4_jax.spec import slots as S
-from dsv4_jax.spec.scheduler import SlotEngine, prefill_widths
+from dsv4_jax.spec.scheduler import SlotEngine, call_widths, prefill_widths
 
 PREFILL_LEN = 8
 MAX_LEN = 64
@@ -128,10 +128,16 @@ def test_one_chunk_program_across_refills(model, requests, alone, eos, none_b2):
     assert run.chunks >= N_REQ                     # a chunk ends at each finish: at least one per request
     prompts, budgets = requests
     other = (list(reversed(prompts)), [b + 2 for b in reversed(budgets)])
-    eng2 = engine(model, other, None, 2, eos, chunk_rounds=3, refill_min=2)
+    eng2 = engine(model, other, None, 2, eos, chunk_rounds=3, refill_min=2, prefill_ahead=5)
     run2 = eng2.run("continuous")
     run3 = eng2.run("static")
     assert sizes() == before
+    # prefill ahead of the slots: the first 5 requests prefilled together (their rows wait for slots), then
+    # the last 2; under continuous the 5 enter their slots at different chunks
+    for run in (run2, run3):
+        first = {r.admitted_s for r in run.results[:5]}
+        assert len(first) == 1 and run.results[5].admitted_s == run.results[6].admitted_s > first.pop()
+    assert len({r.admitted_chunk for r in run2.results[:5]}) > 2 and run2.prefill_calls == run3.prefill_calls
     assert [r.tokens for r in run2.results] == [r.tokens for r in run3.results] == \
         expected(list(reversed(alone)), other[1], eos)
 
@@ -139,6 +145,18 @@ def test_one_chunk_program_across_refills(model, requests, alone, eos, none_b2):
 def test_prefill_widths():
     assert prefill_widths(1) == (1,) and prefill_widths(2) == (1, 2) and prefill_widths(4) == (1, 2, 4)
     assert prefill_widths(6) == (1, 2, 4, 6) and prefill_widths(16) == (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize("n, widths, want", [
+    (1, (1, 2, 4), [1]), (3, (1, 2, 4), [4]), (5, (1, 2, 4), [4, 1]), (6, (1, 2, 4), [4, 2]),
+    (9, (1, 2, 4), [4, 4, 1]), (3, (1, 2), [2, 1]), (5, (1, 2, 4, 6), [6]),
+    (26, prefill_widths(32), [16, 8, 2]), (30, prefill_widths(32), [32]), (7, prefill_widths(32), [8]),
+    (70, prefill_widths(32), [32, 32, 4, 2])])
+def test_call_widths(n, widths, want):
+    """Pad a group up to a width only when that pads no more rows than splitting it adds calls."""
+    got = call_widths(n, widths)
+    assert got == want and sum(got) >= n and all(w in widths for w in got)
+    assert sum(got[:-1]) < n                      # no call is wholly padding
 
 
 def test_batched_admission_equals_one_at_a_time(model, eos):
@@ -168,9 +186,10 @@ def test_batched_admission_equals_one_at_a_time(model, eos):
 
 def test_refill_min_groups_refills(model, requests, alone, eos):
     """refill_min 2: a chunk runs until two sequences finished, freed slots refilled together — fewer
-    refills than requests, and still every request's own tokens and statistics."""
+    refills than requests, and still every request's own tokens and statistics. prefill_ahead 1: each
+    refill prefills just the requests it takes (no rows wait for a slot)."""
     prompts, budgets = requests
-    eng = engine(model, requests, "mtp", 4, eos, refill_min=2)
+    eng = engine(model, requests, "mtp", 4, eos, refill_min=2, prefill_ahead=1)
     run = eng.run("continuous")
     _check_requests(run, expected(alone, budgets, eos), budgets, eng.opts.k)
     assert run.refills < N_REQ - 3 and run.prefill_calls >= run.refills
@@ -209,7 +228,7 @@ def test_bad_requests(model):
         SlotEngine.build(params, cfg, [[1] * 9], 8, batch=2, max_len=16, prefill_len=8)
     with pytest.raises(ValueError, match="prompt token ids"):
         SlotEngine.build(params, cfg, [[1, 999]], 4, batch=2)
-    with pytest.raises(ValueError, match="batch, chunk_rounds, prefill_len and refill_min"):
+    with pytest.raises(ValueError, match="batch, chunk_rounds, prefill_len, prefill_ahead and refill_min"):
         SlotEngine.build(params, cfg, [[1, 2]], 4, batch=0)
     with pytest.raises(ValueError, match="refill_min must be >= 1"):
         SlotEngine.build(params, cfg, [[1, 2]], 4, batch=2, refill_min=0)

@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continuous: a decode chunk ends once M sequences have finished (fewer if fewer requests "
                         "are queued), and their slots are refilled together; 1 refills every freed slot at once, "
                         "larger values batch the prefills but leave slots idle meanwhile (default 1)")
+    s.add_argument("--prefill-ahead", type=int, metavar="N",
+                   help="a prefill takes at least N queued requests at a time (default: the batch size); the "
+                        "prefilled ones wait for freed slots, so that refills of one or two slots still make "
+                        "wide prefill calls (costs up to N rows of decode state); 1 prefills only what a "
+                        "refill needs")
     s.add_argument("--prefill-len", type=int, default=64, metavar="C",
                    help="prompts are prefilled in chunks of C tokens, the requests of a refill with as many chunks "
                         "together as the rows of one call (one compiled shape per row count 1, 2, 4, .. B; "
@@ -99,8 +104,8 @@ def parse_settings(a: argparse.Namespace) -> tuple[list[Setting], list[int]]:
     sizes = common.int_list(a.batch_size, "--batch-size", 1)
     if a.num_prompts < 1:
         raise OptionError(f"--num-prompts must be >= 1, got {a.num_prompts}")
-    for name in ("chunk_rounds", "prefill_len", "refill_min"):
-        if getattr(a, name) < 1:
+    for name in ("chunk_rounds", "prefill_len", "refill_min", "prefill_ahead"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
             raise OptionError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     a.schedules = schedule_list(a.schedule)
     a.length_range = output_range(a.output_lengths)
@@ -141,6 +146,7 @@ def build_engine(model, prompts: list[dict], budgets: list[int], setting: Settin
     return SlotEngine.build(
         model.params, model.bundle, [p["tokens"] for p in prompts], budgets, batch=setting.batch_size,
         chunk_rounds=a.chunk_rounds, prefill_len=a.prefill_len, refill_min=a.refill_min,
+        prefill_ahead=a.prefill_ahead,
         sampling=Sampling(temperature=setting.temperature, top_p=a.top_p, seed=a.seed),
         speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1), p_min=setting.p_min,
                                 confidence_threshold=setting.confidence_threshold),
@@ -243,7 +249,8 @@ def markdown(summary: dict) -> str:
         f"- model: `{m['model']['source']}`; {m['n_prompts']} prompts from `{m['suite']}`, output lengths: "
         f"{lengths}; ignore_eos {m['ignore_eos']}, repeats {m['repeats']}, seed {m['seed']}",
         f"- slots: chunk of at most {m['chunk_rounds']} rounds, refill after {m.get('refill_min', 1)} finish(es), "
-        f"prefill chunks of {m['prefill_len']} tokens; "
+        f"prefill chunks of {m['prefill_len']} tokens, at least {m.get('prefill_ahead') or 'B'} requests per "
+        f"prefill; "
         f"mesh {m['mesh'] or 'none'}",
         f"- {m['env']['backend']} ({', '.join(sorted(set(m['env']['devices'])))}), jax {m['env']['jax_version']}, "
         f"{m['env']['date']}", f"- command: `{m['env']['command']}`", "",
@@ -299,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "output_lengths": a.output_lengths, "budgets": budgets, "repeats": a.repeats,
                             "seed": a.seed, "top_p": a.top_p, "ignore_eos": a.ignore_eos,
                             "chunk_rounds": a.chunk_rounds, "prefill_len": a.prefill_len,
-                            "refill_min": a.refill_min,
+                            "refill_min": a.refill_min, "prefill_ahead": a.prefill_ahead,
                             "mesh": None if a.mesh_obj is None else dict(sharding.mesh_sizes(a.mesh_obj)),
                             "timing": "per schedule: wall time of SlotEngine.run (prefills, inserts and decode "
                                       "chunks, host synchronised after each), median over repeats, after one "

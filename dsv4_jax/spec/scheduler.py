@@ -7,10 +7,16 @@
                 until its longest sequence ends (what `generate` on consecutive batches does)
 
 Admission is batched (JetStream's prefill → insert, several rows at once) the same way under both
-schedules: the requests taken in one refill are grouped by their number of prompt chunks (so that no
-row runs chunks past its prompt), each group prefilled as the rows of one [P, prefill_len] call per
-chunk, P the smallest of the widths 1, 2, 4, ... B that holds it (padded rows masked: n_valid 0, slot
-index B), and its rows written into their slots by one insert. A program per width, compiled once
+schedules, and decoupled from the slots: when freed slots need more prefilled requests than wait in
+the ready queue, the next max(needed, `prefill_ahead`) queued requests (default B) are prefilled
+together — grouped by their number of prompt chunks (so that no row runs chunks past its prompt), each
+group as the rows of one [P, prefill_len] call per chunk, P the smallest of the widths 1, 2, 4, ... B
+that holds it (padded rows masked: n_valid 0), or split into several calls where padding would waste
+more rows than the split adds calls (`call_widths`) — and wait as rows of those buffers; a refill writes
+the next ready rows into the freed slots (one `slots.insert` per buffer, the buffer's other rows
+dropped by slot index B). So continuous batching, which frees one or two slots at a time, makes the
+same wide prefill calls as static (which takes B requests per refill) instead of many narrow ones;
+the ready rows cost up to `prefill_ahead` rows of decode state. A program per width, compiled once
 (`warm_up`). A decode chunk is `slots.run_chunk`: at most `chunk_rounds` speculative rounds, ending
 early once `refill_min` sequences (capped by the queued requests; 1 when none are queued) have
 finished since the chunk began, so that freed slots are refilled at once (refill_min 1) or together
@@ -52,8 +58,8 @@ class RequestResult:
     tokens: list[int]
     max_new_tokens: int
     slot: int
-    admitted_chunk: int          # decode chunks run before it was admitted
-    admitted_s: float
+    admitted_chunk: int          # decode chunks run before it entered its slot
+    admitted_s: float            # its prefill began (a prefill ahead of the slots may precede admitted_chunk)
     first_token_s: float
     finished_s: float
     rounds: int
@@ -113,15 +119,26 @@ class RunResult:
         return sum(r.rounds for r in self.results) / (self.batch * self.rounds) if self.rounds else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """A prefilled request waiting for a slot: row `row` of a rows buffer (shared with the requests
+    prefilled in the same calls)."""
+
+    request: int
+    rows: S.Rows
+    row: int
+
+
 class SlotEngine:
     """B slots: one compiled decode-chunk program; an init-rows, a prefill-chunk and an insert program per
     prefill width (`prefill_widths(B)`)."""
 
     def __init__(self, params: dict, prepared, requests: Sequence[tuple[list[int], int]], *, batch: int,
-                 chunk_rounds: int, prefill_len: int, refill_min: int = 1):
-        if min(batch, chunk_rounds, prefill_len, refill_min) < 1:
-            raise ValueError(f"batch, chunk_rounds, prefill_len and refill_min must be >= 1 (got {batch}, "
-                             f"{chunk_rounds}, {prefill_len}, {refill_min})")
+                 chunk_rounds: int, prefill_len: int, refill_min: int = 1, prefill_ahead: int | None = None):
+        prefill_ahead = batch if prefill_ahead is None else prefill_ahead
+        if min(batch, chunk_rounds, prefill_len, prefill_ahead, refill_min) < 1:
+            raise ValueError(f"batch, chunk_rounds, prefill_len, prefill_ahead and refill_min must be >= 1 (got "
+                             f"{batch}, {chunk_rounds}, {prefill_len}, {prefill_ahead}, {refill_min})")
         self.params, self.p = params, prepared
         self.config, self.knobs, self.max_len = prepared.config, prepared.knobs, prepared.max_len
         # the output buffer holds max_len tokens, more than any request can generate: the budgets stay
@@ -129,6 +146,7 @@ class SlotEngine:
         self.opts = prepared.opts.replace(max_new_tokens=prepared.max_len)
         self.requests = [(list(map(int, t)), int(n)) for t, n in requests]
         self.batch, self.chunk_rounds, self.prefill_len, self.refill_min = batch, chunk_rounds, prefill_len, refill_min
+        self.prefill_ahead = prefill_ahead
         self.widths = prefill_widths(batch)
         self.rows_axes = S.rows_axes(params, self.config, self.max_len, self.opts)
         self.carry_axes = S.carry_axes(params, self.config, self.max_len, self.opts)
@@ -136,13 +154,14 @@ class SlotEngine:
     @classmethod
     def build(cls, params: dict, config: Any | CheckpointConfig, prompts: Sequence[Sequence[int]],
               max_new_tokens: int | Sequence[int], *, batch: int, chunk_rounds: int = 64, prefill_len: int = 64,
-              refill_min: int = 1,
+              refill_min: int = 1, prefill_ahead: int | None = None,
               max_len: int | None = None, sampling: Sampling | None = None, speculation: Speculation | None = None,
               eos_token_id: int | None = None, backends: Backends | str | None = None, **options) -> "SlotEngine":
         """Validate a run (the options of `generate`: groups or keywords) and build its engine.
 
         max_new_tokens: one budget, or one per prompt; refill_min: under "continuous", the finishes a
-        decode chunk waits for before the host refills (module docstring); max_len (default: the longest
+        decode chunk waits for before the host refills; prefill_ahead (default batch): the fewest queued
+        requests a prefill takes at a time (module docstring); max_len (default: the longest
         prompt rounded up to prefill_len + the largest budget + a verify block) fixes the decode state's
         capacity: the
         compiled programs depend on (config, batch, max_len, drafter, draft_n_max, greedy, eos) only, so
@@ -161,35 +180,37 @@ class SlotEngine:
         prepared = prepare(params, config, [list(p) for p in prompts], max(budgets), sampling=sampling,
                            speculation=speculation, run=run, backends=backends, **options)
         return cls(params, prepared, list(zip(prompts, budgets)), batch=batch, chunk_rounds=chunk_rounds,
-                   prefill_len=prefill_len, refill_min=refill_min)
+                   prefill_len=prefill_len, refill_min=refill_min, prefill_ahead=prefill_ahead)
 
     # ---- device programs ------------------------------------------------------------------------
 
-    def _admit(self, carry, group: Sequence[tuple[int, int]], key):
-        """Prefill the requests of group [(request, slot)] and insert them into their slots: -> (carry, the
-        number of prefill calls). Requests with the same number of prompt chunks share a call."""
-        calls = 0
+    def _prefill(self, requests: Sequence[int], key) -> tuple[list["Prefilled"], int]:
+        """Prefill requests (queue order) as the rows of [P, prefill_len] calls: -> (one `Prefilled` per
+        request, in the order given; the number of prefill calls). Requests with the same number of prompt
+        chunks share a call (so that no row runs chunks past its prompt)."""
+        calls, done = 0, {}
         by_chunks = collections.defaultdict(list)
-        for i, b in group:
-            by_chunks[math.ceil(len(self.requests[i][0]) / self.prefill_len)].append((i, b))
+        for i in requests:
+            by_chunks[math.ceil(len(self.requests[i][0]) / self.prefill_len)].append(i)
         for n_chunks, members in sorted(by_chunks.items()):
-            for lo in range(0, len(members), self.widths[-1]):
-                piece = members[lo:lo + self.widths[-1]]
-                carry = self._admit_rows(carry, piece, n_chunks, jax.random.fold_in(key, piece[0][0]))
+            lo = 0
+            for width in call_widths(len(members), self.widths):
+                piece, lo = members[lo:lo + width], lo + width
+                rows = self._prefill_rows(piece, n_chunks, jax.random.fold_in(key, piece[0]))
+                done.update((i, Prefilled(i, rows, r)) for r, i in enumerate(piece))
                 calls += n_chunks
-        return carry, calls
+        return [done[i] for i in requests], calls
 
-    def _admit_rows(self, carry, piece: Sequence[tuple[int, int]], n_chunks: int, key):
+    def _prefill_rows(self, piece: Sequence[int], n_chunks: int, key) -> S.Rows:
         """One group of requests (each n_chunks prompt chunks long) as the rows of [P, prefill_len] prefill
-        calls, P the smallest width that holds it; padded rows (no tokens, slot B) are dropped by insert."""
-        C, B = self.prefill_len, self.batch
+        calls, P the smallest width that holds it (`call_widths`); the padded rows get no tokens."""
+        C = self.prefill_len
         P = next(w for w in self.widths if w >= len(piece))
         toks = np.zeros((P, n_chunks * C + 1), np.int32)
         lengths = np.zeros((P,), np.int32)
-        slots, limits = np.full((P,), B, np.int32), np.zeros((P,), np.int32)
-        for r, (i, b) in enumerate(piece):
-            prompt, budget = self.requests[i]
-            toks[r, :len(prompt)], lengths[r], slots[r], limits[r] = prompt, len(prompt), b, budget
+        for r, i in enumerate(piece):
+            prompt = self.requests[i][0]
+            toks[r, :len(prompt)], lengths[r] = prompt, len(prompt)
         rows = S.init_rows(self.params, self.config, batch=P, max_len=self.max_len, opts=self.opts)
         for lo in range(0, n_chunks * C, C):
             n_valid = np.clip(lengths - lo, 0, C).astype(np.int32)
@@ -197,7 +218,29 @@ class SlotEngine:
             rows = S.prefill_chunk(self.params, self.config, rows, jnp.asarray(toks[:, lo:lo + C]),
                                    jnp.asarray(n_valid), jnp.asarray(toks[:, lo + 1:lo + C + 1]), jnp.asarray(final),
                                    jax.random.fold_in(key, lo), self.knobs, opts=self.opts, axes=self.rows_axes)
-        return S.insert(carry, rows, jnp.asarray(slots), jnp.asarray(limits), opts=self.opts, axes=self.carry_axes)
+        return rows
+
+    def _insert(self, carry, placed: Sequence[tuple["Prefilled", int]]):
+        """Write prefilled requests into slots, [(prefilled, slot)]: one `slots.insert` per rows buffer
+        they come from (the other rows of a buffer get slot index B: dropped)."""
+        by_rows: dict[int, list] = {}
+        for pre, b in placed:
+            by_rows.setdefault(id(pre.rows), []).append((pre, b))
+        for members in by_rows.values():
+            rows = members[0][0].rows
+            P = rows.first.shape[0]
+            slots, limits = np.full((P,), self.batch, np.int32), np.zeros((P,), np.int32)
+            for pre, b in members:
+                slots[pre.row], limits[pre.row] = b, self.requests[pre.request][1]
+            carry = S.insert(carry, rows, jnp.asarray(slots), jnp.asarray(limits), opts=self.opts,
+                             axes=self.carry_axes)
+        return carry
+
+    def _admit(self, carry, group: Sequence[tuple[int, int]], key):
+        """Prefill the requests of group [(request, slot)] and insert them into their slots: -> (carry, the
+        number of prefill calls)."""
+        ready, calls = self._prefill([i for i, _ in group], key)
+        return self._insert(carry, [(pre, b) for pre, (_, b) in zip(ready, group)]), calls
 
     # ---- the run --------------------------------------------------------------------------------
 
@@ -213,23 +256,35 @@ class SlotEngine:
         carry = S.empty_carry(self.params, self.config, batch=B, max_len=self.max_len, opts=self.opts,
                               key=key_loop)
         pending = collections.deque(range(len(self.requests)))
+        ready: collections.deque[Prefilled] = collections.deque()     # prefilled, waiting for a slot
         in_slot: list[int | None] = [None] * B
         admitted, admitted_chunk, first_at, results = {}, {}, {}, {}
         prefill_s, chunks, refills, calls = 0.0, 0, 0, 0
-        while pending or any(i is not None for i in in_slot):
+        while pending or ready or any(i is not None for i in in_slot):
             free = [b for b in range(B) if in_slot[b] is None]
-            if pending and free and (schedule == "continuous" or len(free) == B):
-                group = [(pending.popleft(), b) for b in free[:len(pending)]]
+            if (pending or ready) and free and (schedule == "continuous" or len(free) == B):
                 t = now()
-                carry, n = self._admit(carry, group, jax.random.fold_in(key, group[0][0]))
-                carry = jax.block_until_ready(carry)
-                t_first = now()
-                for i, b in group:
-                    admitted[i], admitted_chunk[i], first_at[i], in_slot[b] = t, chunks, t_first, i
-                prefill_s, refills, calls = prefill_s + t_first - t, refills + 1, calls + n
+                need = min(len(free), len(pending) + len(ready))
+                if len(ready) < need:
+                    # prefill ahead: at least prefill_ahead queued requests at a time (their rows wait in
+                    # `ready` for the next freed slots), so that narrow refills still make wide prefill calls
+                    take = [pending.popleft() for _ in range(min(len(pending),
+                                                                 max(need - len(ready), self.prefill_ahead)))]
+                    new, n = self._prefill(take, jax.random.fold_in(key, take[0]))
+                    jax.block_until_ready({id(pre.rows): pre.rows for pre in new})
+                    t_first = now()
+                    for pre in new:
+                        admitted[pre.request], first_at[pre.request] = t, t_first
+                    ready.extend(new)
+                    calls += n
+                placed = [(ready.popleft(), b) for b in free[:need]]
+                carry = jax.block_until_ready(self._insert(carry, placed))
+                for pre, b in placed:
+                    admitted_chunk[pre.request], in_slot[b] = chunks, pre.request
+                prefill_s, refills = prefill_s + now() - t, refills + 1
             # continuous: wait for refill_min finishes (no more than the queue can refill); static: exit at
             # the first, like continuous with refill_min 1, so that both see a finish equally soon
-            wait = max(1, min(self.refill_min, len(pending))) if schedule == "continuous" else 1
+            wait = max(1, min(self.refill_min, len(pending) + len(ready))) if schedule == "continuous" else 1
             carry = S.run_chunk(self.params, self.config, carry, self.knobs, max_rounds, jnp.int32(wait),
                                 opts=self.opts)
             chunks += 1
@@ -273,3 +328,27 @@ class SlotEngine:
 def prefill_widths(batch: int) -> tuple[int, ...]:
     """The row counts a prefill call is compiled for: powers of two below batch, and batch."""
     return tuple(sorted({1 << j for j in range(batch.bit_length()) if 1 << j < batch} | {batch}))
+
+
+def call_widths(n: int, widths: Sequence[int]) -> list[int]:
+    """How many rows each prefill call of n requests (same chunk count) takes: the smallest width that holds
+    them, padded, unless that pads more rows than splitting would add calls — then the widest width that
+    fits, and the rest the same way (26 of widths 1, 2, 4, .. 32 -> 16, 8, 2; 30 -> 32; 7 -> 8; 5 -> 4, 1).
+    On a compute-bound backend a padded row costs about as much as a real one and a call's fixed cost
+    about one row, so this keeps both few."""
+    out = []
+    while n > 0:
+        holds = next((w for w in widths if w >= n), widths[-1])
+        width = holds if holds - n <= _greedy_pieces(n, widths) - 1 else max(w for w in widths if w <= n)
+        out.append(width)
+        n -= width
+    return out
+
+
+def _greedy_pieces(n: int, widths: Sequence[int]) -> int:
+    """Calls that n rows split into, the widest fitting width each time."""
+    count = 0
+    while n > 0:
+        n -= max(w for w in widths if w <= n)
+        count += 1
+    return count
