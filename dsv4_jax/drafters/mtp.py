@@ -93,12 +93,14 @@ def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax
 
     put = lambda first, like: jnp.zeros(first.shape[:1] + (k,) + first.shape[1:], like).at[:, 0].set(first)
     chain = (st.last_hidden, st.cache, put(tok, jnp.int32), put(q, q.dtype), put(top1, top1.dtype))
-    if n_steps is None:
-        for j in range(1, k):
-            chain = step(j, chain)
-    else:
+    if n_steps is not None:
         n_steps = jnp.clip(n_steps, 1, k)
         chain = jax.lax.fori_loop(1, n_steps, step, chain)
+    elif config.backends.unroll_layers:     # ahead-of-time counting: every step in the program
+        for j in range(1, k):
+            chain = step(j, chain)
+    elif k > 1:                              # one compiled step (XLA compile time grows with each copy)
+        chain = jax.lax.fori_loop(1, k, step, chain)
     _, _, drafts, probs, tops = chain
     n = chain_length(tops, p_min)
     return drafts, probs, n if n_steps is None else jnp.minimum(n, n_steps)
