@@ -76,8 +76,8 @@ def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax
             temperature, top_p, p_min, greedy: bool, n_steps=None):
     """Draft a chain of k tokens after committed position pos−1 (pos = target's committed count).
 
-    n_steps: None (all k: a loop, written out step by step under `Backends.unroll_layers`) or a traced int32 scalar <= k
-    (`Knobs.draft_n`): only the first n_steps drafts are computed, in a loop; the rest stay 0.
+    n_steps: None (all k: a loop, written out step by step under `Backends.unroll_layers`) or a traced
+    int32 scalar <= k (`Knobs.draft_n`): only the first n_steps drafts are computed, in a loop; the rest stay 0.
     Returns (drafts [B,k], draft probs q [B,k,V], n_draft [B] ≤ k after the p_min rule).
     """
     keys = jax.random.split(key, k)
