@@ -280,9 +280,10 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
         stops the MTP chain before a draft whose top-1 probability is below it; confidence_threshold is
         DSpark's cut-off; dspark_meta overrides the bundle's DSpark settings (a DSparkConfig).
       run=RunShape(eos_token_id=None, max_len=None, pad_to=None, host_loop=False, max_block=None,
-        drafter_pool=None, dynamic_draft_n=False, prefill_chunk=None): stop a sequence after eos_token_id (None: the config's;
-        -1: never); max_len / pad_to fix the cache capacity and the padded prompt length, so that runs
-        with other prompts reuse the compiled functions; host_loop drives rounds from Python (debugging twin; identical results);
+        drafter_pool=None, dynamic_draft_n=False, prefill_chunk=None): stop a sequence after eos_token_id
+        (None: the config's; -1: never); max_len / pad_to fix the cache capacity and the padded prompt
+        length, so that runs with other prompts reuse the compiled functions; host_loop drives rounds
+        from Python (debugging twin; identical results);
         max_block sizes the state for verify blocks up to that width, so runs with any draft_n_max below
         it share the prefill; drafter_pool (names) compiles one loop per draft width for all of them,
         the drafter picked at run time (`drafters.pool`; same tokens as the drafter alone);

@@ -64,9 +64,9 @@ def programs(params: dict, r: Prepared) -> list[Program]:
         B, C = tokens.shape[0], r.prefill_chunk
         state, last = jax.eval_shape(lambda: empty_prefill(r.config, batch=B, max_len=r.max_len,
                                                            max_block=r.max_block, dtype=params["embed"].dtype))
-        vec = lambda dtype: jax.ShapeDtypeStruct((B,), dtype)
-        fills = [Program("prefill", prefill_piece, (params, r.config, state, last, jax.ShapeDtypeStruct((B, C), jnp.int32),
-                                                    vec(jnp.int32), vec(jnp.bool_)), {"taps": r.prefill_taps}),
+        chunk, vec = jax.ShapeDtypeStruct((B, C), jnp.int32), lambda dtype: jax.ShapeDtypeStruct((B,), dtype)
+        fills = [Program("prefill", prefill_piece, (params, r.config, state, last, chunk, vec(jnp.int32),
+                                                    vec(jnp.bool_)), {"taps": r.prefill_taps}),
                  Program("init", empty_prefill, (r.config,), dict(batch=B, max_len=r.max_len, max_block=r.max_block,
                                                                    dtype=params["embed"].dtype))]
     return [*fills,
