@@ -53,6 +53,8 @@ def programs(params: dict, r: Prepared) -> list[Program]:
     key = jax.random.PRNGKey(r.seed)
     fill = dict(max_len=r.max_len, max_block=r.max_block, taps=r.prefill_taps)
     prefilled = jax.eval_shape(lambda p, t, n: prefill_target(p, r.config, t, n, **fill), params, tokens, lengths)
+    if r.prefill_chunk is not None:     # the chunked prefill keeps the last logits in the weights' dtype
+        prefilled = (prefilled[0], jax.ShapeDtypeStruct(prefilled[1].shape, params["embed"].dtype), prefilled[2])
     prime_kw = dict(max_len=r.max_len, opts=r.opts.replace(k=r.max_block - 1), prefill_taps=r.prefill_taps,
                     knobs=r.knobs, key=key)
     prime_args = (params, r.config, *prefilled, tokens, lengths)
