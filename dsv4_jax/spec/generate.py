@@ -100,7 +100,8 @@ def prefill_chunked(params: dict, config: ModelConfig, tokens, lengths, *, max_l
                     taps: tuple[int, ...], chunk: int):
     """`prefill_target` as ⌈S/chunk⌉ calls of one `prefill_piece` program (`RunShape.prefill_chunk`): prompts
     of every padded length S share it. The same math as the one-shot prefill (a block's rows are written
-    and committed chunk by chunk, decode.py); returns what `prefill_target` returns, aux [B,S,...]."""
+    and committed chunk by chunk, decode.py); returns what `prefill_target` returns (the last logits in
+    the embedding's dtype), aux [B,S,...]."""
     tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
     B, S = tokens.shape
     padded = np.zeros((B, -(-S // chunk) * chunk), np.int32)
