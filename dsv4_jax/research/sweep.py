@@ -267,10 +267,10 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
     return {"prefill": len(prefill), "loop": len(loops)}
 
 
-# CPU seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-01.md:
-# the default sweep's process CPU time, ~ its wall time on idle cores); a prefill includes its drafter primings
-COMPILE_S_PER_LAYER = {"prefill": 2.4, "loop": 3.0}
-RUN_S_PER_LAYER_TOKEN = 0.33e-3
+# seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-02_v4.md:
+# the default sweep's compile and run parts on nearly idle cores); a prefill includes its drafter primings
+COMPILE_S_PER_LAYER = {"prefill": 2.4, "loop": 3.2}
+RUN_S_PER_LAYER_TOKEN = 0.48e-3
 # compiles running at once on idle cores (--compile-threads): tracing and lowering (Python) take turns
 PARALLEL_EFFICIENCY = 0.85
 
