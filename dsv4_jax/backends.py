@@ -15,9 +15,9 @@ with different kernels compile two programs, side by side in one process. Ops an
 is not an implementation: it is resolved per platform by `resolve` at the API boundary (`forward`,
 `generate`, the decode entry points, the CLIs), never inside traced code: "pallas" on GPU, "pallas_tpu" on
 TPU (ops without a TPU kernel, routing, keep the reference), the references elsewhere.
-`unroll_layers` unrolls the scans over repeated layers (`model.target.run_segments`): the same program with every
-layer written out, for XLA's cost analysis, which counts a `while` body once (ahead-of-time traffic reports);
-slower to compile, same numbers.
+`unroll_layers` unrolls the scans over repeated layers (`model.target.run_segments`) and the MTP draft chain
+(`drafters.mtp.propose`): the same program with every layer application written out, for XLA's cost analysis,
+which counts a `while` body once (ahead-of-time traffic reports); slower to compile, same numbers.
 """
 from __future__ import annotations
 

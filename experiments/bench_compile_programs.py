@@ -29,6 +29,7 @@ from dsv4_jax.research import models, prompts as P, runner
 from dsv4_jax.research.runner import BASELINE, Setting
 from dsv4_jax.spec import generate as G
 from dsv4_jax.spec import loop as L
+from dsv4_jax.spec import precompile as PC
 from dsv4_jax.spec.options import RunShape, Sampling, Speculation
 
 
@@ -54,8 +55,9 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, opts
 
 
-def default_plan(model):
-    """The prompts and plan of the README's main job (the sweep's defaults)."""
+def default_plan(model, whole_prefill: bool = False):
+    """The prompts and plan of the README's main job (the sweep's defaults; whole_prefill: one prefill
+    program per bucket, as before `RunShape.prefill_chunk`)."""
     data = P.load_suite(model.default_suite)
     chosen = P.select(data["prompts"], None, 1, None)
     prompts = P.tokenize(chosen, model.encode, model.config.vocab_size, "{prompt}")
@@ -65,7 +67,8 @@ def default_plan(model):
     buckets, max_len = runner.plan_shapes([len(p["tokens"]) for p in prompts], data["max_new_tokens"], max_draft, 2)
     pool = runner.pool_for(model, ["mtp", "dspark"], 3)
     plan = runner.RunPlan(max_new_tokens=data["max_new_tokens"], buckets=buckets, max_len=max_len,
-                          max_block=max_draft + 1, drafter_pool=pool, seed=42)
+                          max_block=max_draft + 1, drafter_pool=pool, seed=42,
+                          prefill_chunk=min(buckets) if len(buckets) > 1 and not whole_prefill else None)
     return prompts, plan
 
 
@@ -75,7 +78,7 @@ def prepared(model, plan, batch, setting):
                      sampling=Sampling(temperature=setting.temperature, seed=plan.seed),
                      speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1)),
                      run=RunShape(max_len=plan.max_len, pad_to=pad_to, max_block=plan.max_block,
-                                  drafter_pool=plan.drafter_pool))
+                                  drafter_pool=plan.drafter_pool, prefill_chunk=plan.prefill_chunk))
 
 
 def stages(jitted, args, kwargs, options):
@@ -92,12 +95,13 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", default=[], help="name=opt:val,... (XLA compiler options)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each compiled loop")
     p.add_argument("--only", default="", help="comma-separated program names to build (default all)")
+    p.add_argument("--whole-prefill", action="store_true", help="one prefill program per bucket (no chunks)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     variants = [parse_variant(v) for v in (a.variant or ["default="])]
     only = set(filter(None, a.only.split(",")))
     model = models.bundled()
-    prompts, plan = default_plan(model)
+    prompts, plan = default_plan(model, a.whole_prefill)
     by_bucket = {}
     for q in prompts:
         by_bucket.setdefault(plan.pad_for([len(q["tokens"])]), [q])
@@ -105,20 +109,19 @@ def main(argv=None) -> int:
     params = model.params
     key = jax.random.PRNGKey(plan.seed)
     jobs = []   # (name, jitted, args, kwargs, is_loop, r)
+    seen = set()
     for bucket, batch in sorted(by_bucket.items()):
-        r = prepared(model, plan, batch, Setting("mtp", 1))
-        tok, ln = jnp.asarray(r.tokens), jnp.asarray(r.lengths)
-        jobs.append((f"prefill_{bucket}", G.prefill_target, (params, r.config, tok, ln),
-                     dict(max_len=r.max_len, max_block=r.max_block, taps=r.prefill_taps), None))
         for spec in ("none", "mtp"):
             rr = prepared(model, plan, batch, Setting(spec, 0 if spec == BASELINE else 1))
-            pre = jax.eval_shape(lambda pa, t, n: G.prefill_target(pa, rr.config, t, n, max_len=rr.max_len,
-                                                                   max_block=rr.max_block, taps=rr.prefill_taps),
-                                 params, tok, ln)
-            jobs.append((f"prime_{'none' if spec == BASELINE else 'pool'}_{bucket}", G.prime,
-                         (params, rr.config, *pre, tok, ln),
-                         dict(max_len=rr.max_len, opts=rr.opts.replace(k=rr.max_block - 1),
-                              prefill_taps=rr.prefill_taps, knobs=rr.knobs, key=key), None))
+            for prog in PC.programs(params, rr)[:-1]:            # the prefill's and priming's (the loops below)
+                if prog.key() in seen:
+                    continue
+                seen.add(prog.key())
+                width = prog.args[4].shape[1] if prog.fn is G.prefill_piece else bucket
+                name = {"prime": f"prime_{'none' if spec == BASELINE else 'pool'}_{bucket}",
+                        "prefill": f"prefill_{'piece_' if prog.fn is G.prefill_piece else ''}{width}",
+                        "init": "empty_prefill"}[prog.kind]
+                jobs.append((name, prog.fn, prog.args, prog.kwargs, None))
     for spec, k in (("none", 0), ("mtp", 1), ("mtp", 2), ("mtp", 3)):
         r = prepared(model, plan, long_prompt, Setting(spec, k))
         carry = jax.eval_shape(lambda pa, t, n, kn, ky: G.start(pa, r.config, t, n, max_len=r.max_len, opts=r.opts,

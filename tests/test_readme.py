@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dsv4_jax.research import sweep
+from dsv4_jax.spec import generate as spec_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -62,11 +63,15 @@ def test_main_job_runs_as_written(tmp_path, monkeypatch):
     assert not out.is_absolute() and len(out.parts) >= 2, out
     monkeypatch.chdir(tmp_path)
     assert not out.parent.exists()
+    pieces = spec_generate.prefill_piece._cache_size()
     assert sweep.main(argv + TINY_SETTINGS) == 0
+    assert spec_generate.prefill_piece._cache_size() == pieces + 1      # precompiled once, the runs hit it
     assert sorted(os.listdir(out)) == ["acceptance.png", "per_position.png", "results.jsonl", "summary.json",
                                        "summary.md", "tokens_per_s.png"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["meta"]["model"]["name"] == "tiny_demo" and summary["meta"]["n_prompts"] == 2
+    # two buckets (26 and 109 tokens), one prefill program: 32-token chunks (RunShape.prefill_chunk)
+    assert summary["meta"]["padding"]["buckets"] == [32, 112] and summary["meta"]["padding"]["prefill_chunk"] == 32
     assert [r["spec_type"] for r in summary["settings"]] == ["none"]
     assert len((out / "results.jsonl").read_text().splitlines()) == 2
     umask = os.umask(0)

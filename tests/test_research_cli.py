@@ -133,7 +133,7 @@ def test_sweep_writes_documented_outputs(sweep_out):
     assert len(mtp2["per_position_accept_rate"]) == 2 and len(dspark2["per_position_accept_rate"]) == 2
     for r in rows[1:]:
         assert r["outputs_match_baseline"] == 1.0                   # greedy is lossless, through the pool too
-    assert meta["padding"] == {"buckets": [32], "prompt_tokens": 26, "padded_tokens": 32}
+    assert meta["padding"] == {"buckets": [32], "prompt_tokens": 26, "padded_tokens": 32, "prefill_chunk": None}
     lines = [json.loads(x) for x in open(os.path.join(sweep_out, "results.jsonl"))]
     assert len(lines) == 5
     for rec in lines:

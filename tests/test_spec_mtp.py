@@ -9,7 +9,7 @@ from dsv4_jax.decode import CapacityError
 from dsv4_jax.drafters import mtp
 from dsv4_jax.model.target import hidden_states
 from dsv4_jax.params import init_mtp
-from dsv4_jax.spec import loop
+from dsv4_jax.spec import generate as spec_generate, loop
 
 from . import mtp_reference as ref
 
@@ -93,6 +93,24 @@ def test_greedy_speculative_equals_plain(model, prompts, plain, k):
         assert toks == plain[B]
         assert all(len(t) == N_NEW for t in toks)
         assert stats["drafted"] == stats["rounds"] * k
+
+
+def test_chunked_prefill_equals_whole_prompt_prefill(model, prompts, plain):
+    """RunShape.prefill_chunk: prompts of 7, 3 and 12 tokens prefilled 4 at a time (rows idle in the chunks
+    after their prompt) -> the same greedy tokens as plain decoding and the same MTP acceptance as the
+    one-shot prefill (the drafter is primed from the chunks' hidden states), one piece program."""
+    config, params = model
+    kw = dict(drafter="mtp", draft_n_max=1, eos_token_id=-1, max_len=256)
+    n0 = spec_generate.prefill_piece._cache_size()
+    whole = d.generate(params, config, prompts, N_NEW, **kw)[1]
+    toks, stats = d.generate(params, config, prompts, N_NEW, prefill_chunk=4, **kw)
+    assert toks == plain[3]
+    for key in ("rounds", "drafted", "accepted", "per_position_accepted"):
+        assert stats[key] == whole[key], key
+    d.generate(params, config, prompts[1:2], 8, prefill_chunk=4, **kw)     # a 3-token prompt: one chunk
+    assert spec_generate.prefill_piece._cache_size() == n0 + 1 + 1        # [3, 4] and [1, 4]
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+        d.generate(params, config, prompts, 4, prefill_chunk=0, **kw)
 
 
 def test_dynamic_draft_n_equals_plain_in_one_program(model, prompts, plain):

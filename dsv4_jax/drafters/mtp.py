@@ -76,8 +76,8 @@ def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax
             temperature, top_p, p_min, greedy: bool, n_steps=None):
     """Draft a chain of k tokens after committed position pos−1 (pos = target's committed count).
 
-    n_steps: None (all k, the chain written out step by step) or a traced int32 scalar <= k
-    (`Knobs.draft_n`): only the first n_steps drafts are computed, in a loop; the rest stay 0.
+    n_steps: None (all k: a loop, written out step by step under `Backends.unroll_layers`) or a traced
+    int32 scalar <= k (`Knobs.draft_n`): only the first n_steps drafts are computed, in a loop; the rest stay 0.
     Returns (drafts [B,k], draft probs q [B,k,V], n_draft [B] ≤ k after the p_min rule).
     """
     keys = jax.random.split(key, k)
@@ -93,12 +93,14 @@ def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax
 
     put = lambda first, like: jnp.zeros(first.shape[:1] + (k,) + first.shape[1:], like).at[:, 0].set(first)
     chain = (st.last_hidden, st.cache, put(tok, jnp.int32), put(q, q.dtype), put(top1, top1.dtype))
-    if n_steps is None:
-        for j in range(1, k):
-            chain = step(j, chain)
-    else:
+    if n_steps is not None:
         n_steps = jnp.clip(n_steps, 1, k)
         chain = jax.lax.fori_loop(1, n_steps, step, chain)
+    elif config.backends.unroll_layers:     # ahead-of-time counting: every step in the program
+        for j in range(1, k):
+            chain = step(j, chain)
+    elif k > 1:                              # one compiled step (XLA compile time grows with each copy)
+        chain = jax.lax.fori_loop(1, k, step, chain)
     _, _, drafts, probs, tops = chain
     n = chain_length(tops, p_min)
     return drafts, probs, n if n_steps is None else jnp.minimum(n, n_steps)

@@ -7,8 +7,9 @@ speed-ups are against the no-speculation baseline measured in the same run with 
 and batch size. The headline figures are decode-only (tokens of the decode loop / its time); end to
 end and the prefill are reported beside them; rates are medians over the repeats with min and max.
 
-Settings share compiled programs (runner.py): prompts padded to at most --prompt-buckets lengths, one
-max_len and one verify-block bound for every run, MTP and DSpark in one loop program per draft width.
+Settings share compiled programs (runner.py): prompts padded to at most --prompt-buckets lengths and
+prefilled in chunks of the shortest (one prefill program for every bucket), one max_len and one
+verify-block bound for every run, MTP and DSpark in one loop program per draft width.
 
 Output (--out DIR, written to a temporary directory and renamed when complete):
     results.jsonl     one line per prompt × setting (pred, draft, acc, rate, tok/s, output tokens)
@@ -36,7 +37,7 @@ from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_
 COMPILE_THREADS = 2
 
 EXAMPLES = """examples:
-  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts,
+  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 18 prompts,
                                                      # 3 repeats (about 2 min on 2 idle cores, cold cache)
   dsv4-sweep --out results/tiny-full --full-suite --draft-n-max 1-5 --repeats 3
   dsv4-sweep --out results/pmin --spec mtp --draft-n-max 2,4 --p-min 0,0.3,0.6
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", default="0", metavar="T", help="0 = greedy; > 0 = lossless rejection sampling "
                                                                    "(default 0)")
     g.add_argument("--batch-size", default="1", metavar="B", help="prompts decoded together (default 1)")
-    common.add_prompt_args(p, default_per_category=1)
+    common.add_prompt_args(p, default_per_category=2)
     common.add_run_args(p)
     g = p.add_argument_group("compilation")
     g.add_argument("--compile-threads", type=int, default=COMPILE_THREADS, metavar="N",
@@ -243,7 +244,8 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
     plan = RunPlan(max_new_tokens=max_new, buckets=buckets, max_len=max_len,
                    max_block=None if a.no_shared_programs else max_draft + 1, drafter_pool=pool,
                    dynamic_draft_n=a.shared_draft_widths and not a.no_shared_programs,
-                   seed=a.seed, top_p=a.top_p, eos_token_id=common.eos_for(a))
+                   seed=a.seed, top_p=a.top_p, eos_token_id=common.eos_for(a),
+                   prefill_chunk=None if a.no_shared_programs or len(buckets) < 2 else min(buckets))
     for n in notes:
         print(n, file=sys.stderr)
     total = sum(len(shapes(prompts, s.batch_size, plan)) + a.repeats * len(batches(prompts, s.batch_size))
@@ -252,23 +254,23 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
 
 
 def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, model) -> dict:
-    """How many large programs the run compiles: prefills (one per bucket and batch size), loops (one
-    per drafter or pool, draft width, temperature kind and batch size)."""
+    """How many large programs the run compiles: prefills (one per bucket and batch size, or per batch size
+    with the chunked prefill), loops (one per drafter or pool, draft width, temperature kind and batch size)."""
     prefill, loops = set(), set()
     for s in settings:
         for g in shapes(prompts, s.batch_size, plan):
-            prefill.add((len(g), plan.pad_for([len(p["tokens"]) for p in g]), s.spec if plan.max_block is None
-                         else None))
+            width = plan.prefill_chunk or plan.pad_for([len(p["tokens"]) for p in g])
+            prefill.add((len(g), width, s.spec if plan.max_block is None else None))
         kind = "none" if s.spec == BASELINE else ("pool" if plan.drafter_pool else s.spec)
         width = plan.max_block - 1 if plan.dynamic_draft_n and kind != "none" else effective_draft_n_max(s, model)
         loops.add((kind, width, s.temperature == 0, s.batch_size))
     return {"prefill": len(prefill), "loop": len(loops)}
 
 
-# CPU seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-01.md:
-# the default sweep's process CPU time, ~ its wall time on idle cores); a prefill includes its drafter primings
-COMPILE_S_PER_LAYER = {"prefill": 2.4, "loop": 3.0}
-RUN_S_PER_LAYER_TOKEN = 0.33e-3
+# seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-02_v4.md:
+# the default sweep's compile and run parts on nearly idle cores); a prefill includes its drafter primings
+COMPILE_S_PER_LAYER = {"prefill": 2.4, "loop": 3.2}
+RUN_S_PER_LAYER_TOKEN = 0.48e-3
 # compiles running at once on idle cores (--compile-threads): tracing and lowering (Python) take turns
 PARALLEL_EFFICIENCY = 0.85
 
@@ -352,7 +354,8 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> 
             "verify_width": "max_block for every draft_n_max (one loop program)" if plan.dynamic_draft_n
             else "draft_n_max + 1 (one loop program per width)",
             "padding": {"buckets": list(plan.buckets), "prompt_tokens": sum(len(p["tokens"]) for p in prompts),
-                        "padded_tokens": sum(plan.pad_for([len(p["tokens"])]) for p in prompts)},
+                        "padded_tokens": sum(plan.pad_for([len(p["tokens"])]) for p in prompts),
+                        "prefill_chunk": plan.prefill_chunk},
             "prompt_template": a.prompt_template,
             "timing": "decode_s: the decode loop alone (primary figure); prefill_s: prompt processing, first token "
                       "and drafter priming; wall = prefill + decode, each ended with jax.block_until_ready; one "

@@ -72,6 +72,51 @@ def prefill_target(params: dict, config: ModelConfig, tokens: jax.Array, lengths
     return advance(state, n), last_logits, aux
 
 
+@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "max_block", "dtype"))
+def empty_prefill(config: ModelConfig, *, batch: int, max_len: int, max_block: int, dtype):
+    """A chunked prefill's start: (an empty state, last logits [B,V] zeros in dtype) (one small jit)."""
+    return init_state(config, batch, max_len, max_block, dtype), jnp.zeros((batch, config.vocab_size), dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "taps"), donate_argnames=("state", "last_logits"))
+def prefill_piece(params: dict, config: ModelConfig, state, last_logits: jax.Array, tokens: jax.Array,
+                  n_valid: jax.Array, final: jax.Array, *, taps: tuple[int, ...]):
+    """One chunk of a chunked prefill (one jit for every prompt length): tokens [B,C] at state.pos, n_valid [B]
+    real ones (0 for a prompt that ended in an earlier chunk). -> (state advanced by n_valid, last_logits
+    [B,V] replaced by the logits at each row's last token where final [B] (its prompt ends here), aux of
+    the chunk {"hidden" [B,C,n,D], "taps" [B,C,len(taps),D]})."""
+    logits, state, aux = process_block(params, config, state, tokens, n_valid, taps)
+    at = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    return advance(state, n_valid), jnp.where(final[:, None], at.astype(last_logits.dtype), last_logits), aux
+
+
+def chunk_plan(lengths: np.ndarray, chunk: int, width: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """The chunks of a prefill of prompts lengths [B] padded to width: [(start, n_valid [B], final [B])]."""
+    return [(lo, np.clip(lengths - lo, 0, chunk).astype(np.int32), (lengths > lo) & (lengths <= lo + chunk))
+            for lo in range(0, max(width, 1), chunk)]
+
+
+def prefill_chunked(params: dict, config: ModelConfig, tokens, lengths, *, max_len: int, max_block: int,
+                    taps: tuple[int, ...], chunk: int):
+    """`prefill_target` as ⌈S/chunk⌉ calls of one `prefill_piece` program (`RunShape.prefill_chunk`): prompts
+    of every padded length S share it. The same math as the one-shot prefill (a block's rows are written
+    and committed chunk by chunk, decode.py); returns what `prefill_target` returns (the last logits in
+    the embedding's dtype), aux [B,S,...]."""
+    tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
+    B, S = tokens.shape
+    padded = np.zeros((B, -(-S // chunk) * chunk), np.int32)
+    padded[:, :S] = tokens
+    state, last = empty_prefill(config, batch=B, max_len=max_len, max_block=max_block, dtype=params["embed"].dtype)
+    pieces = []
+    for lo, n_valid, final in chunk_plan(lengths, chunk, S):
+        state, last, aux = prefill_piece(params, config, state, last, jnp.asarray(padded[:, lo:lo + chunk]),
+                                         jnp.asarray(n_valid), jnp.asarray(final), taps=taps)
+        pieces.append(aux)
+    if len(pieces) > 1 or padded.shape[1] != S:
+        pieces = [jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1)[:, :S], *pieces)]
+    return state, last, pieces[0]
+
+
 @functools.partial(jax.jit, static_argnames=("config", "max_len", "opts", "prefill_taps"), donate_argnames=("state",))
 def prime(params: dict, config: ModelConfig, state, last_logits: jax.Array, aux: dict, tokens: jax.Array,
           lengths: jax.Array, *, max_len: int, opts: Options, prefill_taps: tuple[int, ...], knobs: Knobs,
@@ -97,19 +142,23 @@ def prime(params: dict, config: ModelConfig, state, last_logits: jax.Array, aux:
 
 
 def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, *, max_len: int,
-          opts: Options, knobs: Knobs, key, max_block: int | None = None, prefill_taps: tuple | None = None) -> Carry:
+          opts: Options, knobs: Knobs, key, max_block: int | None = None, prefill_taps: tuple | None = None,
+          prefill_chunk: int | None = None) -> Carry:
     """Prefill the prompts, sample the first token, and prime the drafter: the loop's initial carry.
 
     Two jits: `prefill_target` (the target alone) and `prime` (first token, drafter, carry). max_block
     (default opts.k + 1) sizes the decode state and the carry for verify blocks up to that width;
-    prefill_taps (default opts.taps, must contain them) are the tap layers the prefill computes."""
+    prefill_taps (default opts.taps, must contain them) are the tap layers the prefill computes;
+    prefill_chunk: the prefill as chunks of that many tokens, one program for every prompt length
+    (`prefill_chunked`)."""
     max_block = opts.k + 1 if max_block is None else max_block
     prefill_taps = tuple(opts.taps) if prefill_taps is None else tuple(prefill_taps)
     if max_block < opts.k + 1 or not set(opts.taps) <= set(prefill_taps):
         raise ValueError(f"max_block {max_block} / prefill taps {prefill_taps} do not cover k={opts.k}, "
                          f"taps {opts.taps}")
-    state, last_logits, aux = prefill_target(params, config, tokens, lengths, max_len=max_len, max_block=max_block,
-                                             taps=prefill_taps)
+    fill = prefill_target if prefill_chunk is None else functools.partial(prefill_chunked, chunk=prefill_chunk)
+    state, last_logits, aux = fill(params, config, tokens, lengths, max_len=max_len, max_block=max_block,
+                                   taps=prefill_taps)
     return prime(params, config, state, last_logits, aux, tokens, lengths, max_len=max_len,
                  opts=opts.replace(k=max_block - 1), prefill_taps=prefill_taps, knobs=knobs, key=key)
 
@@ -155,6 +204,7 @@ class Prepared(NamedTuple):
     max_block: int               # the decode state's and carry's widest verify block (>= opts.k + 1)
     prefill_taps: tuple          # tap layers the prefill computes (contains opts.taps)
     draft_n: int                 # the run's drafts per round (< opts.k under RunShape.dynamic_draft_n)
+    prefill_chunk: int | None = None   # the prefill in chunks of this many tokens (RunShape.prefill_chunk)
 
 
 def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
@@ -173,6 +223,8 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
     meta = dict(bundle_meta)
     if spec.dspark_meta is not None:            # the published keyword for DSpark's settings
         meta["dspark"] = spec.dspark_meta
+    if shape.prefill_chunk is not None and shape.prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1 tokens, got {shape.prefill_chunk}")
     dynamic = shape.dynamic_draft_n and drafter.name != "none"
     if dynamic and shape.max_block is None:
         raise ValueError("dynamic_draft_n needs max_block: the verify width the loop is compiled for")
@@ -209,7 +261,7 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
                   drafter_index=jnp.int32(index), draft_n=jnp.int32(draft_n) if dynamic else None)
     prefill_taps = pool_setup.taps if pool_setup is not None else setup.taps
     return Prepared(config, tokens, lengths, opts, knobs, max_len, sp.seed, shape.host_loop, max_block, prefill_taps,
-                    draft_n)
+                    draft_n, shape.prefill_chunk)
 
 
 def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
@@ -229,14 +281,16 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
         stops the MTP chain before a draft whose top-1 probability is below it; confidence_threshold is
         DSpark's cut-off; dspark_meta overrides the bundle's DSpark settings (a DSparkConfig).
       run=RunShape(eos_token_id=None, max_len=None, pad_to=None, host_loop=False, max_block=None,
-        drafter_pool=None, dynamic_draft_n=False): stop a sequence after eos_token_id (None: the config's;
-        -1: never); max_len / pad_to fix the cache capacity and the padded prompt length, so that runs
-        with other prompts reuse the compiled functions; host_loop drives rounds from Python (debugging twin; identical results);
+        drafter_pool=None, dynamic_draft_n=False, prefill_chunk=None): stop a sequence after eos_token_id
+        (None: the config's; -1: never); max_len / pad_to fix the cache capacity and the padded prompt
+        length, so that runs with other prompts reuse the compiled functions; host_loop drives rounds
+        from Python (debugging twin; identical results);
         max_block sizes the state for verify blocks up to that width, so runs with any draft_n_max below
         it share the prefill; drafter_pool (names) compiles one loop per draft width for all of them,
         the drafter picked at run time (`drafters.pool`; same tokens as the drafter alone);
         dynamic_draft_n (with max_block) compiles one loop for every draft_n_max < max_block, the
-        verify block max_block wide and draft_n_max a run-time bound (greedy: the same tokens).
+        verify block max_block wide and draft_n_max a run-time bound (greedy: the same tokens);
+        prefill_chunk prefills in chunks of that many tokens, one program for every prompt length.
     backends: the kernels (a `Backends`, or "auto" | "reference" | "pallas"; default: the config's).
 
     Returns (tokens: list of int lists, stats dict: rounds, drafted, accepted, per-position
@@ -248,7 +302,8 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
     t0 = time.perf_counter()
     carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
                                         max_len=r.max_len, opts=r.opts, knobs=r.knobs, key=jax.random.PRNGKey(r.seed),
-                                        max_block=r.max_block, prefill_taps=r.prefill_taps))
+                                        max_block=r.max_block, prefill_taps=r.prefill_taps,
+                                        prefill_chunk=r.prefill_chunk))
     t1 = time.perf_counter()
     loop = run_rounds_python if r.host_loop else run_rounds
     carry = jax.block_until_ready(loop(params, r.config, carry, r.knobs, r.opts))

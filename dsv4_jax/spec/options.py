@@ -2,7 +2,8 @@
 
     Sampling      temperature, top_p, seed                         what is drawn
     Speculation   drafter, draft_n_max, p_min, confidence_threshold, dspark_meta    how drafts are made
-    RunShape      eos_token_id, max_len, pad_to, host_loop, max_block, drafter_pool, dynamic_draft_n
+    RunShape      eos_token_id, max_len, pad_to, host_loop, max_block, drafter_pool, dynamic_draft_n,
+                  prefill_chunk
                                                                      when to stop, fixed shapes, loop driver
 
 `generate(..., sampling=Sampling(temperature=0.8), speculation=Speculation("dspark", 5))` and
@@ -58,7 +59,9 @@ class RunShape:
     shares one loop program. Greedy tokens and statistics equal the static program's; sampled runs
     draw from the same distributions but other random numbers (the round's draws are sized for the
     wider block). A wider verify block costs little where the target step is memory-bound (a decode
-    step reads the weights once for all block positions), more where it is compute-bound."""
+    step reads the weights once for all block positions), more where it is compute-bound.
+    prefill_chunk: prefill the prompts in chunks of that many tokens, one program for every padded
+    prompt length (`generate.prefill_chunked`; None: one program per length, the whole prompt at once)."""
 
     eos_token_id: int | None = None
     max_len: int | None = None
@@ -67,6 +70,7 @@ class RunShape:
     max_block: int | None = None
     drafter_pool: tuple[str, ...] | None = None
     dynamic_draft_n: bool = False
+    prefill_chunk: int | None = None
 
 
 GROUPS = {"sampling": Sampling, "speculation": Speculation, "run": RunShape}

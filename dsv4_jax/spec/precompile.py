@@ -1,7 +1,8 @@
 """Compile `generate`'s programs before a run, several at once (research sweeps: a first run's compile time).
 
-`programs(params, r)` lists the three jitted programs a prepared run (`generate.prepare`) calls — the
-target's prefill, the priming, the decode loop — with abstract arguments where they are computed
+`programs(params, r)` lists the jitted programs a prepared run (`generate.prepare`) calls — the
+target's prefill (or, chunked, its piece and empty-state programs), the priming, the decode loop — with
+abstract arguments where they are computed
 (nothing runs). `compile_all` traces, lowers and compiles the distinct ones on a thread pool: XLA
 compiles with the GIL released, so on two cores two programs compile at once (tracing and lowering,
 Python, take turns). The executables land in jit's own caches and in the persistent compilation cache
@@ -17,17 +18,17 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from .generate import Prepared, prefill_target, prime
+from .generate import Prepared, empty_prefill, prefill_piece, prefill_target, prime
 from .loop import round_jit, run_rounds
 
-KIND_ORDER = {"loop": 0, "prefill": 1, "prime": 2}     # biggest first: the pool's threads finish together
+KIND_ORDER = {"loop": 0, "prefill": 1, "prime": 2, "init": 3}     # biggest first: the pool's threads finish together
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One jitted call of a run: fn(*args, **kwargs), args concrete or jax.ShapeDtypeStruct."""
 
-    kind: str                 # "prefill" | "prime" | "loop"
+    kind: str                 # "prefill" | "prime" | "loop" | "init" (a chunked prefill's empty state)
     fn: Callable
     args: tuple
     kwargs: dict
@@ -35,7 +36,7 @@ class Program:
 
     def key(self) -> tuple:
         """Equal for calls that compile to the same program: the function, static arguments and shapes."""
-        spec = lambda x: (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else x
+        spec = lambda x: (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") and hasattr(x, "dtype") else x
         leaves, tree = jax.tree.flatten((self.args, self.kwargs))
         return (self.kind, tree, tuple(spec(x) for x in leaves))
 
@@ -52,12 +53,25 @@ def programs(params: dict, r: Prepared) -> list[Program]:
     key = jax.random.PRNGKey(r.seed)
     fill = dict(max_len=r.max_len, max_block=r.max_block, taps=r.prefill_taps)
     prefilled = jax.eval_shape(lambda p, t, n: prefill_target(p, r.config, t, n, **fill), params, tokens, lengths)
+    if r.prefill_chunk is not None:     # the chunked prefill keeps the last logits in the weights' dtype
+        prefilled = (prefilled[0], jax.ShapeDtypeStruct(prefilled[1].shape, params["embed"].dtype), prefilled[2])
     prime_kw = dict(max_len=r.max_len, opts=r.opts.replace(k=r.max_block - 1), prefill_taps=r.prefill_taps,
                     knobs=r.knobs, key=key)
     prime_args = (params, r.config, *prefilled, tokens, lengths)
     carry = jax.eval_shape(lambda p, *a: prime(p, r.config, *a, **prime_kw), params, *prime_args[2:])
     loop = round_jit if r.host_loop else run_rounds
-    return [Program("prefill", prefill_target, (params, r.config, tokens, lengths), fill),
+    if r.prefill_chunk is None:
+        fills = [Program("prefill", prefill_target, (params, r.config, tokens, lengths), fill)]
+    else:
+        B, C = tokens.shape[0], r.prefill_chunk
+        state, last = jax.eval_shape(lambda: empty_prefill(r.config, batch=B, max_len=r.max_len,
+                                                           max_block=r.max_block, dtype=params["embed"].dtype))
+        chunk, vec = jax.ShapeDtypeStruct((B, C), jnp.int32), lambda dtype: jax.ShapeDtypeStruct((B,), dtype)
+        fills = [Program("prefill", prefill_piece, (params, r.config, state, last, chunk, vec(jnp.int32),
+                                                    vec(jnp.bool_)), {"taps": r.prefill_taps}),
+                 Program("init", empty_prefill, (r.config,), dict(batch=B, max_len=r.max_len, max_block=r.max_block,
+                                                                   dtype=params["embed"].dtype))]
+    return [*fills,
             Program("prime", prime, prime_args, prime_kw),
             Program("loop", loop, (params, r.config, carry, r.knobs, r.opts), {}, size=r.opts.k)]
 
