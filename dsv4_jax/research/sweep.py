@@ -37,7 +37,7 @@ from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_
 COMPILE_THREADS = 2
 
 EXAMPLES = """examples:
-  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 18 prompts,
+  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts,
                                                      # 3 repeats (about 2 min on 2 idle cores, cold cache)
   dsv4-sweep --out results/tiny-full --full-suite --draft-n-max 1-5 --repeats 3
   dsv4-sweep --out results/pmin --spec mtp --draft-n-max 2,4 --p-min 0,0.3,0.6
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", default="0", metavar="T", help="0 = greedy; > 0 = lossless rejection sampling "
                                                                    "(default 0)")
     g.add_argument("--batch-size", default="1", metavar="B", help="prompts decoded together (default 1)")
-    common.add_prompt_args(p, default_per_category=2)
+    common.add_prompt_args(p, default_per_category=1)
     common.add_run_args(p)
     g = p.add_argument_group("compilation")
     g.add_argument("--compile-threads", type=int, default=COMPILE_THREADS, metavar="N",
