@@ -44,7 +44,7 @@ import numpy as np
 from ..backends import Backends
 from ..bundle import CheckpointConfig
 from . import slots as S
-from .generate import prepare
+from .generate import chunk_plan, prepare
 from .options import RunShape, Sampling, Speculation
 
 SCHEDULES = ("static", "continuous")
@@ -212,9 +212,7 @@ class SlotEngine:
             prompt = self.requests[i][0]
             toks[r, :len(prompt)], lengths[r] = prompt, len(prompt)
         rows = S.init_rows(self.params, self.config, batch=P, max_len=self.max_len, opts=self.opts)
-        for lo in range(0, n_chunks * C, C):
-            n_valid = np.clip(lengths - lo, 0, C).astype(np.int32)
-            final = (lengths > lo) & (lengths <= lo + C)
+        for lo, n_valid, final in chunk_plan(lengths, C, n_chunks * C):
             rows = S.prefill_chunk(self.params, self.config, rows, jnp.asarray(toks[:, lo:lo + C]),
                                    jnp.asarray(n_valid), jnp.asarray(toks[:, lo + 1:lo + C + 1]), jnp.asarray(final),
                                    jax.random.fold_in(key, lo), self.knobs, opts=self.opts, axes=self.rows_axes)
