@@ -129,8 +129,9 @@ def test_expert_paths_on_qarrays(fmt):
     idx = jnp.argsort(jax.random.uniform(jax.random.key(1), (T, E)), -1)[:, :k].astype(jnp.int32)
     w = jax.random.uniform(jax.random.key(2), (T, k), minval=0.1)
     run = lambda path, **kw: jax.jit(lambda x, m: path(x, idx, w, m["w1"], m["w2"], m["w3"], 2.0, **kw))
-    want = run(ops_moe.experts_sorted)(x, d)
+    want = run(ops_moe.experts_ragged)(x, d)                     # dense ragged_dot (experts_sorted on CPU: tiles)
     for got in (run(ops_moe.experts_gather)(x, q), run(ops_moe.experts_sorted)(x, q),    # sorted: tiles (QArrays)
+                run(ops_moe.experts_sorted)(x, d),
                 run(ops_moe.experts_tiled, bM=4)(x, d)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 

@@ -2,7 +2,7 @@
 
 The config's static backends pick the implementation: routing "reference" (`ops.moe.route_from_logits`)
 or "pallas" (`kernels.routing`); routed experts "reference" (gather the active experts for few tokens,
-sorted `ragged_dot` for many), "pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens,
+sorted `ragged_dot` for many — expert-pure row tiles when compiled for CPU, `ops.moe.experts_sorted`), "pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens,
 `kernels.moe_prefill` above), "pallas_tpu" (`kernels.tpu_moe.routed`: Mosaic decode / grouped matmul), or
 "ep": routed and shared experts under an explicit `shard_map` (`model.moe_ep`, expert parallelism on
 `config.backends.ep.mesh`, the local grouped matmul chosen by `config.backends.ep.local`).
