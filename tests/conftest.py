@@ -8,9 +8,10 @@ os.environ["DSV4_COMPILE_CACHE"] = "0"
 # e.g. test_decode.py::test_drafter_outputs_hidden_and_taps 54 -> 38 CPU s; the 20k-sample MTP sampling
 # test 124 -> 121). The HLO passes and the float semantics are the same (no fast-math either way), so the
 # parity tolerances are untouched; user runs keep XLA's defaults.
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+from .eight_devices import FAST_COMPILE  # noqa: E402
+
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")]
-                                   + [f for f in _FAST_COMPILE if f not in os.environ.get("XLA_FLAGS", "")]).strip()
+                                   + [f for f in FAST_COMPILE if f not in os.environ.get("XLA_FLAGS", "")]).strip()
 
 import jax  # noqa: E402
 

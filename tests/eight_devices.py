@@ -13,10 +13,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+# XLA:CPU backend optimisation off: the test programs are tiny, compiling them is most of their time
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
 def run_checks(script: str, args, timeout: int, fast_compile: bool = True) -> dict:
     flags = "--xla_force_host_platform_device_count=8"
     if fast_compile:
-        flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+        flags += " " + " ".join(FAST_COMPILE)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
