@@ -117,10 +117,11 @@ def main(argv=None) -> int:
                 if prog.key() in seen:
                     continue
                 seen.add(prog.key())
-                width = prog.args[4].shape[1] if prog.fn is G.prefill_piece else bucket
-                name = {"prime": f"prime_{'none' if spec == BASELINE else 'pool'}_{bucket}",
-                        "prefill": f"prefill_{'piece_' if prog.fn is G.prefill_piece else ''}{width}",
-                        "init": "empty_prefill"}[prog.kind]
+                width = prog.args[4].shape[1] if prog.fn in (G.prefill_piece, G.prime_piece) else bucket
+                drafter = 'none' if spec == BASELINE else 'pool'
+                name = {G.prime: f"prime_{drafter}_{width}", G.prime_start: f"prime_start_{drafter}",
+                        G.prime_piece: f"prime_piece_{drafter}_{width}", G.empty_prefill: "empty_prefill",
+                        G.prefill_piece: f"prefill_piece_{width}", G.prefill_target: f"prefill_{width}"}[prog.fn]
                 jobs.append((name, prog.fn, prog.args, prog.kwargs, None))
     for spec, k in (("none", 0), ("mtp", 1), ("mtp", 2), ("mtp", 3)):
         r = prepared(model, plan, long_prompt, Setting(spec, k))

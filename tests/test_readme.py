@@ -63,9 +63,11 @@ def test_main_job_runs_as_written(tmp_path, monkeypatch):
     assert not out.is_absolute() and len(out.parts) >= 2, out
     monkeypatch.chdir(tmp_path)
     assert not out.parent.exists()
-    pieces = spec_generate.prefill_piece._cache_size()
+    chunked = (spec_generate.prefill_piece, spec_generate.prime_start, spec_generate.prime_piece)
+    before = [f._cache_size() for f in chunked]
     assert sweep.main(argv + TINY_SETTINGS) == 0
-    assert spec_generate.prefill_piece._cache_size() == pieces + 1      # precompiled once, the runs hit it
+    # one prefill piece and one priming (start, piece) for both buckets, precompiled once, the runs hit them
+    assert [f._cache_size() for f in chunked] == [n + 1 for n in before]
     assert sorted(os.listdir(out)) == ["acceptance.png", "per_position.png", "results.jsonl", "summary.json",
                                        "summary.md", "tokens_per_s.png"]
     summary = json.loads((out / "summary.json").read_text())

@@ -66,10 +66,14 @@ def observe(mtp: dict, target: dict, config: ModelConfig, st: MTPState, hidden, 
     """Commit MTP rows from newly committed target positions start..start+n_valid−1.
 
     hidden [B,R,n,D]: the target's S at those positions; tokens [B,R]: the token after each (the
-    accepted drafts, then the bonus token). The last committed row seeds the next chain.
+    accepted drafts, then the bonus token). The last committed row seeds the next chain; rows with
+    n_valid 0 keep theirs.
     """
     X1, logits, cache = rows(mtp, target, config, st.cache, hidden, tokens, start, n_valid)
-    return MTPState(cache=cache, last_hidden=_last(X1, n_valid), last_logits=_last(logits, n_valid))
+    fed = n_valid > 0      # a row given no positions (a chunked priming's later chunks) keeps its last row
+    keep = lambda new, old: jnp.where(fed.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+    return MTPState(cache=cache, last_hidden=keep(_last(X1, n_valid), st.last_hidden),
+                    last_logits=keep(_last(logits, n_valid), st.last_logits))
 
 
 def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax.Array, key, k: int, *,

@@ -100,8 +100,8 @@ def prefill_chunked(params: dict, config: ModelConfig, tokens, lengths, *, max_l
                     taps: tuple[int, ...], chunk: int):
     """`prefill_target` as ⌈S/chunk⌉ calls of one `prefill_piece` program (`RunShape.prefill_chunk`): prompts
     of every padded length S share it. The same math as the one-shot prefill (a block's rows are written
-    and committed chunk by chunk, decode.py); returns what `prefill_target` returns (the last logits in
-    the embedding's dtype), aux [B,S,...]."""
+    and committed chunk by chunk, decode.py). Returns (state, last logits [B,V] in the embedding's dtype,
+    pieces: [(start, n_valid [B], aux of the chunk)] in order, what `prime_piece` feeds the drafter)."""
     tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
     B, S = tokens.shape
     padded = np.zeros((B, -(-S // chunk) * chunk), np.int32)
@@ -111,34 +111,77 @@ def prefill_chunked(params: dict, config: ModelConfig, tokens, lengths, *, max_l
     for lo, n_valid, final in chunk_plan(lengths, chunk, S):
         state, last, aux = prefill_piece(params, config, state, last, jnp.asarray(padded[:, lo:lo + chunk]),
                                          jnp.asarray(n_valid), jnp.asarray(final), taps=taps)
-        pieces.append(aux)
-    if len(pieces) > 1 or padded.shape[1] != S:
-        pieces = [jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1)[:, :S], *pieces)]
-    return state, last, pieces[0]
+        pieces.append((lo, n_valid, aux))
+    return state, last, pieces
+
+
+def next_tokens(tokens: np.ndarray, width: int) -> np.ndarray:
+    """The token after each prompt position, [B,S] -> [B,width] (the prompt shifted left, zero-padded); the
+    position of each prompt's last token gets the first generated token later (`_observe_prompt`)."""
+    out = np.zeros((tokens.shape[0], width), np.int32)
+    out[:, :tokens.shape[1] - 1] = tokens[:, 1:]
+    return out
+
+
+def _first_carry(params: dict, config: ModelConfig, state, last_logits: jax.Array, *, max_len: int, opts: Options,
+                 knobs: Knobs, key) -> Carry:
+    """The first token sampled from the prompts' last logits [B,V], emitted into a fresh carry whose drafter
+    state is the run's start (`begin`), not yet primed."""
+    drafter = registry.get(opts.drafter)
+    B = last_logits.shape[0]
+    key, k_first = jax.random.split(key)
+    first = sample_first(k_first, last_logits, knobs.temperature, knobs.top_p, opts.greedy)
+    dstate = drafter.begin(params, config, opts.setup, B, max_len, params["embed"].dtype, knobs)
+    return initial_carry(first, state, dstate, key, opts)
+
+
+def _observe_prompt(params: dict, config: ModelConfig, c: Carry, aux: dict, nxt: jax.Array, start: jax.Array,
+                    n_valid: jax.Array, lengths: jax.Array, *, opts: Options, prefill_taps: tuple[int, ...]) -> Carry:
+    """Prime the drafter on prompt positions start + [0, C) (n_valid [B] real ones): aux of those positions
+    (its "taps" hold prefill_taps; the drafter reads its own opts.taps among them), nxt [B,C] the token after
+    each, the first generated token (c.last) put at each prompt's last position (lengths [B])."""
+    C = nxt.shape[1]
+    at = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    nxt = jnp.where(at == (lengths - 1)[:, None], c.last[:, None], nxt)
+    aux = {"hidden": aux["hidden"], "taps": aux["taps"][:, :, [prefill_taps.index(t) for t in opts.taps]]}
+    return c.replace(drafter=registry.get(opts.drafter).observe(params, config, opts.setup, c.drafter, aux, nxt,
+                                                                start, n_valid))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_len", "opts", "prefill_taps"), donate_argnames=("state",))
 def prime(params: dict, config: ModelConfig, state, last_logits: jax.Array, aux: dict, tokens: jax.Array,
           lengths: jax.Array, *, max_len: int, opts: Options, prefill_taps: tuple[int, ...], knobs: Knobs,
           key) -> Carry:
-    """Sample the first token, prime the drafter on the prompt and build the loop's initial carry (one jit).
+    """Sample the first token, prime the drafter on the whole prompt tokens [B,S] and build the loop's
+    initial carry (one jit; the chunked prefill primes with `prime_start` and `prime_piece` instead).
 
     opts.k sizes the carry (statistics [B,k], output room, the drafter's state): `start` passes the run's
     bound (max_block − 1), so every draft_n_max up to it shares this program. aux["taps"] holds
     prefill_taps; the drafter reads its own opts.taps among them."""
-    drafter = registry.get(opts.drafter)
     B, S = tokens.shape
-    n = jnp.asarray(lengths)
-    key, k_first = jax.random.split(key)
-    first = sample_first(k_first, last_logits, knobs.temperature, knobs.top_p, opts.greedy)
-    # the token after each prompt position: the prompt shifted left, then the first generated token
+    c = _first_carry(params, config, state, last_logits, max_len=max_len, opts=opts, knobs=knobs, key=key)
     nxt = jnp.concatenate([jnp.asarray(tokens)[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-    nxt = jnp.where(jnp.arange(S)[None, :] == (n - 1)[:, None], first[:, None], nxt)
-    aux = {"hidden": aux["hidden"], "taps": aux["taps"][:, :, [prefill_taps.index(t) for t in opts.taps]]}
-    zero = jnp.zeros((B,), jnp.int32)
-    dstate = drafter.begin(params, config, opts.setup, B, max_len, params["embed"].dtype, knobs)
-    dstate = drafter.observe(params, config, opts.setup, dstate, aux, nxt, zero, n)
-    return initial_carry(first, state, dstate, key, opts)
+    n = jnp.asarray(lengths)
+    return _observe_prompt(params, config, c, aux, nxt, jnp.zeros((B,), jnp.int32), n, n, opts=opts,
+                           prefill_taps=prefill_taps)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "opts"), donate_argnames=("state",))
+def prime_start(params: dict, config: ModelConfig, state, last_logits: jax.Array, *, max_len: int, opts: Options,
+                knobs: Knobs, key) -> Carry:
+    """A chunked prefill's priming, first part: the first token sampled, the loop's initial carry with the
+    drafter's start state (one small jit for every prompt length; `prime_piece` then feeds the chunks)."""
+    return _first_carry(params, config, state, last_logits, max_len=max_len, opts=opts, knobs=knobs, key=key)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "opts", "prefill_taps"), donate_argnames=("carry",))
+def prime_piece(params: dict, config: ModelConfig, carry: Carry, aux: dict, nxt: jax.Array, start: jax.Array,
+                n_valid: jax.Array, lengths: jax.Array, *, opts: Options, prefill_taps: tuple[int, ...]) -> Carry:
+    """Prime the drafter on one prefill chunk (one jit for every prompt length): aux of the chunk
+    {"hidden" [B,C,n,D], "taps" [B,C,len(prefill_taps),D]} at positions start [B] + [0, C), n_valid [B] real
+    ones (0: the row's prompt ended earlier), nxt [B,C] the prompt's next tokens (`next_tokens`)."""
+    return _observe_prompt(params, config, carry, aux, nxt, start, n_valid, lengths, opts=opts,
+                           prefill_taps=prefill_taps)
 
 
 def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, *, max_len: int,
@@ -149,18 +192,29 @@ def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Arr
     Two jits: `prefill_target` (the target alone) and `prime` (first token, drafter, carry). max_block
     (default opts.k + 1) sizes the decode state and the carry for verify blocks up to that width;
     prefill_taps (default opts.taps, must contain them) are the tap layers the prefill computes;
-    prefill_chunk: the prefill as chunks of that many tokens, one program for every prompt length
-    (`prefill_chunked`)."""
+    prefill_chunk: the prefill as chunks of that many tokens (`prefill_chunked`), then the priming as
+    `prime_start` and one `prime_piece` per chunk: one program each for every prompt length."""
     max_block = opts.k + 1 if max_block is None else max_block
     prefill_taps = tuple(opts.taps) if prefill_taps is None else tuple(prefill_taps)
     if max_block < opts.k + 1 or not set(opts.taps) <= set(prefill_taps):
         raise ValueError(f"max_block {max_block} / prefill taps {prefill_taps} do not cover k={opts.k}, "
                          f"taps {opts.taps}")
-    fill = prefill_target if prefill_chunk is None else functools.partial(prefill_chunked, chunk=prefill_chunk)
-    state, last_logits, aux = fill(params, config, tokens, lengths, max_len=max_len, max_block=max_block,
-                                   taps=prefill_taps)
-    return prime(params, config, state, last_logits, aux, tokens, lengths, max_len=max_len,
-                 opts=opts.replace(k=max_block - 1), prefill_taps=prefill_taps, knobs=knobs, key=key)
+    opts = opts.replace(k=max_block - 1)
+    if prefill_chunk is None:
+        state, last_logits, aux = prefill_target(params, config, tokens, lengths, max_len=max_len,
+                                                 max_block=max_block, taps=prefill_taps)
+        return prime(params, config, state, last_logits, aux, tokens, lengths, max_len=max_len, opts=opts,
+                     prefill_taps=prefill_taps, knobs=knobs, key=key)
+    state, last_logits, pieces = prefill_chunked(params, config, tokens, lengths, max_len=max_len,
+                                                 max_block=max_block, taps=prefill_taps, chunk=prefill_chunk)
+    carry = prime_start(params, config, state, last_logits, max_len=max_len, opts=opts, knobs=knobs, key=key)
+    nxt = next_tokens(np.asarray(tokens, np.int32), len(pieces) * prefill_chunk)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    for lo, n_valid, aux in pieces:
+        carry = prime_piece(params, config, carry, aux, jnp.asarray(nxt[:, lo:lo + prefill_chunk]),
+                            jnp.full(n_valid.shape, lo, jnp.int32), jnp.asarray(n_valid), lengths, opts=opts,
+                            prefill_taps=prefill_taps)
+    return carry
 
 
 def summarize(c: Carry, opts: Options, wall_s: float, k: int | None = None) -> dict[str, Any]:

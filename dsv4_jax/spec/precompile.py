@@ -1,9 +1,8 @@
 """Compile `generate`'s programs before a run, several at once (research sweeps: a first run's compile time).
 
 `programs(params, r)` lists the jitted programs a prepared run (`generate.prepare`) calls — the
-target's prefill (or, chunked, its piece and empty-state programs), the priming, the decode loop — with
-abstract arguments where they are computed
-(nothing runs). `compile_all` traces, lowers and compiles the distinct ones on a thread pool: XLA
+target's prefill and the priming (or, chunked, the prefill piece, its empty state, the priming's start
+and piece), the decode loop — with abstract arguments where they are computed (nothing runs). `compile_all` traces, lowers and compiles the distinct ones on a thread pool: XLA
 compiles with the GIL released, so on two cores two programs compile at once (tracing and lowering,
 Python, take turns). The executables land in jit's own caches and in the persistent compilation cache
 (when on), so the run's jit calls find them: the same programs, the same tokens.
@@ -18,7 +17,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from .generate import Prepared, empty_prefill, prefill_piece, prefill_target, prime
+from .generate import Prepared, empty_prefill, prefill_piece, prefill_target, prime, prime_piece, prime_start
 from .loop import round_jit, run_rounds
 
 KIND_ORDER = {"loop": 0, "prefill": 1, "prime": 2, "init": 3}     # biggest first: the pool's threads finish together
@@ -52,28 +51,32 @@ def programs(params: dict, r: Prepared) -> list[Program]:
     tokens, lengths = jnp.asarray(r.tokens), jnp.asarray(r.lengths)
     key = jax.random.PRNGKey(r.seed)
     fill = dict(max_len=r.max_len, max_block=r.max_block, taps=r.prefill_taps)
-    prefilled = jax.eval_shape(lambda p, t, n: prefill_target(p, r.config, t, n, **fill), params, tokens, lengths)
-    if r.prefill_chunk is not None:     # the chunked prefill keeps the last logits in the weights' dtype
-        prefilled = (prefilled[0], jax.ShapeDtypeStruct(prefilled[1].shape, params["embed"].dtype), prefilled[2])
-    prime_kw = dict(max_len=r.max_len, opts=r.opts.replace(k=r.max_block - 1), prefill_taps=r.prefill_taps,
-                    knobs=r.knobs, key=key)
-    prime_args = (params, r.config, *prefilled, tokens, lengths)
-    carry = jax.eval_shape(lambda p, *a: prime(p, r.config, *a, **prime_kw), params, *prime_args[2:])
     loop = round_jit if r.host_loop else run_rounds
+    opts = r.opts.replace(k=r.max_block - 1)          # the carry's bound (`start`)
     if r.prefill_chunk is None:
-        fills = [Program("prefill", prefill_target, (params, r.config, tokens, lengths), fill)]
+        prefilled = jax.eval_shape(lambda p, t, n: prefill_target(p, r.config, t, n, **fill), params, tokens, lengths)
+        prime_kw = dict(max_len=r.max_len, opts=opts, prefill_taps=r.prefill_taps, knobs=r.knobs, key=key)
+        prime_args = (params, r.config, *prefilled, tokens, lengths)
+        carry = jax.eval_shape(lambda p, *a: prime(p, r.config, *a, **prime_kw), params, *prime_args[2:])
+        steps = [Program("prefill", prefill_target, (params, r.config, tokens, lengths), fill),
+                 Program("prime", prime, prime_args, prime_kw)]
     else:
         B, C = tokens.shape[0], r.prefill_chunk
         state, last = jax.eval_shape(lambda: empty_prefill(r.config, batch=B, max_len=r.max_len,
                                                            max_block=r.max_block, dtype=params["embed"].dtype))
         chunk, vec = jax.ShapeDtypeStruct((B, C), jnp.int32), lambda dtype: jax.ShapeDtypeStruct((B,), dtype)
-        fills = [Program("prefill", prefill_piece, (params, r.config, state, last, chunk, vec(jnp.int32),
-                                                    vec(jnp.bool_)), {"taps": r.prefill_taps}),
+        piece_args = (params, r.config, state, last, chunk, vec(jnp.int32), vec(jnp.bool_))
+        _, _, aux = jax.eval_shape(lambda p, *a: prefill_piece(p, r.config, *a, taps=r.prefill_taps), params,
+                                   *piece_args[2:])
+        start_kw = dict(max_len=r.max_len, opts=opts, knobs=r.knobs, key=key)
+        carry = jax.eval_shape(lambda p, s, l: prime_start(p, r.config, s, l, **start_kw), params, state, last)
+        steps = [Program("prefill", prefill_piece, piece_args, {"taps": r.prefill_taps}),
                  Program("init", empty_prefill, (r.config,), dict(batch=B, max_len=r.max_len, max_block=r.max_block,
-                                                                   dtype=params["embed"].dtype))]
-    return [*fills,
-            Program("prime", prime, prime_args, prime_kw),
-            Program("loop", loop, (params, r.config, carry, r.knobs, r.opts), {}, size=r.opts.k)]
+                                                                   dtype=params["embed"].dtype)),
+                 Program("prime", prime_start, (params, r.config, state, last), start_kw),
+                 Program("prime", prime_piece, (params, r.config, carry, aux, chunk, vec(jnp.int32), vec(jnp.int32),
+                                                vec(jnp.int32)), dict(opts=opts, prefill_taps=r.prefill_taps))]
+    return [*steps, Program("loop", loop, (params, r.config, carry, r.knobs, r.opts), {}, size=r.opts.k)]
 
 
 def distinct(progs: Sequence[Program]) -> list[Program]:
