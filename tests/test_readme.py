@@ -72,8 +72,8 @@ def test_main_job_runs_as_written(tmp_path, monkeypatch):
                                        "summary.md", "tokens_per_s.png"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["meta"]["model"]["name"] == "tiny_demo" and summary["meta"]["n_prompts"] == 2
-    # two buckets (26 and 115 tokens), one prefill program: 32-token chunks (RunShape.prefill_chunk)
-    assert summary["meta"]["padding"]["buckets"] == [32, 128] and summary["meta"]["padding"]["prefill_chunk"] == 32
+    # two buckets (26 and 109 tokens), one prefill program: 32-token chunks (RunShape.prefill_chunk)
+    assert summary["meta"]["padding"]["buckets"] == [32, 112] and summary["meta"]["padding"]["prefill_chunk"] == 32
     assert [r["spec_type"] for r in summary["settings"]] == ["none"]
     assert len((out / "results.jsonl").read_text().splitlines()) == 2
     umask = os.umask(0)

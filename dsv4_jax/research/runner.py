@@ -18,8 +18,8 @@ compiled programs:
     chain steps), but every setting then verifies max_block tokens, which costs more than k + 1 where
     the target step is not memory-bound (experiments/results/sweep_speed_2026-12-01_v3.md). By default
     each width is its own program with a k + 1 wide verify block;
-  * `precompile` compiles those distinct programs before the first run, two at a time on two cores
-    (`spec.precompile`), so a first run (empty compilation cache) does not compile them one by one.
+  * `precompile` compiles those distinct programs before the first run (`spec.precompile`), so the
+    warm-ups and timed runs find them compiled and a first run's compile time is reported apart.
 
 Wall time covers prefill + all decode rounds and ends with `jax.block_until_ready` (inside
 `generate`'s machinery); prefill and decode are timed apart.
@@ -257,7 +257,7 @@ def warm_up(model, batch: Sequence[dict], setting: Setting, plan: RunPlan) -> fl
 
 
 def precompile(model, prompts: Sequence[dict], settings: Sequence[Setting], plan: RunPlan,
-               threads: int = 2) -> dict[str, Any]:
+               threads: int = 1) -> dict[str, Any]:
     """Compile every program the settings' runs call (each batch shape), `threads` at a time, before any
     run (`spec.precompile`); the warm-ups and timed runs then find them compiled.
     -> {"programs": distinct programs, "wall_s": seconds}."""

@@ -34,7 +34,9 @@ from .prompts import PromptError
 from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, per_sequence,
                      plan_shapes, pool_for, precompile, run_batch, shapes, warm_up)
 
-COMPILE_THREADS = 2
+# one program at a time: XLA:CPU already compiles one program on both cores of the 2-core VM, two at once
+# were no faster (experiments/results/sweep_speed_2026-12-02_v6.md)
+COMPILE_THREADS = 1
 
 EXAMPLES = """examples:
   dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts,
@@ -66,13 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", default="0", metavar="T", help="0 = greedy; > 0 = lossless rejection sampling "
                                                                    "(default 0)")
     g.add_argument("--batch-size", default="1", metavar="B", help="prompts decoded together (default 1)")
-    common.add_prompt_args(p, default_per_category=1)
+    common.add_prompt_args(p, default_per_category=2)
     common.add_run_args(p)
     g = p.add_argument_group("compilation")
     g.add_argument("--compile-threads", type=int, default=COMPILE_THREADS, metavar="N",
-                   help=f"compile the sweep's distinct programs N at a time before the first run (default "
-                        f"{COMPILE_THREADS}: two cores compile two programs at once; one-device runs); 0 = compile "
-                        "each on first use")
+                   help=f"compile the sweep's distinct programs before the first run, N at a time (default "
+                        f"{COMPILE_THREADS}: XLA already compiles one program on every core; one-device runs); "
+                        "0 = compile each on first use")
     g.add_argument("--shared-draft-widths", action="store_true",
                    help="one loop program for every draft_n_max, compiled for the widest verify block, draft_n_max "
                         "bounding the drafts at run time (the same greedy tokens, fewer compiles) — but every "
@@ -267,22 +269,20 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
     return {"prefill": len(prefill), "loop": len(loops)}
 
 
-# seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-02_v4.md:
-# the default sweep's compile and run parts on nearly idle cores); a prefill includes its drafter primings
-COMPILE_S_PER_LAYER = {"prefill": 2.4, "loop": 3.2}
-RUN_S_PER_LAYER_TOKEN = 0.48e-3
-# compiles running at once on idle cores (--compile-threads): tracing and lowering (Python) take turns
-PARALLEL_EFFICIENCY = 0.85
+# seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-02_v6.md:
+# the default sweep's compile and run parts on idle cores, one program at a time); a prefill includes its
+# drafter primings
+COMPILE_S_PER_LAYER = {"prefill": 1.3, "loop": 1.7}
+RUN_S_PER_LAYER_TOKEN = 0.33e-3
 
 
-def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int, threads: int = 1) -> tuple[float, float]:
+def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int) -> tuple[float, float]:
     """(compile seconds, run seconds): a rough forecast from the program and run counts, scaled by the
-    model's layers (calibrated on the bundled model; a converted checkpoint takes far longer), the
-    compile time divided among `threads` compiles at once on idle cores."""
+    model's layers (calibrated on the bundled model on 2 idle cores; a converted checkpoint takes far
+    longer)."""
     n = programs(settings, prompts, plan, model)
     layers = model.config.num_layers
-    parallel = max(1.0, min(threads, os.cpu_count() or 1) * PARALLEL_EFFICIENCY)
-    compile_s = layers * sum(COMPILE_S_PER_LAYER[k] * v for k, v in n.items()) / parallel
+    compile_s = layers * sum(COMPILE_S_PER_LAYER[k] * v for k, v in n.items())
     runs = sum(repeats * len(batches(prompts, s.batch_size)) + len(shapes(prompts, s.batch_size, plan))
                for s in settings)
     return compile_s, runs * plan.max_new_tokens * layers * RUN_S_PER_LAYER_TOKEN
@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = build_settings(**grid)
     max_new, plan, total = plan_run(a, model, prompts, settings, suite_max_new, notes)
     n_prog = programs(settings, prompts, plan, model)
-    est_c, est_r = estimate_s(settings, prompts, plan, model, a.repeats, a.compile_threads)
+    est_c, est_r = estimate_s(settings, prompts, plan, model, a.repeats)
     print(f"dsv4-sweep: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "
           f"max_new_tokens {max_new}, repeats {a.repeats} -> {a.out}\n"
           f"dsv4-sweep: {n_prog['prefill']} prefill + {n_prog['loop']} loop programs to compile, prompt buckets "

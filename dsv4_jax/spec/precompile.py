@@ -2,9 +2,9 @@
 
 `programs(params, r)` lists the jitted programs a prepared run (`generate.prepare`) calls — the
 target's prefill and the priming (or, chunked, the prefill piece, its empty state, the priming's start
-and piece), the decode loop — with abstract arguments where they are computed (nothing runs). `compile_all` traces, lowers and compiles the distinct ones on a thread pool: XLA
-compiles with the GIL released, so on two cores two programs compile at once (tracing and lowering,
-Python, take turns). The executables land in jit's own caches and in the persistent compilation cache
+and piece), the decode loop — with abstract arguments where they are computed (nothing runs). `compile_all` traces, lowers and compiles the distinct ones, `threads` at a time (XLA
+compiles with the GIL released; XLA:CPU already spreads one program's code generation over the cores, so
+on two cores one at a time is as fast). The executables land in jit's own caches and in the persistent compilation cache
 (when on), so the run's jit calls find them: the same programs, the same tokens.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def distinct(progs: Sequence[Program]) -> list[Program]:
     return sorted(seen.values(), key=lambda p: (KIND_ORDER[p.kind], -p.size))
 
 
-def compile_all(progs: Sequence[Program], threads: int = 2) -> dict[str, Any]:
+def compile_all(progs: Sequence[Program], threads: int = 1) -> dict[str, Any]:
     """Compile the distinct programs on `threads` threads. -> {"programs": n, "wall_s": seconds}."""
     todo = distinct(progs)
     t0 = time.perf_counter()
