@@ -39,9 +39,9 @@ from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_
 COMPILE_THREADS = 1
 
 EXAMPLES = """examples:
-  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 9 prompts,
-                                                     # 3 repeats (about 2 min on 2 idle cores, cold cache)
-  dsv4-sweep --out results/tiny-full --full-suite --draft-n-max 1-5 --repeats 3
+  dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 18 prompts,
+                                                     # 3 repeats (about 2.3 min on 2 idle cores, cold cache)
+  dsv4-sweep --out results/tiny-quick --prompts-per-category 1 --draft-n-max 1-5 --repeats 5
   dsv4-sweep --out results/pmin --spec mtp --draft-n-max 2,4 --p-min 0,0.3,0.6
   dsv4-sweep --out results/conf --spec none,dspark --confidence 0,0.5,0.8 --temperature 0,1
   dsv4-sweep --out results/batch --batch-size 1,4 --categories code_python,stepwise_math

@@ -1,10 +1,11 @@
-"""Compile `generate`'s programs before a run, several at once (research sweeps: a first run's compile time).
+"""Compile `generate`'s programs before a run (research sweeps: a first run's compile time, reported apart).
 
 `programs(params, r)` lists the jitted programs a prepared run (`generate.prepare`) calls — the
 target's prefill and the priming (or, chunked, the prefill piece, its empty state, the priming's start
-and piece), the decode loop — with abstract arguments where they are computed (nothing runs). `compile_all` traces, lowers and compiles the distinct ones, `threads` at a time (XLA
-compiles with the GIL released; XLA:CPU already spreads one program's code generation over the cores, so
-on two cores one at a time is as fast). The executables land in jit's own caches and in the persistent compilation cache
+and piece), the decode loop — with abstract arguments where they are computed (nothing runs).
+`compile_all` traces, lowers and compiles the distinct ones, `threads` at a time (XLA compiles with the
+GIL released; XLA:CPU already spreads one program's code generation over the cores, so on two cores one
+at a time is as fast). The executables land in jit's own caches and in the persistent compilation cache
 (when on), so the run's jit calls find them: the same programs, the same tokens.
 """
 from __future__ import annotations
