@@ -270,10 +270,10 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
 
 
 # seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-02_v6.md:
-# the default sweep's compile and run parts on idle cores, one program at a time); a prefill includes its
-# drafter primings
-COMPILE_S_PER_LAYER = {"prefill": 1.3, "loop": 1.7}
-RUN_S_PER_LAYER_TOKEN = 0.33e-3
+# the README's main job from a fresh clone, idle cores, one program at a time: 68 s compiling, 66 s running);
+# a prefill includes its drafter primings
+COMPILE_S_PER_LAYER = {"prefill": 1.55, "loop": 2.05}
+RUN_S_PER_LAYER_TOKEN = 0.37e-3
 
 
 def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int) -> tuple[float, float]:
