@@ -94,9 +94,8 @@ def experts_sorted(x: jax.Array, idx: jax.Array, w: jax.Array, w1, w2, w3, limit
     `experts_tiled` run instead (the bundled model's experts, 2048 tokens: 16.3 -> 5.0 ms,
     `experiments/bench_moe_cpu.py`; same math, sums in float32 either way). The choice is made at
     lowering (`lax.platform_dependent`), so TPU / GPU programs, AOT-compiled ones included, keep the
-    ragged_dot. Quantized weights: `experts_tiled` on every
-    platform (a ragged_dot would need the whole dequantized [E, ·, ·] layer; at Flash size 4 GiB per
-    matrix per layer in bf16)."""
+    ragged_dot. Quantized weights: `experts_tiled` on every platform (a ragged_dot would need the whole
+    dequantized [E, ·, ·] layer; at Flash size 4 GiB per matrix per layer in bf16)."""
     if any(isinstance(m, QArray) for m in (w1, w2, w3)):
         return experts_tiled(x, idx, w, w1, w2, w3, limit)
     return jax.lax.platform_dependent(
