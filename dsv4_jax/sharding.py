@@ -329,8 +329,9 @@ def _expert_parallel(config: ModelConfig):
 
 def constrain_state_rows(x: jax.Array, config: ModelConfig) -> jax.Array:
     """A [B, ...] activation bound for the decode state (new K=V rows, compressed rows, ring entries; also the
-    q latent, which every head group reads) placed like the state: the batch per the rules, every other dim whole. With the expert-parallel backend
-    (the presets) the mesh and rules come from `config.backends.ep`; identity otherwise.
+    q latent, which every head group reads) placed like the state: the batch per the rules, every other dim
+    whole. With the expert-parallel backend (the presets) the mesh and rules come from `config.backends.ep`;
+    identity otherwise.
 
     Without it GSPMD carries a split of the projection's output dim (the latency preset splits W_kv and the
     compressors by output row) into the cache tables it writes, and then all-gathers whole tables where
