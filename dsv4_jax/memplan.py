@@ -36,8 +36,8 @@ from .cache import layer_cache_shapes, state_shapes
 from .checkpoint import load_checkpoint
 from .config import MOE, PRESETS, SLIDING, ModelConfig, preset
 from .ops import quant
-from .sharding import (DEFAULT_REPLICATED, DEFAULT_RULES, MESH_AXES, PRESETS as SHARDING_PRESETS,
-                       default_mesh_shape, leaf_partition_spec, make_mesh, partition_spec, preset as sharding_preset,
+from .sharding import (DEFAULT_REPLICATED, MESH_AXES, PRESETS as SHARDING_PRESETS,
+                       default_mesh_shape, leaf_partition_spec, logical_rules, make_mesh, partition_spec, preset as sharding_preset,
                        parse_mesh_shape, state_partition_specs)
 
 GIB = 1024 ** 3
@@ -138,7 +138,7 @@ def _state_bytes(config: ModelConfig, sizes: dict, batch: int, context: int, max
         one = config.replace(num_layers=1, layer_types=(SLIDING,), compress_ratios=(0,), mlp_layer_types=(MOE,))
         for s in layer_cache_shapes(one, 0, batch, context, max_block, dtype).values():
             b = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize * drafter_layers
-            sp = partition_spec(s.shape, ("batch",) + (None,) * (len(s.shape) - 1), sizes, rules)
+            sp = partition_spec(s.shape, ("state_batch",) + (None,) * (len(s.shape) - 1), sizes, rules)
             split = math.prod(sizes[ax] for e in sp for ax in (e if isinstance(e, tuple) else (e,)) if ax is not None)
             total += b
             per += b / split
@@ -186,10 +186,10 @@ def plan(config: ModelConfig, *, devices: int = 1, mesh_shape: tuple[int, ...] |
 
 
 def batch_split_notes(batch: int, sizes: dict, rules=None) -> list[str]:
-    """Why the decode state is split fewer ways than the mesh allows: mesh axes of the `batch` rule
+    """Why the decode state is split fewer ways than the mesh allows: mesh axes of the `state_batch` rule
     (size > 1) that the batch does not divide, so the state is replicated along them."""
-    mesh_axes = [ax for ax in (DEFAULT_RULES if rules is None else rules).get("batch", ()) if sizes.get(ax, 1) > 1]
-    spec = partition_spec((batch,), ("batch",), sizes, rules)
+    mesh_axes = [ax for ax in logical_rules(rules).get("state_batch", ()) if sizes.get(ax, 1) > 1]
+    spec = partition_spec((batch,), ("state_batch",), sizes, rules)
     used = [ax for e in spec for ax in (e if isinstance(e, tuple) else (e,)) if ax is not None]
     skipped = [ax for ax in mesh_axes if ax not in used]
     if not skipped:

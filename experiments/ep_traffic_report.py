@@ -120,7 +120,7 @@ def placement_bytes(config, sizes: dict, rules, batch: int, block: int, context:
             total += whole * min(T, spec.shape[0]) / spec.shape[0]
         else:
             total += per
-    n_state = _split(S.partition_spec((batch,), ("batch",), sizes, rules), sizes)
+    n_state = _split(S.partition_spec((batch,), ("state_batch",), sizes, rules), sizes)
     return total + batch / n_state * cache_bytes_read(config, context)["total"]
 
 

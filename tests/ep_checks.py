@@ -10,7 +10,8 @@ Cases (name: mesh data×expert×model, rules, local grouped matmul):
     ep-1x8x1      default rules (experts split 8 ways over `expert`, batch split 8 ways), reference
     ep-2x4x1      default rules (experts over `expert`, batch over data × expert), reference
     ep-1x2x4      default rules (experts over expert × model, batch over expert), dense
-    latency       the "latency" preset (1x1x8: experts split along `mlp`, batch replicated), reference
+    latency       the "latency" preset (1x1x8: experts split along `mlp`, tokens replicated; the decode
+                  script at B = 8, so the decode state is split by sequence over `model`), reference
     throughput    the "throughput" preset (1x8x1), pallas (interpret mode, inside shard_map)
     odd-1x8x1     6 experts on 1x8x1: not divisible, the rules replicate them (stated fallback: pure DP)
     odd-1x2x4     6 experts on 1x2x4: experts over `expert` (2), `mlp` over `model` (4)
@@ -60,7 +61,8 @@ CASES = {
 # FP4 w2's 32-column blocks over I = 48 split 8 ways, FP8's 128-row blocks); int8: per-channel routed experts
 QUANT = {"release-latency": "release", "int8-1x2x4": "int8_channel"}
 FULL_ONLY = ("int8-1x2x4", "ep-1x8x1", "ep-2x4x1", "throughput", "odd-1x2x4")   # cases of the --full run only
-FAST_DECODE = ()                                # prefill + decode + verify + commit: --full only
+FAST_DECODE = ("latency",)                      # prefill + decode + verify + commit (every case with --full)
+DECODE_BATCH = {"latency": 8}                   # sequences of the decode script (default 2)
 FAST_GENERATE = ("latency",)                    # speculative generation in the fast run
 
 
@@ -172,17 +174,19 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
         res["detector_control"] = None if isinstance(w1, quant.QArray) or w1.sharding.is_fully_replicated else \
             expert_all_gathers(gather.lower(w1).compile().as_text(), config)
         if case in decode_cases:
-            if "decode" not in ref:
-                ref["decode"] = _decode(params, config, tokens[:2], init_state(config, 2, 64, 4))
-            state = S.init_state(cfg, mesh, 2, 64, 4, rules=rules)
-            outs, st = _decode(sp, cfg, tokens[:2], state)
-            want, want_st = ref["decode"]
+            B = DECODE_BATCH.get(case, 2)
+            if ("decode", B) not in ref:
+                ref["decode", B] = _decode(params, config, tokens[:B], init_state(config, B, 64, 4))
+            state = S.init_state(cfg, mesh, B, 64, 4, rules=rules)
+            outs, st = _decode(sp, cfg, tokens[:B], state)
+            want, want_st = ref["decode", B]
+            res["state_split_leaves"] = n_split(st.layers)
             res["decode"] = max(maxdiff(a, b) for a, b in zip(outs, want))
             res["state"] = max(maxdiff(a, b) for a, b in zip(jax.tree.leaves(st.layers),
                                                             jax.tree.leaves(want_st.layers)))
             res["pos_equal"] = np.asarray(st.pos).tolist() == np.asarray(want_st.pos).tolist()
-            step = D.process_block.lower(sp, cfg, S.init_state(cfg, mesh, 2, 64, 4, rules=rules),
-                                         jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)).compile()
+            step = D.process_block.lower(sp, cfg, S.init_state(cfg, mesh, B, 64, 4, rules=rules),
+                                         jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)).compile()
             res["decode_expert_all_gathers"] = expert_all_gathers(step.as_text(), config)
         for drafter, wanted in (("oracle", generate_cases), ("mtp", mtp_cases)):
             if case not in wanted:

@@ -55,7 +55,7 @@ def decode_script(params, config, tokens, state):
     """
     B = tokens.shape[0]
     outs = []
-    lengths = np.array([[4, 4], [4, 4], [4, 1]])[:, :B]              # prompts of 12 and 9 tokens
+    lengths = np.array([[4, 4, 4], [4, 4, 1]])[np.arange(B) % 2].T   # prompts of 12 and 9 tokens, alternating
     start = np.zeros((B,), np.int64)
     for n in lengths:
         chunk = np.stack([tokens[b, start[b]:start[b] + 4] for b in range(B)])
@@ -70,7 +70,7 @@ def decode_script(params, config, tokens, state):
     block = np.concatenate([nxt[:, None], tokens[:, 30:33]], axis=1)
     lg, state, aux = D.verify(params, config, state, block)
     outs.append(np.asarray(lg).reshape(B, -1))
-    state = D.commit(state, np.array([1, 2][:B], np.int32))
+    state = D.commit(state, (np.arange(B) % 2 + 1).astype(np.int32))
     lg, state, aux = D.decode_step(params, config, state, tokens[:, 40])
     outs.append(np.asarray(lg))
     return outs, np.asarray(aux["hidden"]), state

@@ -264,6 +264,8 @@ def _assert_cases(res):
         assert (r["qarray_leaves"] > 0) == bool(r["quantized"]), (name, r)
         if "decode" in r:
             assert r["decode"] <= TOL and r["state"] <= TOL and r["pos_equal"], (name, r)
+            if name == "latency":                                     # the state split by sequence (B = 8)
+                assert r["state_split_leaves"] > 0, r
             assert r["decode_expert_all_gathers"] == 0, (name, r)
         for key in ("gen-oracle", "gen-mtp"):
             if key in r:
@@ -277,12 +279,13 @@ def test_ep_matches_single_device():
     """Forward logits on EP x TP 1x2x4 (dense local matmul), the latency preset (bf16 and release-format
     QArrays) and an expert count that does not split (replicated fallback), with no expert weights
     all-gathered; greedy speculative generation (oracle drafter: verify blocks of k+1 = 4, a sequence
-    finished by EOS in the batch) with the latency preset. The other cases, decode steps, MTP and the
+    finished by EOS in the batch) with the latency preset; prefill, decode, verify and commit with the latency
+    preset at B = 8 (its decode state split by sequence). The other cases, decode steps, MTP and the
     checkpoint restore: the slow test."""
     res = _run_checks([], timeout=900)
     _assert_cases(res)
     assert set(res["cases"]) == {"ep-1x2x4", "latency", "odd-1x8x1", "release-latency"}   # the rest: --full
-    assert "gen-oracle" in res["cases"]["latency"]
+    assert "gen-oracle" in res["cases"]["latency"] and "decode" in res["cases"]["latency"]
 
 
 @pytest.mark.slow

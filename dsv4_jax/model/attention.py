@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 from ..cache import EMPTY, StackedRows, rows_of, take_rows
 from ..config import CSA, SLIDING, ModelConfig
 from ..ops.linear import grouped_linear, linear
-from ..sharding import constrain_state_rows, state_batch_entry
+from ..sharding import constrain_logical, constrain_rows, constrain_state_rows, state_batch_entry
 from . import compressor, indexer
 from .norms import rms_norm
 from .rope import apply_rope, inv_freq, layer_rope_kind
@@ -24,10 +24,13 @@ def project_q(h: jax.Array, p: dict, config: ModelConfig, positions: jax.Array, 
     """c_q = RMSNorm(W_qa h) [B,S,q_lora]; q = RoPE(unweighted-norm_per_head(W_qb c_q)) [B,S,H,d]."""
     B, S, _ = h.shape
     eps = config.rms_norm_eps
-    # c_q placed whole (batch per the rules): with the latency preset's split q latent GSPMD otherwise
+    # c_q placed whole (batch like the tokens): with the latency preset's split q latent GSPMD otherwise
     # multiplies W_qb as a windowed all-gather loop (issue 19: ≈ 4 MiB more per layer at B = 8).
-    qr = constrain_state_rows(rms_norm(linear(h, p["wq_a"]), p["q_norm"], eps), config)
-    q = linear(qr, p["wq_b"]).reshape(B, S, config.num_heads, config.head_dim)
+    qr = constrain_rows(rms_norm(linear(h, p["wq_a"]), p["q_norm"], eps), config)
+    # The barrier keeps the per-head norm's reduction out of W_qb's matmul: fused, XLA:TPU rewrites the dot
+    # per head and first copies each layer's W_qb out of its stacked parameter (issue 19: v5p AOT, 7 layers,
+    # B = 8: 2.97 → 2.88 GiB per chip).
+    q = jax.lax.optimization_barrier(linear(qr, p["wq_b"])).reshape(B, S, config.num_heads, config.head_dim)
     return qr, apply_rope(rms_norm(q, None, eps), positions, freqs)
 
 
@@ -145,6 +148,9 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
     (y [B,S,D], new cache). Rows of every block token are written; only advancing pos commits them.
     """
     freqs = inv_freq(config, layer_rope_kind(layer_type))
+    # the projections read the layer input and the output leaves placed like the tokens; the attention core
+    # (queries, scores, selected rows) runs where the decode state is (`constrain_state_rows`)
+    h = constrain_rows(h, config)
     qr, q = project_q(h, p, config, positions, freqs)
     kv = constrain_state_rows(project_kv(h, p, config, positions, freqs), config)
     ring_pos = jnp.where(cache["win_pos"] < pos[:, None], cache["win_pos"], EMPTY)   # committed rows only
@@ -163,7 +169,7 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
             new["idx_keys"], new["idx_a"], new["idx_z"] = _compressed_block(
                 h, pi["compressor"], config, ratio, config.index_head_dim, True, positions, pos, n_valid,
                 cache["idx_keys"], cache["idx_a"], cache["idx_z"], freqs)
-            qi = indexer.index_queries(qr, pi, config, positions, freqs)
+            qi = constrain_state_rows(indexer.index_queries(qr, pi, config, positions, freqs), config)
             sel, query_mask = indexer.select(qi, rows_of(new["idx_keys"]), h, pi, config, positions, ratio)  # [B,S,k]
             whole = state_batch_entry(config, sel.shape[0])[0] == "whole"
             query_keys = take_rows(new["comp_kv"], sel, batch_split=not whole)       # [B,S,k,d]
@@ -171,6 +177,6 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
             comp = rows_of(new["comp_kv"])
             keys = jnp.concatenate([keys, comp], axis=1)
             mask = jnp.concatenate([mask, compressed_visible(positions, comp.shape[1], ratio)], axis=2)
-    o = attend(q, keys, mask, p["attn_sink"], query_keys, query_mask)
-    o = apply_rope(o, positions, freqs, inverse=True)
-    return grouped_output(o, p, config), new
+    o = attend(constrain_state_rows(q, config), keys, mask, p["attn_sink"], query_keys, query_mask)
+    o = constrain_logical(apply_rope(o, positions, freqs, inverse=True), config, ("batch", None, "heads", None))
+    return constrain_rows(grouped_output(o, p, config), config), new
