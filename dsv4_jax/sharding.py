@@ -361,14 +361,24 @@ def constrain_state_rows(x: jax.Array, config: ModelConfig) -> jax.Array:
 
 
 def state_batch_entry(config: ModelConfig, batch: int):
-    """How the batch dim (`state_batch`) of a [B, ...] decode-state leaf is split under the config's expert-parallel backend:
-    ("split", PartitionSpec entry), ("whole", None), or ("unknown", None) without that backend (plain GSPMD
-    or one device: the model code cannot see the placement)."""
+    """How the batch dim (`state_batch`) of a [B, ...] decode-state leaf is split under the config's
+    expert-parallel backend: ("split", PartitionSpec entry), ("whole", None), or ("unknown", None) without
+    that backend (plain GSPMD or one device: the model code cannot see the placement)."""
     ep = _expert_parallel(config)
     if ep is None:
         return "unknown", None
     spec = partition_spec((batch,), ("state_batch",), mesh_sizes(ep.mesh), ep.rules_dict)
     return ("split", spec[0]) if len(spec) else ("whole", None)
+
+
+def state_split_beyond_tokens(config: ModelConfig, batch: int) -> bool:
+    """Whether a batch of `batch` sequences has its decode state split over mesh axes its tokens are not
+    (the latency preset at B ≥ chips): the attention core then runs where the state is."""
+    ep = _expert_parallel(config)
+    if ep is None:
+        return False
+    sizes, rules = mesh_sizes(ep.mesh), ep.rules_dict
+    return partition_spec((batch,), ("state_batch",), sizes, rules) != partition_spec((batch,), ("batch",), sizes, rules)
 
 
 # ---- presets: mesh shape + rules + backends ---------------------------------------------------------
@@ -514,7 +524,7 @@ def describe(shardings) -> dict[str, str]:
 
 __all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "LATENCY_SPLIT", "MESH_AXES", "PRESETS", "ShardingPreset", "constrain", "constrain_logical", "constrain_rows",
            "constrain_state_rows",
-           "default_mesh_shape", "logical_rules", "state_batch_entry",
+           "default_mesh_shape", "logical_rules", "state_batch_entry", "state_split_beyond_tokens",
            "describe", "drafter_shardings", "init_state", "initialize_distributed", "leaf_partition_spec", "make_mesh", "mesh_sizes",
            "param_partition_specs", "param_shardings", "partition_spec", "preset", "shard_batch", "shard_params",
            "shard_state", "shardings_like", "spec_sharding", "spec_tree_partition_specs", "state_partition_specs",

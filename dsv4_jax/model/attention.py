@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec
 from ..cache import EMPTY, StackedRows, rows_of, take_rows
 from ..config import CSA, SLIDING, ModelConfig
 from ..ops.linear import grouped_linear, linear
-from ..sharding import constrain_logical, constrain_rows, constrain_state_rows, state_batch_entry
+from ..sharding import (constrain_logical, constrain_rows, constrain_state_rows, state_batch_entry,
+                        state_split_beyond_tokens)
 from . import compressor, indexer
 from .norms import rms_norm
 from .rope import apply_rope, inv_freq, layer_rope_kind
@@ -148,9 +149,16 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
     (y [B,S,D], new cache). Rows of every block token are written; only advancing pos commits them.
     """
     freqs = inv_freq(config, layer_rope_kind(layer_type))
-    # the projections read the layer input and the output leaves placed like the tokens; the attention core
-    # (queries, scores, selected rows) runs where the decode state is (`constrain_state_rows`)
-    h = constrain_rows(h, config)
+    # Where the state is split further than the tokens (the latency preset at B ≥ chips) the attention core
+    # (queries, scores, selected rows) runs where the state is, for every head; the projections read the
+    # layer input and the output leaves placed like the tokens. Otherwise GSPMD keeps the head split.
+    on_state = state_split_beyond_tokens(config, h.shape[0])
+
+    def core(x):                                   # queries entering the attention core
+        return constrain_state_rows(x, config) if on_state else x
+
+    if on_state:
+        h = constrain_rows(h, config)
     qr, q = project_q(h, p, config, positions, freqs)
     kv = constrain_state_rows(project_kv(h, p, config, positions, freqs), config)
     ring_pos = jnp.where(cache["win_pos"] < pos[:, None], cache["win_pos"], EMPTY)   # committed rows only
@@ -169,7 +177,7 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
             new["idx_keys"], new["idx_a"], new["idx_z"] = _compressed_block(
                 h, pi["compressor"], config, ratio, config.index_head_dim, True, positions, pos, n_valid,
                 cache["idx_keys"], cache["idx_a"], cache["idx_z"], freqs)
-            qi = constrain_state_rows(indexer.index_queries(qr, pi, config, positions, freqs), config)
+            qi = core(indexer.index_queries(qr, pi, config, positions, freqs))
             sel, query_mask = indexer.select(qi, rows_of(new["idx_keys"]), h, pi, config, positions, ratio)  # [B,S,k]
             whole = state_batch_entry(config, sel.shape[0])[0] == "whole"
             query_keys = take_rows(new["comp_kv"], sel, batch_split=not whole)       # [B,S,k,d]
@@ -177,6 +185,9 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
             comp = rows_of(new["comp_kv"])
             keys = jnp.concatenate([keys, comp], axis=1)
             mask = jnp.concatenate([mask, compressed_visible(positions, comp.shape[1], ratio)], axis=2)
-    o = attend(constrain_state_rows(q, config), keys, mask, p["attn_sink"], query_keys, query_mask)
-    o = constrain_logical(apply_rope(o, positions, freqs, inverse=True), config, ("batch", None, "heads", None))
+    o = apply_rope(attend(core(q), keys, mask, p["attn_sink"], query_keys, query_mask), positions, freqs,
+                   inverse=True)
+    if not on_state:
+        return grouped_output(o, p, config), new
+    o = constrain_logical(o, config, ("batch", None, "heads", None))
     return constrain_rows(grouped_output(o, p, config), config), new
