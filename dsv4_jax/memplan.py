@@ -36,8 +36,8 @@ from .cache import layer_cache_shapes, state_shapes
 from .checkpoint import load_checkpoint
 from .config import MOE, PRESETS, SLIDING, ModelConfig, preset
 from .ops import quant
-from .sharding import (DEFAULT_REPLICATED, MESH_AXES, PRESETS as SHARDING_PRESETS,
-                       default_mesh_shape, leaf_partition_spec, logical_rules, make_mesh, partition_spec, preset as sharding_preset,
+from .sharding import (DEFAULT_REPLICATED, MESH_AXES, PRESETS as SHARDING_PRESETS, default_mesh_shape,
+                       leaf_partition_spec, logical_rules, make_mesh, partition_spec, preset as sharding_preset,
                        parse_mesh_shape, state_partition_specs)
 
 GIB = 1024 ** 3

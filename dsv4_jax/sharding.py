@@ -377,8 +377,8 @@ def state_split_beyond_tokens(config: ModelConfig, batch: int) -> bool:
     ep = _expert_parallel(config)
     if ep is None:
         return False
-    sizes, rules = mesh_sizes(ep.mesh), ep.rules_dict
-    return partition_spec((batch,), ("state_batch",), sizes, rules) != partition_spec((batch,), ("batch",), sizes, rules)
+    spec = lambda axis: partition_spec((batch,), (axis,), mesh_sizes(ep.mesh), ep.rules_dict)
+    return spec("state_batch") != spec("batch")
 
 
 # ---- presets: mesh shape + rules + backends ---------------------------------------------------------
@@ -448,8 +448,9 @@ PRESETS: dict[str, ShardingPreset] = {
     # projections are split too, so no device reads a whole non-expert matrix (`LATENCY_SPLIT`). The
     # decode state (one shared K=V head: nothing to split by head) is split by sequence over `model` when
     # the batch divides (`state_batch`): each device scores, gathers and attends its own sequences' rows
-    # for every head (the queries all-to-all'd there and back), instead of every device reading every
-    # sequence's cache (v5p AOT, 7 layers, B = 8: 2.88 → 2.56 GiB per chip); replicated otherwise (B = 1).
+    # for every head (the queries gathered there, the output back to the head split), instead of every
+    # device reading every sequence's cache (v5p AOT, 7 layers, B = 8: 2.88 → 2.56 GiB per chip);
+    # replicated otherwise (B = 1).
     "latency": ShardingPreset(
         "latency", "model", _preset_rules(experts=(), state_batch=("model",), **LATENCY_SPLIT),
         "tensor-parallel attention / O-LoRA groups / vocabulary + expert-tensor-parallel experts on 'model' "
@@ -522,8 +523,8 @@ def describe(shardings) -> dict[str, str]:
     return dict(sorted(flat.items()))
 
 
-__all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "LATENCY_SPLIT", "MESH_AXES", "PRESETS", "ShardingPreset", "constrain", "constrain_logical", "constrain_rows",
-           "constrain_state_rows",
+__all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "LATENCY_SPLIT", "MESH_AXES", "PRESETS", "ShardingPreset",
+           "constrain", "constrain_logical", "constrain_rows", "constrain_state_rows",
            "default_mesh_shape", "logical_rules", "state_batch_entry", "state_split_beyond_tokens",
            "describe", "drafter_shardings", "init_state", "initialize_distributed", "leaf_partition_spec", "make_mesh", "mesh_sizes",
            "param_partition_specs", "param_shardings", "partition_spec", "preset", "shard_batch", "shard_params",
