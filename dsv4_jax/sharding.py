@@ -357,28 +357,32 @@ def constrain_state_rows(x: jax.Array, config: ModelConfig) -> jax.Array:
     further (the latency preset at B ≥ chips) GSPMD then slices a gathered [B, d] result instead of
     all-gathering the projection's weight to compute each device's rows (v5p AOT, 7 layers, B = 8: 2.72 →
     2.56 GiB per chip)."""
-    return constrain_rows(constrain_rows(x, config, "batch"), config, "state_batch")
+    if state_split_beyond_tokens(config, x.shape[0]):
+        x = constrain_rows(x, config)
+    return constrain_rows(x, config, "state_batch")
 
 
 def state_batch_entry(config: ModelConfig, batch: int):
     """How the batch dim (`state_batch`) of a [B, ...] decode-state leaf is split under the config's
     expert-parallel backend: ("split", PartitionSpec entry), ("whole", None), or ("unknown", None) without
     that backend (plain GSPMD or one device: the model code cannot see the placement)."""
-    ep = _expert_parallel(config)
-    if ep is None:
+    spec = _batch_spec(config, batch, "state_batch")
+    if spec is None:
         return "unknown", None
-    spec = partition_spec((batch,), ("state_batch",), mesh_sizes(ep.mesh), ep.rules_dict)
     return ("split", spec[0]) if len(spec) else ("whole", None)
 
 
 def state_split_beyond_tokens(config: ModelConfig, batch: int) -> bool:
     """Whether a batch of `batch` sequences has its decode state split over mesh axes its tokens are not
     (the latency preset at B ≥ chips): the attention core then runs where the state is."""
+    return _batch_spec(config, batch, "state_batch") != _batch_spec(config, batch, "batch")
+
+
+def _batch_spec(config: ModelConfig, batch: int, axis: str) -> PartitionSpec | None:
+    """PartitionSpec of a batch of `batch` along logical `axis` on the expert-parallel backend's mesh (None
+    without that backend)."""
     ep = _expert_parallel(config)
-    if ep is None:
-        return False
-    spec = lambda axis: partition_spec((batch,), (axis,), mesh_sizes(ep.mesh), ep.rules_dict)
-    return spec("state_batch") != spec("batch")
+    return None if ep is None else partition_spec((batch,), (axis,), mesh_sizes(ep.mesh), ep.rules_dict)
 
 
 # ---- presets: mesh shape + rules + backends ---------------------------------------------------------
