@@ -55,9 +55,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, opts
 
 
-def default_plan(model, whole_prefill: bool = False):
+def default_plan(model, whole_prefill: bool = False, shared_widths: bool = False):
     """The prompts and plan of the README's main job (the sweep's defaults; whole_prefill: one prefill
-    program per bucket, as before `RunShape.prefill_chunk`)."""
+    program per bucket, as before `RunShape.prefill_chunk`; shared_widths: one pool loop for every
+    draft_n_max, `RunShape.dynamic_draft_n`)."""
     data = P.load_suite(model.default_suite)
     chosen = P.select(data["prompts"], None, 1, None)
     prompts = P.tokenize(chosen, model.encode, model.config.vocab_size, "{prompt}")
@@ -67,7 +68,7 @@ def default_plan(model, whole_prefill: bool = False):
     buckets, max_len = runner.plan_shapes([len(p["tokens"]) for p in prompts], data["max_new_tokens"], max_draft, 2)
     pool = runner.pool_for(model, ["mtp", "dspark"], 3)
     plan = runner.RunPlan(max_new_tokens=data["max_new_tokens"], buckets=buckets, max_len=max_len,
-                          max_block=max_draft + 1, drafter_pool=pool, seed=42,
+                          max_block=max_draft + 1, drafter_pool=pool, seed=42, dynamic_draft_n=shared_widths,
                           prefill_chunk=min(buckets) if len(buckets) > 1 and not whole_prefill else None)
     return prompts, plan
 
@@ -78,7 +79,8 @@ def prepared(model, plan, batch, setting):
                      sampling=Sampling(temperature=setting.temperature, seed=plan.seed),
                      speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1)),
                      run=RunShape(max_len=plan.max_len, pad_to=pad_to, max_block=plan.max_block,
-                                  drafter_pool=plan.drafter_pool, prefill_chunk=plan.prefill_chunk))
+                                  drafter_pool=plan.drafter_pool, prefill_chunk=plan.prefill_chunk,
+                                  dynamic_draft_n=plan.dynamic_draft_n))
 
 
 def stages(jitted, args, kwargs, options):
@@ -96,12 +98,14 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each compiled loop")
     p.add_argument("--only", default="", help="comma-separated program names to build (default all)")
     p.add_argument("--whole-prefill", action="store_true", help="one prefill program per bucket (no chunks)")
+    p.add_argument("--shared-draft-widths", action="store_true",
+                   help="one pool loop for k = 1..3 (RunShape.dynamic_draft_n), run at each k")
     p.add_argument("--json")
     a = p.parse_args(argv)
     variants = [parse_variant(v) for v in (a.variant or ["default="])]
     only = set(filter(None, a.only.split(",")))
     model = models.bundled()
-    prompts, plan = default_plan(model, a.whole_prefill)
+    prompts, plan = default_plan(model, a.whole_prefill, a.shared_draft_widths)
     by_bucket = {}
     for q in prompts:
         by_bucket.setdefault(plan.pad_for([len(q["tokens"])]), [q])
@@ -130,13 +134,20 @@ def main(argv=None) -> int:
                                                                 prefill_taps=r.prefill_taps),
                                params, jnp.asarray(r.tokens), jnp.asarray(r.lengths), r.knobs, key)
         name = "loop_none" if spec == BASELINE else f"loop_pool_k{k}"
+        if plan.dynamic_draft_n and k > 1:        # the k = 1 loop program serves k = 2, 3: runs only
+            name = f"loop_pool_shared_k{k}"
         jobs.append((name, L.run_rounds, (params, r.config, carry, r.knobs), dict(opts=r.opts), r))
     if only:
         jobs = [j for j in jobs if j[0] in only]
     rows = []
     for vname, options in variants:
+        last = None
         for name, jitted, args, kwargs, r in jobs:
-            compiled, t = stages(jitted, args, kwargs, options)
+            if "shared" in name:      # same program as the previous job: not compiled again
+                compiled, t = last, {}
+            else:
+                compiled, t = stages(jitted, args, kwargs, options)
+            last = compiled
             row = {"variant": vname, "program": name, **t}
             if r is not None:        # a loop: run it on fresh copies of the carry, time the rounds
                 carry = G.start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths), max_len=r.max_len,
@@ -146,7 +157,7 @@ def main(argv=None) -> int:
                 for _ in range(a.repeats + 1):
                     fresh = jax.tree.map(jnp.copy, carry)
                     t0 = time.perf_counter()
-                    res = jax.block_until_ready(compiled(args[0], fresh, args[3]))
+                    res = jax.block_until_ready(compiled(args[0], fresh, r.knobs))
                     walls.append(time.perf_counter() - t0)
                     out = res
                 rounds = int(out.round)

@@ -1,7 +1,8 @@
-"""What `dsv4-sweep --shared-draft-widths` costs: decode ms per round of MTP / DSpark at draft_n_max k with its
-own (k + 1)-wide verify program vs the shared program compiled for verify blocks 4 wide
-(`RunShape.dynamic_draft_n`), on the bundled tiny model, the two interleaved in one process (5 repeats of 3
-prompts × 64 tokens each, medians); greedy tokens must be equal. Prints a line per setting, writes JSON.
+"""What `dsv4-sweep --shared-draft-widths` (its default) costs: decode ms per round of MTP / DSpark at draft_n_max
+k with its own loop program vs the loop program shared by k = 1..3 (`RunShape.dynamic_draft_n`, max_block 4:
+the drafting compiled once, the verify a switch over the widths 2..4), on the bundled tiny model, the two
+interleaved in one process (5 repeats of 3 prompts × 64 tokens each, medians and minima); greedy tokens must
+be equal. Prints a line per setting, writes JSON.
 
     python experiments/bench_shared_draft_widths.py OUT.json
 """
@@ -35,9 +36,11 @@ for drafter in ("mtp", "dspark"):
                 res[variant].append(tot / rounds * 1e3)
                 toks[variant] = out
         own, shared = statistics.median(res["own"]), statistics.median(res["shared"])
+        ratio_min = min(res["shared"]) / min(res["own"])
         row = {"drafter": drafter, "k": k, "own_ms_per_round": own, "shared_ms_per_round": shared,
-               "ratio": shared / own, "tokens_equal": toks["own"] == toks["shared"], "rounds": rounds,
-               "own_all": res["own"], "shared_all": res["shared"]}
+               "ratio": shared / own, "ratio_of_minima": ratio_min, "tokens_equal": toks["own"] == toks["shared"],
+               "rounds": rounds, "own_all": res["own"], "shared_all": res["shared"]}
         rows.append(row)
-        print(f"{drafter} k={k}: own {own:.2f} ms/round, shared(4-wide) {shared:.2f} ms/round, x{shared/own:.2f}, tokens equal {row['tokens_equal']}", flush=True)
+        print(f"{drafter} k={k}: own {own:.2f} ms/round, shared {shared:.2f} ms/round, x{shared/own:.2f} "
+              f"(minima x{ratio_min:.2f}), tokens equal {row['tokens_equal']}", flush=True)
 json.dump(rows, open(sys.argv[1], "w"), indent=1)

@@ -72,14 +72,14 @@ def sweep_out(bundle, tmp_path_factory):
 
 def test_sweep_shares_compiled_programs(sweep_out):
     """5 settings (none, mtp k=1,2, dspark k=1,2), one prompt bucket: one prefill, two primings (none and the
-    drafter pool), three loops (none, width 2 and width 3, each shared by MTP and DSpark) — not 5 + 5."""
-    assert COMPILED == {"loop": 3, "prefill": 1, "prime": 2}
+    drafter pool), two loops (none, and one for k = 1, 2 shared by MTP and DSpark) — not 5 + 5."""
+    assert COMPILED == {"loop": 2, "prefill": 1, "prime": 2}
     # compiled once each before the first run (`spec.precompile`): the warm-ups and timed
     # runs call exactly the compiled programs, nothing compiles twice
     big = {n: XLA_COMPILES.count(f"jit({n})") for n in ("run_rounds", "prefill_target", "prime")}
-    assert big == {"run_rounds": 3, "prefill_target": 1, "prime": 2}, XLA_COMPILES
+    assert big == {"run_rounds": 2, "prefill_target": 1, "prime": 2}, XLA_COMPILES
     meta = json.load(open(os.path.join(sweep_out, "summary.json")))["meta"]
-    assert meta["drafter_pool"] == ["mtp", "dspark"] and meta["max_block"] == 3 and not meta["dynamic_draft_n"]
+    assert meta["drafter_pool"] == ["mtp", "dspark"] and meta["max_block"] == 3 and meta["dynamic_draft_n"]
 
 
 def _umask() -> int:
@@ -358,17 +358,18 @@ def test_lists_suites_and_prompt_files(tmp_path):
 
 
 def test_shared_draft_widths_plans_one_loop(bundle):
-    """--shared-draft-widths: one loop program for MTP and DSpark at every draft_n_max (RunShape.dynamic_draft_n,
-    verify blocks max_block wide); by default one per width."""
+    """--shared-draft-widths (default): one loop program for MTP and DSpark at every draft_n_max
+    (RunShape.dynamic_draft_n; verify widths 2 and 3 in it); --no-shared-draft-widths: one per width."""
     loops = {}
-    for extra in ([], ["--shared-draft-widths"]):
+    for extra in (["--no-shared-draft-widths"], []):
         parser = sweep.build_parser()
         a = parser.parse_args(["--model", bundle, "--out", "unused", "--draft-n-max", "1,2", "--limit", "1", *extra])
         grid, model, notes, _, prompts, suite_max_new = sweep.prepare_run(
             parser, a, sweep.parse_grid, lambda g: (g["specs"], g["ks"]))
         settings = sweep.build_settings(**grid)
         _, plan, _ = sweep.plan_run(a, model, prompts, settings, suite_max_new, notes)
-        loops[bool(extra)] = (plan.dynamic_draft_n, sweep.programs(settings, prompts, plan, model)["loop"])
+        n = sweep.programs(settings, prompts, plan, model)
+        loops[not extra] = (plan.dynamic_draft_n, n["loop"], n["extra_width"])
         opts = plan_options(prompts, settings[1], plan)["run"]
-        assert opts.dynamic_draft_n == bool(extra) and opts.max_block == 3
-    assert loops == {False: (False, 3), True: (True, 2)}
+        assert opts.dynamic_draft_n == (not extra) and opts.max_block == 3
+    assert loops == {False: (False, 3, 0), True: (True, 2, 1)}

@@ -63,6 +63,12 @@ def test_incremental_proposal_matches_full_recompute(model, rule):
             want_q = np.stack([_softmax(l) for l in want_logits])
             assert np.abs(np.asarray(q)[0] - want_q).max() <= 1e-5
             assert int(n[0]) == kept
+            # a run-time bound (Knobs.draft_n): only the first 2 positions of the Markov head run
+            drafts, _, n, conf = dspark.propose(params["dspark"], params, config, dcfg, st, jnp.array([a]),
+                                                jnp.array([seq[a]]), jax.random.PRNGKey(0), 4, temperature=1.0,
+                                                top_p=1.0, threshold=threshold, greedy=True, n_steps=jnp.int32(2))
+            assert np.asarray(drafts)[0].tolist() == want[:2] + [0, 0] and int(n[0]) == min(kept, 2)
+            assert np.abs(np.asarray(conf)[0, :2] - want_conf[:2]).max() <= 1e-5
 
 
 @pytest.fixture(scope="module")

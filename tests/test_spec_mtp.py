@@ -134,6 +134,31 @@ def test_dynamic_draft_n_equals_plain_in_one_program(model, prompts, plain):
         d.generate(params, config, [[1, 2]], 4, draft_n_max=4, **kw)
 
 
+def _final_carry(params, config, prompts, k, **run):
+    r = spec_generate.prepare(params, config, prompts, 24, drafter="mtp", draft_n_max=k, eos_token_id=-1,
+                              max_len=256, max_block=4, **run)
+    key = jax.random.PRNGKey(r.seed)
+    carry = spec_generate.start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths), max_len=r.max_len,
+                                opts=r.opts, knobs=r.knobs, key=key, max_block=r.max_block,
+                                prefill_taps=r.prefill_taps)
+    return loop.run_rounds(params, r.config, carry, r.knobs, r.opts)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_dynamic_draft_n_verifies_at_the_runs_own_width(model, prompts, k):
+    """Under dynamic_draft_n a round verifies draft_n_max + 1 tokens, not max_block: the final decode state
+    (every row written, rejected rows too) and drafter state equal those of the program compiled for k."""
+    config, params = model
+    own = _final_carry(params, config, prompts, k)
+    shared = _final_carry(params, config, prompts, k, dynamic_draft_n=True)
+    assert np.array_equal(own.out, shared.out) and int(own.round) == int(shared.round)
+    for name, a, b in ((n, x, y) for n, t in (("target", (own.target, shared.target)),
+                                              ("drafter", (own.drafter, shared.drafter)))
+                       for x, y in zip(jax.tree.leaves(t[0]), jax.tree.leaves(t[1]))):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-6, err_msg=name)
+
+
 def test_oracle_drafter_exercises_every_acceptance_length(model, prompts, plain):
     config, params = model
     k, B = 5, 3

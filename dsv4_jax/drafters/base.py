@@ -42,7 +42,7 @@ class Knobs:
     confidence: jax.Array     # DSpark: confidence threshold
     drafter_index: jax.Array | None = None   # `drafters.pool`: which member drafts (int32 scalar)
     # drafts per round when the loop is compiled for a wider bound (`RunShape.dynamic_draft_n`): int32
-    # scalar <= DraftSetup.k; None: DraftSetup.k (the static case)
+    # scalar <= DraftSetup.k, the run's verify width − 1; None: DraftSetup.k (the static case)
     draft_n: jax.Array | None = None
 
 

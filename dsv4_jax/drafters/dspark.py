@@ -169,22 +169,32 @@ def kept_drafts(conf: jax.Array, threshold, rule: str) -> jax.Array:
 
 def propose(dparams: dict, target: dict, config: ModelConfig, dcfg: DSparkConfig, st: DSparkState,
             anchor_pos: jax.Array, anchor_tok: jax.Array, key, k: int, *, temperature, top_p, threshold,
-            greedy: bool):
-    """Drafts for the k positions after the anchor: (drafts [B,k], q [B,k,V], n_draft [B], confidences [B,k])."""
+            greedy: bool, n_steps=None):
+    """Drafts for the k positions after the anchor: (drafts [B,k], q [B,k,V], n_draft [B], confidences [B,k]).
+
+    n_steps: None (all k) or a traced int32 scalar <= k (`Knobs.draft_n`): the serial Markov head runs only
+    the first n_steps positions, in a loop (the rest stay 0)."""
     y, U = block_outputs(dparams, target, config, dcfg, st, anchor_pos, anchor_tok)
     keys = jax.random.split(key, k)
     w1, w2 = dparams["markov_w1"], dparams["markov_w2"]
-    prev = anchor_tok
-    drafts, probs, confs = [], [], []
-    for j in range(k):
+
+    def step(j, chain):
+        prev, drafts, probs, confs = chain
         e = embed(w1, prev)                                              # [B,R]
         logits = U[:, j] + linear(e, w2).astype(jnp.float32)
         tok, q, _ = draw(keys[j], logits, temperature, top_p, greedy)
-        confs.append(confidence(dparams, y[:, j], e))
-        drafts.append(tok), probs.append(q)
-        prev = tok
-    conf = jnp.stack(confs, axis=1)
-    return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1), kept_drafts(conf, threshold, dcfg.confidence_rule), conf
+        return tok, drafts.at[:, j].set(tok), probs.at[:, j].set(q), confs.at[:, j].set(confidence(dparams, y[:, j], e))
+
+    B, V = U.shape[0], U.shape[-1]
+    chain = (anchor_tok, jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, V), jnp.float32), jnp.zeros((B, k), jnp.float32))
+    if n_steps is None:
+        for j in range(k):
+            chain = step(j, chain)
+    else:
+        chain = jax.lax.fori_loop(0, jnp.clip(n_steps, 1, k), step, chain)
+    _, drafts, probs, conf = chain
+    n_draft = kept_drafts(conf, threshold, dcfg.confidence_rule)
+    return drafts, probs, n_draft if n_steps is None else jnp.minimum(n_draft, n_steps), conf
 
 
 class DSparkDrafter(Drafter):
@@ -212,7 +222,7 @@ class DSparkDrafter(Drafter):
     def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
         drafts, q, n_draft, _ = propose(params["dspark"], params, config, setup.settings, state, pos, last, key,
                                         setup.k, temperature=knobs.temperature, top_p=knobs.top_p,
-                                        threshold=knobs.confidence, greedy=greedy)
+                                        threshold=knobs.confidence, greedy=greedy, n_steps=knobs.draft_n)
         return drafts, q, n_draft
 
 

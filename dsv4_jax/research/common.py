@@ -82,7 +82,7 @@ def add_prompt_args(p: argparse.ArgumentParser, default_per_category: int | None
                         "'<｜User｜>{prompt}<｜Assistant｜>'); default: the raw text")
 
 
-def add_run_args(p: argparse.ArgumentParser) -> None:
+def add_run_args(p: argparse.ArgumentParser, default_repeats: int = 3) -> None:
     g = p.add_argument_group("generation and measurement")
     g.add_argument("--max-new-tokens", type=int, metavar="N",
                    help="tokens to generate per prompt (default: the suite's, 64 for 'tiny', 192 for 'mtp-bench')")
@@ -90,9 +90,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="never stop at EOS (every run generates exactly "
                                                              "--max-new-tokens)")
     g.add_argument("--seed", type=int, default=42, help="sampling seed, the same for every setting (default 42)")
-    g.add_argument("--repeats", type=int, default=3, help="timed repeats per batch; the median is reported with "
-                                                          "the min and max (default 3; the warm-up run is never "
-                                                          "timed)")
+    g.add_argument("--repeats", type=int, default=default_repeats,
+                   help=f"timed repeats per batch; the median is reported with the min and max (default "
+                        f"{default_repeats}; the warm-up run is never timed)")
     g.add_argument("--prompt-buckets", type=int, default=2, metavar="N",
                    help="pad prompts to at most N lengths, chosen to minimise padding (each is one prefill "
                         "compilation; default 2)")

@@ -12,12 +12,10 @@ compiled programs:
     bucket for all draft_n_max values (`RunShape.max_block`);
   * the drafters of the sweep are compiled together (`RunShape.drafter_pool`): one loop program per
     draft width shared by MTP and DSpark, the drafter chosen at run time;
-  * with `RunPlan.dynamic_draft_n` (dsv4-sweep --shared-draft-widths) one loop program serves every
-    draft_n_max: it is compiled for the widest verify block and draft_n_max is a run-time bound
-    (`RunShape.dynamic_draft_n`: greedy tokens equal the static program's; MTP runs only draft_n_max
-    chain steps), but every setting then verifies max_block tokens, which costs more than k + 1 where
-    the target step is not memory-bound (experiments/results/sweep_speed_2026-12-01_v3.md). By default
-    each width is its own program with a k + 1 wide verify block;
+  * with `RunPlan.dynamic_draft_n` (dsv4-sweep --shared-draft-widths, its default) one loop program
+    serves every draft_n_max: the drafting is compiled once with draft_n_max a run-time bound, the
+    verify still draft_n_max + 1 wide (`RunShape.dynamic_draft_n`: a switch over the widths; the same
+    tokens and per-round cost as the per-width program);
   * `precompile` compiles those distinct programs before the first run (`spec.precompile`), so the
     warm-ups and timed runs find them compiled and a first run's compile time is reported apart.
 
@@ -178,8 +176,8 @@ class RunPlan:
 
     buckets: the prompt lengths runs are padded to (`length_buckets`); max_len: the cache capacity of
     every run; max_block: the widest verify block (largest draft_n_max + 1); drafter_pool: the drafters
-    compiled together (None: each its own program); dynamic_draft_n: one loop program (max_block wide)
-    for every draft_n_max (`RunShape.dynamic_draft_n`); prefill_chunk: every bucket prefilled in chunks of
+    compiled together (None: each its own program); dynamic_draft_n: one loop program for every
+    draft_n_max (`RunShape.dynamic_draft_n`); prefill_chunk: every bucket prefilled in chunks of
     that many tokens by one program (`RunShape.prefill_chunk`; None: one prefill program per bucket)."""
 
     max_new_tokens: int

@@ -2,14 +2,15 @@
 
 Grid: spec type {none, mtp, dspark} × draft_n_max × p_min (MTP) / confidence threshold (DSpark) ×
 temperature × batch size. Every setting runs one untimed warm-up per batch shape (compilation, when its
-programs are new) and then every batch of prompts `--repeats` times (default 3) with the same seed;
+programs are new) and then every batch of prompts `--repeats` times (default 5) with the same seed;
 speed-ups are against the no-speculation baseline measured in the same run with the same temperature
 and batch size. The headline figures are decode-only (tokens of the decode loop / its time); end to
 end and the prefill are reported beside them; rates are medians over the repeats with min and max.
 
 Settings share compiled programs (runner.py): prompts padded to at most --prompt-buckets lengths and
 prefilled in chunks of the shortest (one prefill program for every bucket), one max_len and one
-verify-block bound for every run, MTP and DSpark in one loop program per draft width.
+verify-block bound for every run, MTP and DSpark in one loop program for every draft width (the verify
+of each run at its own width, `RunShape.dynamic_draft_n`).
 
 Output (--out DIR, written to a temporary directory and renamed when complete):
     results.jsonl     one line per prompt × setting (pred, draft, acc, rate, tok/s, output tokens)
@@ -37,11 +38,14 @@ from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_
 # one program at a time: XLA:CPU already compiles one program on both cores of the 2-core VM, two at once
 # were no faster (experiments/results/sweep_speed_2026-12-02_v6.md)
 COMPILE_THREADS = 1
+# timed repeats per batch: on the shared 2-core VMs a setting's tokens/s moves ±10 % between repeats, so the
+# median of 5 (experiments/results/sweep_speed_2026-12-02_v8.md)
+REPEATS = 5
 
 EXAMPLES = """examples:
   dsv4-sweep --out results/tiny                      # bundled tiny model: none/mtp/dspark × k=1..3, 18 prompts,
-                                                     # 3 repeats (about 2.3 min on 2 idle cores, cold cache)
-  dsv4-sweep --out results/tiny-quick --prompts-per-category 1 --draft-n-max 1-5 --repeats 5
+                                                     # 5 repeats (about 2 min on 2 idle cores, cold cache)
+  dsv4-sweep --out results/tiny-quick --prompts-per-category 1 --draft-n-max 1-5 --repeats 3
   dsv4-sweep --out results/pmin --spec mtp --draft-n-max 2,4 --p-min 0,0.3,0.6
   dsv4-sweep --out results/conf --spec none,dspark --confidence 0,0.5,0.8 --temperature 0,1
   dsv4-sweep --out results/batch --batch-size 1,4 --categories code_python,stepwise_math
@@ -69,19 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "(default 0)")
     g.add_argument("--batch-size", default="1", metavar="B", help="prompts decoded together (default 1)")
     common.add_prompt_args(p, default_per_category=2)
-    common.add_run_args(p)
+    common.add_run_args(p, default_repeats=REPEATS)
     g = p.add_argument_group("compilation")
     g.add_argument("--compile-threads", type=int, default=COMPILE_THREADS, metavar="N",
                    help=f"compile the sweep's distinct programs before the first run, N at a time (default "
                         f"{COMPILE_THREADS}: XLA already compiles one program on every core; one-device runs); "
                         "0 = compile each on first use")
-    g.add_argument("--shared-draft-widths", action="store_true",
-                   help="one loop program for every draft_n_max, compiled for the widest verify block, draft_n_max "
-                        "bounding the drafts at run time (the same greedy tokens, fewer compiles) — but every "
-                        "setting then verifies a block as wide as the widest, which misstates the cost of the "
-                        "narrower ones where a wider block costs more (on this CPU 1.2-1.4x per round at k=1,2 "
-                        "verifying 4 tokens); default: one loop per draft_n_max, its verify block "
-                        "exactly draft_n_max + 1 wide")
+    g.add_argument("--shared-draft-widths", action=argparse.BooleanOptionalAction, default=True,
+                   help="one loop program for every draft_n_max: the drafters compiled once, draft_n_max a run-time "
+                        "bound, the verify block of each run still draft_n_max + 1 wide (a switch over the widths; "
+                        "the same tokens and per-round cost, about 30%% less compiling; default); "
+                        "--no-shared-draft-widths: one loop program per draft_n_max")
     return p
 
 
@@ -257,23 +259,31 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
 
 def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, model) -> dict:
     """How many large programs the run compiles: prefills (one per bucket and batch size, or per batch size
-    with the chunked prefill), loops (one per drafter or pool, draft width, temperature kind and batch size)."""
-    prefill, loops = set(), set()
+    with the chunked prefill), loops (one per drafter or pool, draft width, temperature kind and batch size;
+    one for every width with `plan.dynamic_draft_n`) and, in those shared loops, the verify widths beyond
+    the first (each its own copy of the target step)."""
+    prefill, loops, shared_loops, widths = set(), set(), set(), set()
     for s in settings:
         for g in shapes(prompts, s.batch_size, plan):
             width = plan.prefill_chunk or plan.pad_for([len(p["tokens"]) for p in g])
             prefill.add((len(g), width, s.spec if plan.max_block is None else None))
         kind = "none" if s.spec == BASELINE else ("pool" if plan.drafter_pool else s.spec)
-        width = plan.max_block - 1 if plan.dynamic_draft_n and kind != "none" else effective_draft_n_max(s, model)
-        loops.add((kind, width, s.temperature == 0, s.batch_size))
-    return {"prefill": len(prefill), "loop": len(loops)}
+        shared = plan.dynamic_draft_n and kind != "none"
+        width = plan.max_block - 1 if shared else effective_draft_n_max(s, model)
+        loop = (kind, width, s.temperature == 0, s.batch_size)
+        loops.add(loop)
+        if shared:
+            shared_loops.add(loop)
+            widths.add(loop + (effective_draft_n_max(s, model),))
+    return {"prefill": len(prefill), "loop": len(loops), "extra_width": len(widths) - len(shared_loops)}
 
 
-# seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-02_v6.md:
-# the README's main job from a fresh clone, idle cores, one program at a time: 68 s compiling, 66 s running);
-# a prefill includes its drafter primings
-COMPILE_S_PER_LAYER = {"prefill": 1.55, "loop": 2.05}
-RUN_S_PER_LAYER_TOKEN = 0.37e-3
+# seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-02_v8.md:
+# the default run, idle cores, one program at a time: 42 s compiling 8 programs, 71 s running; the shared pool
+# loop of k = 1..3 took 25 s against 10.5 s for a k = 1 loop alone); a prefill includes its drafter primings;
+# an earlier VM of the same kind was ≈ 1.3× slower at both (v6)
+COMPILE_S_PER_LAYER = {"prefill": 1.3, "loop": 1.15, "extra_width": 1.1}
+RUN_S_PER_LAYER_TOKEN = 0.25e-3
 
 
 def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int) -> tuple[float, float]:
@@ -351,8 +361,8 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> 
             "pad_to": plan.pad_to, "max_len": plan.max_len, "max_block": plan.max_block,
             "drafter_pool": list(plan.drafter_pool) if plan.drafter_pool else None,
             "dynamic_draft_n": plan.dynamic_draft_n,
-            "verify_width": "max_block for every draft_n_max (one loop program)" if plan.dynamic_draft_n
-            else "draft_n_max + 1 (one loop program per width)",
+            "verify_width": "draft_n_max + 1 (one loop program for every draft_n_max, a switch over the widths)"
+            if plan.dynamic_draft_n else "draft_n_max + 1 (one loop program per width)",
             "padding": {"buckets": list(plan.buckets), "prompt_tokens": sum(len(p["tokens"]) for p in prompts),
                         "padded_tokens": sum(plan.pad_for([len(p["tokens"])]) for p in prompts),
                         "prefill_chunk": plan.prefill_chunk},

@@ -113,23 +113,38 @@ def _verify(key, logits, drafts, q, n_draft, knobs: Knobs, opts: Options):
 
 
 def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
-    """One draft → verify → accept → commit round for every active sequence."""
+    """One draft → verify → accept → commit round for every active sequence.
+
+    With a run-time bound (`Knobs.draft_n`, RunShape.dynamic_draft_n) the verify and everything after it
+    run at the run's own width, draft_n + 1: a `lax.switch` over the widths 2..k + 1 the program holds, so a
+    run costs per round what a program compiled for its draft_n_max costs (only the drafting is shared)."""
     drafter = registry.get(opts.drafter)
-    k = opts.k
     key, k_draft, k_acc = jax.random.split(c.key, 3)
+    drafts, q, n_draft = drafter.propose(params, config, opts.setup, c.drafter, c.target.pos, c.last, k_draft,
+                                         knobs, opts.greedy)
+    if knobs.draft_n is None or opts.k <= 1:
+        if knobs.draft_n is not None:
+            n_draft = jnp.minimum(n_draft, knobs.draft_n)
+        return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, drafts, q, n_draft)
+    n_draft = jnp.minimum(n_draft, knobs.draft_n)
+    widths = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
+                                drafts[:, :w], q[:, :w]) for w in range(1, opts.k + 1)]
+    return jax.lax.switch(jnp.clip(knobs.draft_n, 1, opts.k) - 1, widths, n_draft)
+
+
+def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options, key, k_acc,
+                       drafts: jax.Array, q: jax.Array, n_draft: jax.Array) -> Carry:
+    """Verify [last, drafts] (drafts [B,w], q [B,w,V], n_draft [B] <= w), accept, emit, commit, observe."""
+    drafter = registry.get(opts.drafter)
     pos = c.target.pos
-    B = pos.shape[0]
-    drafts, q, n_draft = drafter.propose(params, config, opts.setup, c.drafter, pos, c.last, k_draft, knobs,
-                                         opts.greedy)
-    if knobs.draft_n is not None:                     # a run-time bound below the compiled k (RunShape)
-        n_draft = jnp.minimum(n_draft, knobs.draft_n)
+    B, w = drafts.shape
     n_draft = jnp.where(c.done, 0, n_draft)
-    block = jnp.concatenate([c.last[:, None], drafts], axis=1)                       # [B,k+1]
-    logits, tstate, aux = process_block(params, config, c.target, block, jnp.full((B,), k + 1, jnp.int32),
+    block = jnp.concatenate([c.last[:, None], drafts], axis=1)                       # [B,w+1]
+    logits, tstate, aux = process_block(params, config, c.target, block, jnp.full((B,), w + 1, jnp.int32),
                                         opts.taps)
     a, nxt = _verify(k_acc, logits, drafts, q, n_draft, knobs, opts)
     # emitted this round: the a accepted drafts, then the correction / bonus token
-    j = jnp.arange(k + 1)[None, :]
+    j = jnp.arange(w + 1)[None, :]
     emitted = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
     active = ~c.done
     out, out_len, done, _ = emit(c, emitted, a + 1, opts)
@@ -137,7 +152,7 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
     tstate = advance(tstate, n_commit)
     dstate = drafter.observe(params, config, opts.setup, c.drafter, aux, emitted, pos, jnp.maximum(n_commit, 1))
     s = c.stats
-    kk = jnp.arange(s.per_position.shape[1])[None, :]   # the carry may be sized for a wider bound than k
+    kk = jnp.arange(s.per_position.shape[1])[None, :]   # the carry may be sized for a wider bound than w
     stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
                   accepted=s.accepted + jnp.where(active, a, 0),
                   per_position=s.per_position + ((kk < a[:, None]) & active[:, None]),

@@ -53,13 +53,13 @@ class RunShape:
     loop once per draft width for all of them, the drafter chosen at run time (`drafters.pool`), and
     makes the prefill compute every member's tap layers. Neither changes the generated tokens; the
     verify block stays draft_n_max + 1 wide. dynamic_draft_n (with max_block) goes one step further:
-    the loop is compiled for verify blocks max_block wide and draft_n_max becomes a run-time bound
-    (`Knobs.draft_n`): the drafter proposes at most draft_n_max drafts (MTP runs that many chain steps)
-    and the verify block is max_block wide whatever draft_n_max is, so every draft_n_max < max_block
-    shares one loop program. Greedy tokens and statistics equal the static program's; sampled runs
-    draw from the same distributions but other random numbers (the round's draws are sized for the
-    wider block). A wider verify block costs little where the target step is memory-bound (a decode
-    step reads the weights once for all block positions), more where it is compute-bound.
+    every draft_n_max < max_block shares one loop program, draft_n_max a run-time bound
+    (`Knobs.draft_n`): the drafter is compiled once and proposes at most draft_n_max drafts (MTP's
+    chain and DSpark's Markov head run that many steps), and the verify block is still draft_n_max + 1
+    wide — the verify and commit are a `lax.switch` over the widths 2..max_block, one copy of the
+    target step each (`spec.loop.round_step`), so a round costs what it costs in its own program.
+    Greedy tokens, statistics and decode states equal the static program's; sampled runs draw from the
+    same distributions but other random numbers (the drafter's draws are split for the bound).
     prefill_chunk: prefill the prompts in chunks of that many tokens, one program for every padded
     prompt length (`generate.prefill_chunked`; None: one program per length, the whole prompt at once)."""
 
