@@ -141,13 +141,14 @@ def main(argv=None) -> int:
         jobs = [j for j in jobs if j[0] in only]
     rows = []
     for vname, options in variants:
-        last = None
+        pool_loop = None      # the shared-widths pool loop, compiled once for k = 1..3
         for name, jitted, args, kwargs, r in jobs:
-            if "shared" in name:      # same program as the previous job: not compiled again
-                compiled, t = last, {}
+            if "shared" in name and pool_loop is not None:
+                compiled, t = pool_loop, {}
             else:
                 compiled, t = stages(jitted, args, kwargs, options)
-            last = compiled
+            if plan.dynamic_draft_n and name.startswith("loop_pool"):
+                pool_loop = compiled
             row = {"variant": vname, "program": name, **t}
             if r is not None:        # a loop: run it on fresh copies of the carry, time the rounds
                 carry = G.start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths), max_len=r.max_len,

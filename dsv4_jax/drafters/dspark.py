@@ -183,10 +183,12 @@ def propose(dparams: dict, target: dict, config: ModelConfig, dcfg: DSparkConfig
         e = embed(w1, prev)                                              # [B,R]
         logits = U[:, j] + linear(e, w2).astype(jnp.float32)
         tok, q, _ = draw(keys[j], logits, temperature, top_p, greedy)
-        return tok, drafts.at[:, j].set(tok), probs.at[:, j].set(q), confs.at[:, j].set(confidence(dparams, y[:, j], e))
+        conf = confidence(dparams, y[:, j], e)
+        return tok, drafts.at[:, j].set(tok), probs.at[:, j].set(q), confs.at[:, j].set(conf)
 
     B, V = U.shape[0], U.shape[-1]
-    chain = (anchor_tok, jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, V), jnp.float32), jnp.zeros((B, k), jnp.float32))
+    chain = (anchor_tok, jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, V), jnp.float32),
+             jnp.zeros((B, k), jnp.float32))
     if n_steps is None:
         for j in range(k):
             chain = step(j, chain)

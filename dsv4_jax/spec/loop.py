@@ -122,11 +122,10 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
     key, k_draft, k_acc = jax.random.split(c.key, 3)
     drafts, q, n_draft = drafter.propose(params, config, opts.setup, c.drafter, c.target.pos, c.last, k_draft,
                                          knobs, opts.greedy)
+    if knobs.draft_n is not None:
+        n_draft = jnp.minimum(n_draft, knobs.draft_n)
     if knobs.draft_n is None or opts.k <= 1:
-        if knobs.draft_n is not None:
-            n_draft = jnp.minimum(n_draft, knobs.draft_n)
         return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, drafts, q, n_draft)
-    n_draft = jnp.minimum(n_draft, knobs.draft_n)
     widths = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
                                 drafts[:, :w], q[:, :w]) for w in range(1, opts.k + 1)]
     return jax.lax.switch(jnp.clip(knobs.draft_n, 1, opts.k) - 1, widths, n_draft)
