@@ -262,7 +262,7 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
     with the chunked prefill), loops (one per drafter or pool, draft width, temperature kind and batch size;
     one for every width with `plan.dynamic_draft_n`) and, in those shared loops, the verify widths beyond
     the first (each its own copy of the target step)."""
-    prefill, loops, shared_loops, widths = set(), set(), set(), set()
+    prefill, loops, shared_widths = set(), set(), set()     # shared_widths: (shared loop, verify width − 1)
     for s in settings:
         for g in shapes(prompts, s.batch_size, plan):
             width = plan.prefill_chunk or plan.pad_for([len(p["tokens"]) for p in g])
@@ -273,9 +273,9 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
         loop = (kind, width, s.temperature == 0, s.batch_size)
         loops.add(loop)
         if shared:
-            shared_loops.add(loop)
-            widths.add(loop + (effective_draft_n_max(s, model),))
-    return {"prefill": len(prefill), "loop": len(loops), "extra_width": len(widths) - len(shared_loops)}
+            shared_widths.add((loop, effective_draft_n_max(s, model)))
+    extra = len(shared_widths) - len({loop for loop, _ in shared_widths})
+    return {"prefill": len(prefill), "loop": len(loops), "extra_width": extra}
 
 
 # seconds per layer of the model, measured on the 2-core VM (experiments/results/sweep_speed_2026-12-02_v8.md:
