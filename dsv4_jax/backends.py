@@ -1,4 +1,4 @@
-"""Which implementation runs each hot op: a static, hashable choice carried by the config (DESIGN property 8).
+"""Which implementation runs each hot op: a static, hashable choice carried by the config (docs/design.md property 8).
 
 `Backends` is a field of `ModelConfig` (`config.backends`), so it is part of every jit cache key: two runs
 with different kernels compile two programs, side by side in one process. Ops and their implementations:
@@ -108,7 +108,7 @@ class Backends:
                 raise BackendError(f"unknown {op} implementation {impl!r}; choose from {('auto',) + IMPLS[op]}")
         if self.moe == "ep" and self.ep is None:
             raise BackendError('moe="ep" needs ep=ExpertParallel(mesh, ...) (or a sharding preset: '
-                               'dsv4_jax.sharding.preset(name).backends(mesh))')
+                               'dsv4_jax.parallel.preset(name).backends(mesh))')
         if self.ep is not None and not isinstance(self.ep, ExpertParallel):
             raise BackendError(f"Backends.ep must be an ExpertParallel, got {type(self.ep).__name__}")
 

@@ -18,7 +18,7 @@ from .config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class DSparkMeta:
-    """Shape-defining DSpark values read from the checkpoint (drafters.md §2.1-2.2)."""
+    """Shape-defining DSpark values read from the checkpoint (docs/drafter_math.md §2.1-2.2)."""
 
     n_stages: int
     n_taps: int

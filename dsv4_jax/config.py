@@ -2,7 +2,7 @@
 
 `ModelConfig` is a static argument of every jitted function, so it must be hashable: every
 field is an immutable scalar or tuple. Presets: `flash()`, `pro()` (exact published values,
-spec `target_model.md` §1) and tiny test configs. `from_hf_config` reads both the
+spec docs/model_math.md §1) and tiny test configs. `from_hf_config` reads both the
 transformers form (`layer_types`, `mlp_layer_types`, `rope_parameters`) and DeepSeek's legacy
 form (`compress_ratios`, `num_hash_layers`, `rope_scaling`, `qk_rope_head_dim`).
 """
@@ -23,7 +23,7 @@ HASH_MOE = "hash_moe"
 MOE = "moe"
 MLP_LAYER_TYPES = (HASH_MOE, MOE)
 
-# transformers' mapping of the legacy integer codes in `compress_ratios` (target_model.md §1).
+# transformers' mapping of the legacy integer codes in `compress_ratios` (docs/model_math.md §1).
 _HF_RATIO_CODE = {0: SLIDING, 4: CSA, 128: HCA}
 
 
@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:
-    """YaRN parameters of the compress RoPE (target_model.md §2.0). No mscale: attention_factor must be 1."""
+    """YaRN parameters of the compress RoPE (docs/model_math.md §2.0). No mscale: attention_factor must be 1."""
 
     factor: float = 16.0
     original_max_position_embeddings: int = 65536
@@ -44,7 +44,7 @@ class YarnScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Every hyperparameter of the DeepSeek-V4 target model (target_model.md §1).
+    """Every hyperparameter of the DeepSeek-V4 target model (docs/model_math.md §1).
 
     `layer_types[i]` is one of SLIDING / CSA / HCA and `compress_ratios[i]` the ratio m of layer i
     (0 for sliding layers). `mlp_layer_types[i]` is HASH_MOE or MOE.
@@ -81,7 +81,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     norm_topk_prob: bool = True
-    router_eps: float = 1e-20  # HF adds 1e-20 to the routing-weight denominator (target_model.md §4)
+    router_eps: float = 1e-20  # HF adds 1e-20 to the routing-weight denominator (docs/model_math.md §4)
     bos_token_id: int = 0
     eos_token_id: int = 1
     num_nextn_predict_layers: int = 0
@@ -184,7 +184,7 @@ def _schedule(ratios, csa_ratio=4):
 
 
 def flash() -> ModelConfig:
-    """DeepSeek-V4-Flash (284B), exact published values (target_model.md §1)."""
+    """DeepSeek-V4-Flash (284B), exact published values (docs/model_math.md §1)."""
     types, ratios = _schedule([0, 0] + [4, 128] * 20 + [4])
     return ModelConfig(
         name="flash", vocab_size=129280, hidden_size=4096, num_layers=43, num_heads=64, head_dim=512,
@@ -197,7 +197,7 @@ def flash() -> ModelConfig:
 
 
 def pro() -> ModelConfig:
-    """DeepSeek-V4-Pro (1.6T), published values (target_model.md §1)."""
+    """DeepSeek-V4-Pro (1.6T), published values (docs/model_math.md §1)."""
     types, ratios = _schedule([128, 128] + [4, 128] * 29 + [4])
     return flash().replace(
         name="pro", hidden_size=7168, num_layers=61, num_heads=128, q_lora_rank=1536, o_groups=16,
@@ -223,7 +223,7 @@ def _tiny_base(**kw) -> ModelConfig:
 
 
 def tiny() -> ModelConfig:
-    """5 layers SWA, SWA, CSA(4), HCA(8), CSA(4); 2 hash layers (the shape of shared/reference/hf_tiny_dsv4.py)."""
+    """5 layers SWA, SWA, CSA(4), HCA(8), CSA(4); 2 hash layers (the shape of the HF parity fixture, tests/hf_reference.py)."""
     return _tiny_base(name="tiny", ratios=[0, 0, 4, 8, 4], n_hash=2)
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from .config import HASH_MOE, MOE, ModelConfig, YarnScaling, _schedule
-from .demo_io import load_bundle
+from .io.demo_io import load_bundle
 from .drafters.dspark import DSparkConfig
 
 ASSET_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny_demo")

@@ -12,7 +12,7 @@ analysis counts a `while` body once), and compiled. Reported per chip:
                  on-chip VMEM with copy-start/copy-done pairs, and the cost model counts such a weight three
                  times (HBM read, VMEM write, the consumer's VMEM read) although HBM is read once; without
                  the prefetches every operand is counted once where it is read, the closer HBM-traffic figure
-    bound        the ideal split: what the step must read (`dsv4_jax.traffic.bytes_bound` in the --weights format:
+    bound        the ideal split: what the step must read (`dsv4_jax.analysis.traffic.bytes_bound` in the --weights format:
                  weights with E·(1 − (1 − k/E)^T) distinct active experts per layer under uniform routing,
                  the head whole, embedding rows, + the cache rows of every sequence) / chips
     bound_bal    the same with min(E, T·k) active experts (balanced routing: the most a dropless static
@@ -61,13 +61,15 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from bench_decode import reduced_flash  # noqa: E402
-from dsv4_jax import libtpu, memplan, params as P, sharding as S  # noqa: E402
+from dsv4_jax.analysis import libtpu, memplan
+from dsv4_jax.model import params as P
+from dsv4_jax import parallel as S  # noqa: E402
 from dsv4_jax.ops import quant  # noqa: E402
-from dsv4_jax.traffic import bytes_bound  # noqa: E402
+from dsv4_jax.analysis.traffic import bytes_bound  # noqa: E402
 from dsv4_jax.backends import REFERENCE, ExpertParallel, resolve  # noqa: E402
-from dsv4_jax.cache import state_shapes  # noqa: E402
+from dsv4_jax.model.state import state_shapes  # noqa: E402
 from dsv4_jax.config import flash  # noqa: E402
-from dsv4_jax.decode import process_block  # noqa: E402
+from dsv4_jax.model.decode import process_block  # noqa: E402
 
 GIB = 1024 ** 3
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
@@ -90,7 +92,7 @@ _DTYPE_BYTES = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8"
                 "u64": 8, "f64": 8, "f8e4m3fn": 1}
 
 
-# weight storage (`dsv4_jax.traffic` format names): formats rule for `params.with_formats` (None: all dense)
+# weight storage (`dsv4_jax.analysis.traffic` format names): formats rule for `params.with_formats` (None: all dense)
 FP8_EXPERTS = quant.QFormat("e4m3", (128, 128), "f32")     # random_init's expert_format="fp8"
 WEIGHTS = {
     "bf16": None,
@@ -382,7 +384,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", choices=tuple(WEIGHTS), default="bf16",
                     help="weight storage: bf16 everywhere, FP8 routed experts (float32 scale per 128x128 block), "
                          "or the release format (FP4 experts, FP8 attention / shared expert); the bound uses "
-                         "the same format (dsv4_jax.traffic)")
+                         "the same format (dsv4_jax.analysis.traffic)")
     ap.add_argument("--pairs", type=int, default=None,
                     help="Flash with 3 + 2·PAIRS layers instead of all 43 (quick checks)")
     ap.add_argument("--out", required=True, help="output path prefix (writes PREFIX.json, PREFIX.md)")

@@ -2,7 +2,7 @@
 
 `aot_ep_traffic.py --pairs P` compiles Flash with 3 + 2·P layers, unrolled. XLA's bytes (and flops, collective
 bytes) grow linearly with the number of repeated HCA/CSA pairs once the pairs are a stacked segment (P ≥ 2;
-`dsv4_jax.aot.extrapolate`), so two runs at P = a and a + 1 give all 20 pairs:
+`dsv4_jax.analysis.aot.extrapolate`), so two runs at P = a and a + 1 give all 20 pairs:
 
     x(20) = x(a) + (20 − a) · (x(a + 1) − x(a))
 
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from aot_ep_traffic import bounds  # noqa: E402
-from dsv4_jax.aot.extrapolate import linear  # noqa: E402
+from dsv4_jax.analysis.aot.extrapolate import linear  # noqa: E402
 from dsv4_jax.config import flash  # noqa: E402
 
 GIB = 1024 ** 3

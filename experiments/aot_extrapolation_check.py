@@ -14,8 +14,8 @@ import argparse
 import json
 import time
 
-from dsv4_jax import libtpu
-from dsv4_jax.aot import chips, compile as AC, extrapolate as X, inputs as I, programs as PR, runner
+from dsv4_jax.analysis import libtpu
+from dsv4_jax.analysis.aot import chips, compile as AC, extrapolate as X, inputs as I, programs as PR, runner
 
 KEYS = ("flops", "bytes_accessed", "transcendentals", "optimal_seconds")
 

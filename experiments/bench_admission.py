@@ -35,7 +35,7 @@ import numpy as np
 from dsv4_jax.research import batch_eval as BE
 from dsv4_jax.research.runner import grid_settings
 from dsv4_jax.research.sweep import prepare_run
-from dsv4_jax.spec import slots as S
+from dsv4_jax.speculative import slots as S
 
 
 def timed(fn):

@@ -27,10 +27,10 @@ import numpy as np
 
 from dsv4_jax.research import models, prompts as P, runner
 from dsv4_jax.research.runner import BASELINE, Setting
-from dsv4_jax.spec import generate as G
-from dsv4_jax.spec import loop as L
-from dsv4_jax.spec import precompile as PC
-from dsv4_jax.spec.options import RunShape, Sampling, Speculation
+from dsv4_jax.speculative import generate as G
+from dsv4_jax.speculative import loop as L
+from dsv4_jax.speculative import precompile as PC
+from dsv4_jax.speculative.options import RunShape, Sampling, Speculation
 
 
 def cpu_s() -> float:

@@ -121,7 +121,7 @@ def orbax_startup(d: str) -> float:
 
     Paid once per conversion, so it is timed apart from the throughput of a multi-GB file.
     """
-    from dsv4_jax.convert.writer import ItemWriter
+    from dsv4_jax.io.convert.writer import ItemWriter
     p = os.path.join(d, "warmup")
     t0 = time.perf_counter()
     w = ItemWriter(p)
@@ -135,11 +135,11 @@ def run_one(fmt: str, src: str, d: str, dequant: bool) -> dict:
     """Convert `src` through `pipeline._run_job` (the converter's own streaming loop), one tensor per unit."""
     import ml_dtypes
     from tqdm import tqdm
-    from dsv4_jax.convert import pipeline as PP, plan as PL
-    from dsv4_jax.convert.gguf_io import GGUFSource
-    from dsv4_jax.convert.hf_source import SafetensorsSource
-    from dsv4_jax.outdir import AtomicDir
-    from dsv4_jax.params import ParamSpec
+    from dsv4_jax.io.convert import pipeline as PP, plan as PL
+    from dsv4_jax.io.convert.gguf_io import GGUFSource
+    from dsv4_jax.io.convert.hf_source import SafetensorsSource
+    from dsv4_jax.io.outdir import AtomicDir
+    from dsv4_jax.model.params import ParamSpec
     source = SafetensorsSource(src) if os.path.isdir(src) else GGUFSource(src)
     names = [n for n in source.names() if n.endswith(".weight")]
     total = sum(source.nbytes(n) for n in names)

@@ -3,13 +3,13 @@
 Model: `flash()` layer dimensions (D 4096, 64 heads × 512, q_lora 1024, 8 O-LoRA groups, 256 experts of
 2048, top-6, 129 280 vocabulary) with the layer count reduced to fit one GPU: Flash's 3 leading layers
 (SWA, SWA, CSA — all hash-routed) plus `--pairs` HCA/CSA pairs (default 1: 5 layers, ≈68 GB of bf16
-weights), so every layer type runs. Random weights are made on the device (`dsv4_jax.random_init`), in
+weights), so every layer type runs. Random weights are made on the device (`dsv4_jax.model.random_init`), in
 bf16 and in the quantized storage the model executes ("fp8-experts": routed experts as FP8 e4m3 codes + a
 float32 scale per 128×128 block, read in-tile by the MoE kernels; everything else bf16). Decode states
 are synthetic: caches filled with random rows and `pos` set to the context length (a 64K prefill is not
 needed to measure what a step at 64K reads).
 
-Measured in one run, each against its bytes bound (`dsv4_jax.traffic.bytes_bound`) and the device's
+Measured in one run, each against its bytes bound (`dsv4_jax.analysis.traffic.bytes_bound`) and the device's
 measured read bandwidth (a large `jnp.sum`):
   prefill   a chunk of B·chunk = --prefill-tokens tokens appended at the end of a context of C tokens:
             tokens/s;
@@ -77,22 +77,22 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dsv4_jax import backends  # noqa: E402
-from dsv4_jax import params as P  # noqa: E402
-from dsv4_jax.cache import EMPTY, init_state, state_bytes  # noqa: E402
+from dsv4_jax.model import params as P  # noqa: E402
+from dsv4_jax.model.state import EMPTY, init_state, state_bytes  # noqa: E402
 from dsv4_jax.config import CSA, HCA, SLIDING, ModelConfig, flash  # noqa: E402
-from dsv4_jax.decode import process_block  # noqa: E402
+from dsv4_jax.model.decode import process_block  # noqa: E402
 from dsv4_jax.drafters import registry  # noqa: E402
-from dsv4_jax.model import hyper  # noqa: E402
-from dsv4_jax.model.attention import attention_step  # noqa: E402
-from dsv4_jax.model.block import ffn_sublayer  # noqa: E402
-from dsv4_jax.model.norms import rms_norm  # noqa: E402
+from dsv4_jax.model.layers import hyper  # noqa: E402
+from dsv4_jax.model.layers.attention import attention_step  # noqa: E402
+from dsv4_jax.model.layers.block import ffn_sublayer  # noqa: E402
+from dsv4_jax.model.layers.norms import rms_norm  # noqa: E402
 from dsv4_jax.model.target import embed, head  # noqa: E402
 from dsv4_jax.ops.sampling import verify_forced  # noqa: E402
-from dsv4_jax.random_init import random_experts, random_tree  # noqa: E402
-from dsv4_jax.schedule import segments  # noqa: E402
-from dsv4_jax.spec import loop  # noqa: E402
-from dsv4_jax import traffic  # noqa: E402
-from dsv4_jax.traffic import bytes_bound, stored_bytes  # noqa: E402
+from dsv4_jax.model.random_init import random_experts, random_tree  # noqa: E402
+from dsv4_jax.model.schedule import segments  # noqa: E402
+from dsv4_jax.speculative import loop  # noqa: E402
+from dsv4_jax.analysis import traffic  # noqa: E402
+from dsv4_jax.analysis.traffic import bytes_bound, stored_bytes  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -101,7 +101,7 @@ EXPERT_FORMAT = {"bf16": "dense", "fp8-experts": "fp8"}   # random_init expert s
 IMPLS = ("reference", "pallas")                  # the default --kernels variants (backends.CHOICES)
 SECTIONS = ("prefill", "decode", "verify", "spec", "loop", "profile")
 GOALS = {"decode_bw_fraction": 0.75, "verify6_over_decode": 1.3, "loop_overhead_us": 20.0}
-DSPARK_MARKOV_RANK = 256                         # drafters.md §2.1 (Flash)
+DSPARK_MARKOV_RANK = 256                         # docs/drafter_math.md §2.1 (Flash)
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def drafter_specs(config: ModelConfig, drafters) -> dict:
 
 
 def build_params(config: ModelConfig, fmt: str, drafters: tuple[str, ...], seed: int = 0) -> dict:
-    """Target (+ drafter_specs) weights in format fmt, on the device (`dsv4_jax.random_init`); the drafter
+    """Target (+ drafter_specs) weights in format fmt, on the device (`dsv4_jax.model.random_init`); the drafter
     blocks share one set of routed experts."""
     key, ex = jax.random.key(seed), EXPERT_FORMAT[fmt]
     params = random_tree(P.param_specs(config), config, jax.random.fold_in(key, 0), jnp.bfloat16, ex)

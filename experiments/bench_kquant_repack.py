@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv4_jax.convert import quant_formats as qf  # noqa: E402
+from dsv4_jax.io.convert import quant_formats as qf  # noqa: E402
 
 TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS, T.IQ2_XS, T.IQ3_XXS, T.IQ4_XS, T.Q4_0, T.Q5_0)
 

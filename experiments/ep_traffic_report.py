@@ -6,7 +6,7 @@ identical HCA/CSA pairs) at two (or more) pair counts, and this script extrapola
 linearly in the pairs:  m(43) = m(P2) + (20 − P2) · (m(P2) − m(P1)) / (P2 − P1)  (the leading layers,
 embedding and head are in both runs; every further pair adds the same ops). A third pair count, where
 present, checks the linearity (`linearity`: the relative difference of the two per-pair increments).
-The bound is computed for the full model directly (`dsv4_jax.traffic.bytes_bound` / chips), not
+The bound is computed for the full model directly (`dsv4_jax.analysis.traffic.bytes_bound` / chips), not
 extrapolated.
 
 With a single measured layer count (no second compile) the 43-layer figure is an *estimate*: the
@@ -41,9 +41,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from aot_ep_traffic import VARIANTS  # noqa: E402
 from bench_decode import reduced_flash  # noqa: E402
-from dsv4_jax import memplan, params as P, sharding as S  # noqa: E402
+from dsv4_jax.analysis import memplan
+from dsv4_jax.model import params as P
+from dsv4_jax import parallel as S  # noqa: E402
 from dsv4_jax.config import flash  # noqa: E402
-from dsv4_jax.traffic import bytes_bound, cache_bytes_read  # noqa: E402
+from dsv4_jax.analysis.traffic import bytes_bound, cache_bytes_read  # noqa: E402
 
 GIB = 1024 ** 3
 FLASH_PAIRS = 20
@@ -190,7 +192,7 @@ def markdown(report: dict) -> str:
          "cost model counts a prefetched weight at its HBM read, VMEM write and VMEM read); *no-prefetch* = "
          "the same program with VMEM memory-space assignment off (`xla_vf_vmem_memory_space_assignment="
          "False`), each operand counted where it is read: the HBM-traffic figure. Bound = "
-         "`dsv4_jax.traffic.bytes_bound(flash(), weights, batch, context, tokens)` / chips (active "
+         "`dsv4_jax.analysis.traffic.bytes_bound(flash(), weights, batch, context, tokens)` / chips (active "
          "experts E·(1 − (1 − k/E)^T) under uniform routing, head, embedding rows, cache rows); bound_bal: "
          "min(E, T·k) active experts (what a static dropless program must be able to read).", "",
          "| variant | weights | program | mesh | layers measured | default GiB/chip | no-prefetch GiB/chip | "

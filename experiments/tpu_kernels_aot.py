@@ -1,6 +1,6 @@
 """Compile the Pallas TPU (Mosaic) kernels ahead of time for TPU topologies, on this CPU machine (libtpu).
 
-For each topology and case (`dsv4_jax.kernels.tpu_aot.default_cases`: MoE decode T=8 and prefill T=2048 in
+For each topology and case (`dsv4_jax.analysis.kernels_aot.default_cases`: MoE decode T=8 and prefill T=2048 in
 bf16 / int8 per-channel / FP8 e4m3 128-block / FP4 e2m1 release formats, the indexer at 1M context and at a
 prefill chunk): compile time, per-chip argument / temp bytes, the bytes the kernels' BlockSpecs move for a
 concrete routing next to the ideal bytes, and XLA's cost-analysis bytes of the reference (ops.moe /
@@ -24,8 +24,8 @@ import sys  # noqa: E402
 
 import jax  # noqa: E402
 
-from dsv4_jax import libtpu  # noqa: E402
-from dsv4_jax.kernels import tpu_aot  # noqa: E402
+from dsv4_jax.analysis import libtpu  # noqa: E402
+from dsv4_jax.analysis import kernels_aot as tpu_aot  # noqa: E402
 
 MiB = 2 ** 20
 

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import dsv4_jax as d
 from dsv4_jax.backends import CHOICES
 from dsv4_jax.demo import ByteTokenizer, demo_config, demo_dspark_config
-from dsv4_jax.demo_io import load_bundle, save_bundle
-from dsv4_jax.params import init_dspark, init_mtp
+from dsv4_jax.io.demo_io import load_bundle, save_bundle
+from dsv4_jax.model.params import init_dspark, init_mtp
 from dsv4_jax.training import data, drafter_tasks as T, drafter_train as DT, objectives, text_data as TD
 from dsv4_jax.training.evaluate import evaluate_bundle, format_table
 from dsv4_jax.training.loop import train

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv4_jax import params as P
+from dsv4_jax.model import params as P
 from dsv4_jax.config import _tiny_base
 from dsv4_jax.drafters.dspark import DSparkConfig
 from dsv4_jax.training import drafter_tasks as T, drafter_train as DT

@@ -1,4 +1,4 @@
-"""An independent full-recompute DSpark proposal in PyTorch (float64), from drafters.md §2.3.
+"""An independent full-recompute DSpark proposal in PyTorch (float64), from docs/drafter_math.md §2.3.
 
 Shares no code with dsv4_jax. Every call recomputes the context features and keys of all
 committed positions from the target taps, then the block, the serial Markov head and the

@@ -36,9 +36,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax  # noqa: E402
-from dsv4_jax import decode as D, params as P, sharding as S  # noqa: E402
+from dsv4_jax.model import decode as D, params as P
+from dsv4_jax import parallel as S  # noqa: E402
 from dsv4_jax.backends import Backends, ExpertParallel  # noqa: E402
-from dsv4_jax.cache import init_state  # noqa: E402
+from dsv4_jax.model.state import init_state  # noqa: E402
 from dsv4_jax.config import tiny_flash_like  # noqa: E402
 from dsv4_jax.model.target import forward_jit  # noqa: E402
 from dsv4_jax.ops import quant  # noqa: E402
@@ -177,7 +178,7 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
             B = DECODE_BATCH.get(case, 2)
             if ("decode", B) not in ref:
                 ref["decode", B] = _decode(params, config, tokens[:B], init_state(config, B, 64, 4))
-            state = S.init_state(cfg, mesh, B, 64, 4, rules=rules)
+            state = S.init_sharded_state(cfg, mesh, B, 64, 4, rules=rules)
             outs, st = _decode(sp, cfg, tokens[:B], state)
             want, want_st = ref["decode", B]
             res["state_split_leaves"] = n_split(st.layers)
@@ -185,7 +186,7 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
             res["state"] = max(maxdiff(a, b) for a, b in zip(jax.tree.leaves(st.layers),
                                                             jax.tree.leaves(want_st.layers)))
             res["pos_equal"] = np.asarray(st.pos).tolist() == np.asarray(want_st.pos).tolist()
-            step = D.process_block.lower(sp, cfg, S.init_state(cfg, mesh, B, 64, 4, rules=rules),
+            step = D.process_block.lower(sp, cfg, S.init_sharded_state(cfg, mesh, B, 64, 4, rules=rules),
                                          jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)).compile()
             res["decode_expert_all_gathers"] = expert_all_gathers(step.as_text(), config)
         for drafter, wanted in (("oracle", generate_cases), ("mtp", mtp_cases)):
@@ -217,7 +218,7 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
 def check_layouts() -> dict:
     """Static layouts the explicit path derives (and refuses) on 8 devices."""
     from dsv4_jax.backends import BackendError
-    from dsv4_jax.model.moe_ep import layout
+    from dsv4_jax.model.layers.moe_ep import layout
     config = test_config(8)
     p = P.init_params(config, 0)["segments"][1]
     ffn = jax.tree.map(lambda a: a[0], p[0]["ffn"])

@@ -27,7 +27,7 @@ BASE = dict(
 # layers, hc_mult 4 and 2, top-1 routing, sequences much longer than the window spanning many
 # compression windows.
 CONFIGS = {
-    # the shape of the spec's verified recipe (target_model.md §5): SWA, SWA, CSA, HCA(8), CSA
+    # the shape of the spec's verified recipe (docs/model_math.md §5): SWA, SWA, CSA, HCA(8), CSA
     "swa_csa_hca": dict(BASE, num_hidden_layers=5, compress_ratios=[0, 0, 4, 128, 4], num_hash_layers=2,
                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
     # Flash's schedule in miniature (3 hash layers, repeated HCA/CSA pairs -> a scanned segment)

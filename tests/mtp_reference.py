@@ -1,4 +1,4 @@
-"""An independent full-recompute MTP drafter in PyTorch (float64), written from drafters.md §0–§1.
+"""An independent full-recompute MTP drafter in PyTorch (float64), written from docs/drafter_math.md §0–§1.
 
 Shares no code with dsv4_jax: it reads the parameter dicts by key and recomputes every row from
 scratch (no cache), with the sliding window i − W < j ≤ i, sinks, the interleaved main RoPE,

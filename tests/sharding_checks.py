@@ -26,7 +26,8 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax  # noqa: E402
-from dsv4_jax import decode as D, params as P, sharding as S  # noqa: E402
+from dsv4_jax.model import decode as D, params as P
+from dsv4_jax import parallel as S  # noqa: E402
 from dsv4_jax.config import tiny_flash_like  # noqa: E402
 
 DEFAULT_MESHES = ((1, 8, 1), (1, 1, 8), (2, 2, 2))
@@ -85,7 +86,7 @@ def check_forward_decode(meshes, do_forward: bool, do_decode: bool, decode_meshe
     if do_forward:
         want = np.asarray(dsv4_jax.forward(params, config, tokens))
     if do_decode:
-        from dsv4_jax.cache import init_state
+        from dsv4_jax.model.state import init_state
         ref_outs, ref_hidden, ref_state = decode_script(params, config, tokens, init_state(config, 2, 64, 4))
     for shape in meshes:
         name = "x".join(map(str, shape))
@@ -95,7 +96,7 @@ def check_forward_decode(meshes, do_forward: bool, do_decode: bool, decode_meshe
         if do_forward:
             r["forward"] = _maxdiff(dsv4_jax.forward(sp, config, S.shard_batch(tokens, mesh)), want)
         if do_decode and (decode_meshes is None or shape in decode_meshes):
-            state = S.init_state(config, mesh, 2, 64, 4)
+            state = S.init_sharded_state(config, mesh, 2, 64, 4)
             r["split_state_leaves"] = _n_split(state)
             outs, hidden, st = decode_script(sp, config, tokens, state)
             r["decode"] = max(_maxdiff(a, b) for a, b in zip(outs, ref_outs))
@@ -127,7 +128,7 @@ class ArraySource:
     float32 everything else; random values (valid expert ids for tid2eid)."""
 
     def __init__(self, config, units, n_experts: int, seed: int = 0):
-        from dsv4_jax.convert import plan as PL
+        from dsv4_jax.io.convert import plan as PL
         rng = np.random.default_rng(seed)
         self.t = {}
         for unit in units:
@@ -139,7 +140,7 @@ class ArraySource:
 
     @staticmethod
     def _make(rng, leaf, shape, config, expert: bool):
-        from dsv4_jax.convert import quant_formats as qf
+        from dsv4_jax.io.convert import quant_formats as qf
         spec = leaf.spec
         if spec.kind == "index":
             return rng.integers(0, config.n_routed_experts, shape).astype(np.int64)
@@ -177,7 +178,7 @@ class ArraySource:
 
 def write_checkpoint(out_dir: str, config) -> None:
     """A keep-quantized checkpoint (target + one MTP block) through the converter pipeline."""
-    from dsv4_jax.convert import pipeline as PI, plan as PL
+    from dsv4_jax.io.convert import pipeline as PI, plan as PL
     E = config.n_routed_experts
     t_units = PL.target_units(config, "official")
     m_units = PL.mtp_units(config, "official", 1)

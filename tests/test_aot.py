@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import pytest
 
 from dsv4_jax import config as C
-from dsv4_jax import libtpu, traffic
-from dsv4_jax import params as P
+from dsv4_jax.analysis import libtpu, traffic
+from dsv4_jax.model import params as P
 from dsv4_jax.ops import quant
-from dsv4_jax.aot import chips, cli, compile as AC, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
+from dsv4_jax.analysis.aot import chips, cli, compile as AC, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -440,7 +440,7 @@ def test_kernels_section_from_the_kernels_helper():
     """The kernels section calls the kernels' AOT helper (Shapes / Case / compile_case; kernels.tpu_aot):
     cases for the report's shapes in the report's weight format, records flattened into rows."""
     import types
-    from dsv4_jax.aot import kernel_hook as K
+    from dsv4_jax.analysis.aot import kernel_hook as K
     calls = []
     fake = types.SimpleNamespace(
         __name__="fake_aot", Shapes=lambda **kw: kw,

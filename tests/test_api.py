@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 import dsv4_jax as d
-from dsv4_jax import decode as D
+from dsv4_jax.model import decode as D
 from dsv4_jax.backends import REFERENCE, BackendError, Backends, resolve
 from dsv4_jax.bundle import CheckpointConfig, target_config, unbundle
-from dsv4_jax.convert.cli import main as convert
+from dsv4_jax.io.convert.cli import main as convert
 from dsv4_jax.drafters import registry
 from dsv4_jax.drafters.base import DraftSetup, Drafter
 from dsv4_jax.model.target import forward_jit
-from dsv4_jax.params import init_mtp
-from dsv4_jax.spec.options import RunShape, Sampling, Speculation, group_options
+from dsv4_jax.model.params import init_mtp
+from dsv4_jax.speculative.options import RunShape, Sampling, Speculation, group_options
 
 from . import convert_fixtures as fx
 

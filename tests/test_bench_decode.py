@@ -1,7 +1,7 @@
 """experiments/bench_decode.py at reduced sizes: report format and shapes; the bytes bound it reports
-(`dsv4_jax.traffic`) and the random weights it runs on (`dsv4_jax.random_init`).
+(`dsv4_jax.analysis.traffic`) and the random weights it runs on (`dsv4_jax.model.random_init`).
 
-The bound is recomputed here from the config's dimensions (target_model.md §6), not with the
+The bound is recomputed here from the config's dimensions (docs/model_math.md §6), not with the
 library's own functions. The run uses a 3-layer CPU model (SWA, SWA, CSA) and one variant per section
 to stay fast; the bound test covers the 5-layer schedule with an HCA layer.
 """
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import dsv4_jax as d
-from dsv4_jax import params as P
-from dsv4_jax import traffic
+from dsv4_jax.model import params as P
+from dsv4_jax.analysis import traffic
 from dsv4_jax.ops import quant
-from dsv4_jax.random_init import random_params_on_device
-from dsv4_jax.schedule import segments
+from dsv4_jax.model.random_init import random_params_on_device
+from dsv4_jax.model.schedule import segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,7 +109,7 @@ def test_bytes_bound_matches_dimensions(fmt, batch, context, tokens):
 
 
 def test_bytes_bound_flash_anchors():
-    """target_model.md §6: 26.5 GB of bf16 weights per token; ≈10.2 GB at release precision counting every
+    """docs/model_math.md §6: 26.5 GB of bf16 weights per token; ≈10.2 GB at release precision counting every
     non-expert weight at 1 byte — memplan's storage keeps the head (1.06 GB), compressors and router in
     bf16, hence 11.2 GB; KV read 22 / 63 / 204 MiB at 4K / 32K / 128K."""
     c = d.flash()

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import dsv4_jax as d
-from dsv4_jax.params import init_dspark, init_mtp
-from dsv4_jax.spec import generate as G
-from dsv4_jax.spec.options import RunShape, Speculation
+from dsv4_jax.model.params import init_dspark, init_mtp
+from dsv4_jax.speculative import generate as G
+from dsv4_jax.speculative.options import RunShape, Speculation
 
 
 @pytest.fixture(scope="module")

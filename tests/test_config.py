@@ -1,5 +1,5 @@
 """ModelConfig presets, hashability, `from_hf_config` (transformers and DeepSeek-legacy forms), error
-handling, the scan schedule and the parameter count (target_model.md §1, §6)."""
+handling, the scan schedule and the parameter count (docs/model_math.md §1, §6)."""
 import dataclasses
 
 import pytest
@@ -7,14 +7,14 @@ from transformers import DeepseekV4Config
 
 from dsv4_jax import config as C
 from dsv4_jax.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig, YarnScaling
-from dsv4_jax.params import count_params
-from dsv4_jax.schedule import Segment, locate, segments
+from dsv4_jax.model.params import count_params
+from dsv4_jax.model.schedule import Segment, locate, segments
 
 from . import hf_reference as ref
 
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]
 
-# DeepSeek-V4-Flash config.json in DeepSeek's legacy form (values of target_model.md §1).
+# DeepSeek-V4-Flash config.json in DeepSeek's legacy form (values of docs/model_math.md §1).
 FLASH_LEGACY = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
     "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
@@ -270,5 +270,5 @@ def test_random_schedules_partition():
 # ---- sizes ------------------------------------------------------------------------------------
 
 def test_count_params_flash_and_pro():
-    assert abs(count_params(C.flash()) - 284.33e9) < 0.01e9        # target_model.md §6 (excluding MTP)
+    assert abs(count_params(C.flash()) - 284.33e9) < 0.01e9        # docs/model_math.md §6 (excluding MTP)
     assert abs(count_params(C.pro()) - 1573.0e9) < 0.1e9

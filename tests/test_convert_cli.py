@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from dsv4_jax.convert.cli import build_parser, main
+from dsv4_jax.io.convert.cli import build_parser, main
 
 SUBCOMMANDS = ("hf", "gguf", "drafter")
 

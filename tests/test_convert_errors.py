@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from dsv4_jax.convert.cli import main
+from dsv4_jax.io.convert.cli import main
 
 from . import convert_fixtures as fx
 
@@ -134,7 +134,7 @@ def test_safetensors_inconsistent_offsets(tmp_path, capsys, gguf_tensors):
 
 def test_file_shrinks_while_converting(tmp_path, capsys, gguf_tensors, monkeypatch):
     """A source cut short after it was checked (read in the reader thread): the tensor, both byte counts."""
-    from dsv4_jax.convert import gguf_io
+    from dsv4_jax.io.convert import gguf_io
     p = _gguf(tmp_path, gguf_tensors[0])
     real, state = gguf_io.GGUFSource.__init__, {}
 
@@ -208,7 +208,7 @@ def test_existing_output_is_kept(tmp_path, capsys):
 
 
 def test_output_directory_rule(tmp_path, capsys, gguf_tensors):
-    """The rule shared with dsv4-sweep (dsv4_jax.outdir): a missing OUT_DIR (parents created, normal
+    """The rule shared with dsv4-sweep (dsv4_jax.io.outdir): a missing OUT_DIR (parents created, normal
     permissions) or an existing empty one is written; a non-empty one needs --overwrite; a file, or a path
     below a file, is refused before any source is read."""
     p = _gguf(tmp_path, gguf_tensors[0])
@@ -237,7 +237,7 @@ def test_drafter_merge_needs_checkpoint(tmp_path, capsys):
 
 def test_failure_mid_stream_leaves_nothing(tmp_path, capsys, gguf_tensors, monkeypatch):
     """An error in the reader thread while layers are already written: clear message, no output."""
-    from dsv4_jax.convert import plan as PL
+    from dsv4_jax.io.convert import plan as PL
     real, calls = PL.read_leaf, []
 
     def failing(src, leaf, n_experts):

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from dsv4_jax.ops import quant
-from dsv4_jax.convert import quant_formats as qf
+from dsv4_jax.io.convert import quant_formats as qf
 
 from . import convert_fixtures as fx
 
@@ -86,8 +86,8 @@ def test_slice_fused_q8_0_columns():
 
 
 def test_convert_leaf_keeps_codes_and_notes_every_rounding():
-    from dsv4_jax import params as P
-    from dsv4_jax.convert import pipeline as PI, plan as PL
+    from dsv4_jax.model import params as P
+    from dsv4_jax.io.convert import pipeline as PI, plan as PL
     spec = P.ParamSpec((4, 64), ("embed", None))
     x = rng.standard_normal((4, 64)).astype(np.float32)
     q8 = qf.split_q8_0(gguf.quants.quantize(x, T.Q8_0))
@@ -114,7 +114,8 @@ def test_convert_leaf_keeps_codes_and_notes_every_rounding():
 def test_checkpoint_versions(tmp_path):
     """format_version 1 (uint8 FP8 codes, raw GGML leaves) is read; unknown versions stop with a clear error."""
     import json
-    from dsv4_jax import checkpoint as CK, params as P
+    from dsv4_jax.io import checkpoint as CK
+    from dsv4_jax.model import params as P
     spec = P.ParamSpec((8, 32), ("embed", None))
     rec = {"format": "fp8_e4m3_b128", "shape": [8, 32], "arrays": {"codes": {"shape": [8, 32], "dtype": "uint8"},
                                                                    "scale": {"shape": [1, 1], "dtype": "uint8"}}}

@@ -24,10 +24,11 @@ from flax import traverse_util
 from gguf import GGMLQuantizationType as T
 
 import dsv4_jax
-from dsv4_jax import memplan, params as P
-from dsv4_jax.checkpoint import CheckpointConfig
-from dsv4_jax.convert.cli import main
-from dsv4_jax.convert.pipeline import LossyConversionWarning
+from dsv4_jax.analysis import memplan_cli as memplan
+from dsv4_jax.model import params as P
+from dsv4_jax.io.checkpoint import CheckpointConfig
+from dsv4_jax.io.convert.cli import main
+from dsv4_jax.io.convert.pipeline import LossyConversionWarning
 from dsv4_jax.drafters import dspark as dspark_drafter, mtp as mtp_drafter
 from dsv4_jax.ops import quant
 
@@ -202,7 +203,7 @@ def test_official_fp8_fp4_with_mtp(model, sd, ids, tmp_path, capsys):
     assert leaves["layers.00.ffn.gate.tid2eid"]["dtype"] == "int32"
     _, p32 = dsv4_jax.load_checkpoint(tmp_path / "out", dtype=jnp.float32)
     _, pk = dsv4_jax.load_checkpoint(tmp_path / "keep", dtype=jnp.float32)
-    a, b = _flat(dsv4_jax.params.flatten(p32)), _flat(dsv4_jax.params.flatten(pk))
+    a, b = _flat(dsv4_jax.model.params.flatten(p32)), _flat(dsv4_jax.model.params.flatten(pk))
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
@@ -292,7 +293,7 @@ def test_gguf_llamacpp(model, sd, ids, tmp_path):
     fx.write_gguf(tmp_path / "mtp.gguf", mt, n_blocks=4, nextn=1)
     # one real subprocess call of the installed console script: the default keeps Q8_0 / MXFP4 (-> FP4) codes and
     # requantizes the K-quants (Q6_K, Q4_K) to Q8_0, saying so
-    r = subprocess.run([sys.executable, "-m", "dsv4_jax.convert.cli", "gguf", str(tmp_path / "m.gguf"),
+    r = subprocess.run([sys.executable, "-m", "dsv4_jax.io.convert.cli", "gguf", str(tmp_path / "m.gguf"),
                         str(tmp_path / "keep"), "--mtp", str(tmp_path / "mtp.gguf")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "B/s" in r.stderr                     # the progress bar reports throughput
@@ -376,7 +377,7 @@ def test_split_gguf(sd, tmp_path):
         assert main(["gguf", str(tmp_path / "one.gguf"), str(tmp_path / "b"), "-q"]) == 0
     _, pa = dsv4_jax.load_checkpoint(tmp_path / "a", dtype=jnp.float32)
     _, pb = dsv4_jax.load_checkpoint(tmp_path / "b", dtype=jnp.float32)
-    a, b = _flat(dsv4_jax.params.flatten(pa)), _flat(dsv4_jax.params.flatten(pb))
+    a, b = _flat(dsv4_jax.model.params.flatten(pa)), _flat(dsv4_jax.model.params.flatten(pb))
     for k in a:
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
     assert os.listdir(tmp_path / "a")

@@ -8,10 +8,10 @@ import pytest
 
 import dsv4_jax as d
 from dsv4_jax.config import HASH_MOE, MOE, _schedule
-from dsv4_jax.convert.save import save_checkpoint
+from dsv4_jax.io.convert.save import save_checkpoint
 from dsv4_jax.drafters.dspark import DSparkConfig
-from dsv4_jax import params as P
-from dsv4_jax.params import init_dspark, init_mtp
+from dsv4_jax.model import params as P
+from dsv4_jax.model.params import init_dspark, init_mtp
 
 
 @pytest.fixture(scope="module")

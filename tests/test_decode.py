@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import dsv4_jax as d
-from dsv4_jax import decode as D
-from dsv4_jax.cache import state_bytes
+from dsv4_jax.model import decode as D
+from dsv4_jax.model.state import state_bytes
 from dsv4_jax.config import CSA, HCA, SLIDING, tiny_flash_like
 
 TOL = 1e-4
@@ -174,7 +174,7 @@ def test_capacity_errors():
 def test_flash_state_size_at_1m():
     """Decode state of flash() at max_len 2^20, bf16 (documented in docs/decode_state.md)."""
     b = state_bytes(d.flash(), batch=1, max_len=1 << 20, max_block=8)
-    # 21 CSA × (2^20/4 rows × (512 + 128) × 2 B) + 20 HCA × (2^20/128 × 512 × 2 B) ≈ 6.72 GiB (spec §6: 6.7 GiB)
+    # 21 CSA × (2^20/4 rows × (512 + 128) × 2 B) + 20 HCA × (2^20/128 × 512 × 2 B) ≈ 6.72 GiB (docs/model_math.md §6: 6.7 GiB)
     want = (21 * (1 << 18) * 640 * 2 + 20 * (1 << 13) * 1024)
     assert b["compressed"] + b["indexer_keys"] == want
     assert 6.7 < b["total"] / 2 ** 30 < 6.8

@@ -7,11 +7,11 @@ import pytest
 
 import dsv4_jax
 from dsv4_jax import config as C
-from dsv4_jax.model import forward
-from dsv4_jax.model.block import layer_sequence
+from dsv4_jax.model.target import forward
+from dsv4_jax.model.layers.block import layer_sequence
 from dsv4_jax.model.target import embed, forward_jit, head
-from dsv4_jax.params import ParamSpec, abstract_params, cast_params, param_specs
-from dsv4_jax.schedule import locate, segments
+from dsv4_jax.model.params import ParamSpec, abstract_params, cast_params, param_specs
+from dsv4_jax.model.schedule import locate, segments
 
 B, S = 2, 21          # S > 3 sliding windows (6), 5 CSA windows (4) > index_topk (3), 2 HCA windows (8)
 

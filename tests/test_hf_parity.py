@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import dsv4_jax
-from dsv4_jax import decode
-from dsv4_jax.convert.hf import load_hf_dir
+from dsv4_jax.model import decode
+from dsv4_jax.io.convert.hf import load_hf_dir
 
 from . import hf_reference as ref
 

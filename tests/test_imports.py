@@ -14,16 +14,16 @@ import tomllib
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# where each package's files are (pyproject's package-dir: dsv4_jax.convert lives in convert/)
-PACKAGE_DIRS = {"dsv4_jax": os.path.join(ROOT, "dsv4_jax"), "dsv4_jax.convert": os.path.join(ROOT, "convert")}
+# where each package's files are (pyproject's package-dir: dsv4_jax.io.convert lives in convert/)
+PACKAGE_DIRS = {"dsv4_jax": os.path.join(ROOT, "dsv4_jax"), "dsv4_jax.io.convert": os.path.join(ROOT, "convert")}
 
 # Code that runs inside jit / while_loop bodies, or decides what is traced: no environment variable may
 # steer it (static choices are arguments, e.g. config.backends). Environment reads elsewhere are limited to
-# ENV_ALLOWED: multi-host start-up (sharding.initialize_distributed) and the CLIs' compile-cache switch.
-TRACED = ("dsv4_jax.model", "dsv4_jax.ops", "dsv4_jax.kernels", "dsv4_jax.spec", "dsv4_jax.drafters",
-          "dsv4_jax.decode", "dsv4_jax.cache", "dsv4_jax.backends", "dsv4_jax.bundle", "dsv4_jax.config",
-          "dsv4_jax.schedule")
-ENV_ALLOWED = {"dsv4_jax.sharding", "dsv4_jax.research.common", "dsv4_jax.libtpu"}
+# ENV_ALLOWED: multi-host start-up (parallel.initialize_distributed) and the CLIs' compile-cache switch.
+TRACED = ("dsv4_jax.model", "dsv4_jax.ops", "dsv4_jax.kernels", "dsv4_jax.speculative", "dsv4_jax.drafters",
+          "dsv4_jax.model.decode", "dsv4_jax.model.state", "dsv4_jax.backends", "dsv4_jax.bundle", "dsv4_jax.config",
+          "dsv4_jax.model.schedule")
+ENV_ALLOWED = {"dsv4_jax.parallel.multihost", "dsv4_jax.research.common", "dsv4_jax.analysis.libtpu"}
 
 
 def _modules() -> dict[str, str]:
@@ -141,10 +141,10 @@ def test_the_cycle_check_finds_cycles():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     graph = import_graph()
     # the graph does hold the package's imports (the check is not vacuous)
-    assert "dsv4_jax.ops.sampling" in graph["dsv4_jax.spec.loop"]
+    assert "dsv4_jax.ops.sampling" in graph["dsv4_jax.speculative.loop"]
     assert "dsv4_jax.model" in graph["dsv4_jax.drafters.mtp"]          # model/__init__ runs first
     assert "dsv4_jax.model" not in graph["dsv4_jax.model.target"]      # its own package is already running
-    assert "dsv4_jax.params" in graph["dsv4_jax.convert.hf"]
+    assert "dsv4_jax.model.params" in graph["dsv4_jax.io.convert.hf"]
 
 
 def test_no_module_level_import_cycle():
@@ -153,13 +153,13 @@ def test_no_module_level_import_cycle():
 
 
 def test_no_cycle_between_layers():
-    """Subpackages and top-level modules (dsv4_jax.model, dsv4_jax.spec, dsv4_jax.decode, ...) form a DAG:
+    """Subpackages and top-level modules (dsv4_jax.model, dsv4_jax.speculative, dsv4_jax.model.decode, ...) form a DAG:
     e.g. the drafters never import the speculative loop that calls them (both import ops.sampling)."""
     layer = lambda m: ".".join(m.split(".")[:2])
     layers: dict[str, set[str]] = {}
     for m, targets in import_graph().items():
         layers.setdefault(layer(m), set()).update(layer(t) for t in targets if layer(t) != layer(m))
-    assert "dsv4_jax.drafters" in layers["dsv4_jax.spec"]
+    assert "dsv4_jax.drafters" in layers["dsv4_jax.speculative"]
     cycle = find_cycle(layers)
     assert cycle is None, "cycle between layers: " + " -> ".join(cycle)
 
@@ -195,7 +195,7 @@ def _env_reads(module: str) -> list[int]:
 
 
 def test_env_check_sees_reads():
-    assert _env_reads("dsv4_jax.sharding") and _env_reads("dsv4_jax.research.common")
+    assert _env_reads("dsv4_jax.parallel.multihost") and _env_reads("dsv4_jax.research.common")
 
 
 def test_no_environment_reads_in_traced_code():

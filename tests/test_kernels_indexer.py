@@ -7,7 +7,7 @@ import pytest
 from dsv4_jax.backends import Backends
 from dsv4_jax.config import tiny
 from dsv4_jax.kernels import lightning_indexer as li
-from dsv4_jax.model import indexer as model_indexer
+from dsv4_jax.model.layers import indexer as model_indexer
 from dsv4_jax.ops import indexer as ops
 
 PALLAS = Backends(indexer="pallas", interpret=True)

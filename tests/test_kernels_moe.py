@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax import params as params_mod
+from dsv4_jax.model import params as params_mod
 from dsv4_jax.backends import Backends
 from dsv4_jax.config import tiny
 from dsv4_jax.kernels import moe_decode, moe_prefill
-from dsv4_jax.model import moe as moe_mod
+from dsv4_jax.model.layers import moe as moe_mod
 from dsv4_jax.ops import moe as ops_moe
 from dsv4_jax.ops import quant
 

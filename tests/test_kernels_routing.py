@@ -7,7 +7,7 @@ import pytest
 from dsv4_jax.backends import Backends
 from dsv4_jax.config import HASH_MOE, MOE, tiny
 from dsv4_jax.kernels import routing
-from dsv4_jax.model import moe as moe_ref
+from dsv4_jax.model.layers import moe as moe_ref
 
 PALLAS = Backends(routing="pallas", interpret=True)
 

@@ -11,18 +11,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4_jax import backends, libtpu
+from dsv4_jax import backends
+from dsv4_jax.analysis import libtpu
 from dsv4_jax.backends import Backends
 from dsv4_jax.config import tiny
-from dsv4_jax.kernels import moe_prefill, tpu_aot, tpu_common, tpu_indexer, tpu_moe
-from dsv4_jax.model import indexer as model_indexer
-from dsv4_jax.model import moe as moe_mod
+from dsv4_jax.kernels import moe_prefill, tpu_common, tpu_indexer, tpu_moe
+from dsv4_jax.analysis import kernels_aot as tpu_aot
+from dsv4_jax.model.layers import indexer as model_indexer
+from dsv4_jax.model.layers import moe as moe_mod
 from dsv4_jax.ops import indexer as ops_indexer
 from dsv4_jax.ops import quant
 
 
 
-# ---- numpy references (the spec, target_model.md §2.8; weight_formats.md) ----
+# ---- numpy references (the spec, docs/model_math.md §2.8; docs/weight_formats.md) ----
 
 
 def np_dequant(fmt, codes, scale):

@@ -9,8 +9,10 @@ import pytest
 from jax.sharding import PartitionSpec as PS
 
 import dsv4_jax
-from dsv4_jax import backends as B, config as C, decode as D, memplan as M, params as P, sharding as S
-from dsv4_jax.model import moe_ep
+from dsv4_jax import backends as B, config as C, parallel as S
+from dsv4_jax.model import decode as D, params as P
+from dsv4_jax.analysis import memplan as M, memplan_cli
+from dsv4_jax.model.layers import moe_ep
 from dsv4_jax.model.target import forward_jit
 from dsv4_jax.ops import quant
 
@@ -95,7 +97,7 @@ def test_latency_preset_splits_every_large_matrix():
 # ---- local grouped matmuls ---------------------------------------------------------------------------------
 
 def _numpy_local(x, idx, w, local, w1, w2, w3, limit):
-    """Σ over local assignments of w · W2[e] swiglu(W1[e] x, W3[e] x) (target_model.md §2.8), float64 loops."""
+    """Σ over local assignments of w · W2[e] swiglu(W1[e] x, W3[e] x) (docs/model_math.md §2.8), float64 loops."""
     x, w1, w2, w3 = (np.asarray(a, np.float64) for a in (x, w1, w2, w3))
     out = np.zeros((x.shape[0], w2.shape[1]))
     for t in range(x.shape[0]):
@@ -221,7 +223,7 @@ def test_unroll_layers_counts_every_layer_and_keeps_logits():
 # ---- memory plan ---------------------------------------------------------------------------------------------
 
 def test_memplan_shows_presets(capsys):
-    assert M.main(["--sharding", "latency,throughput", "--devices", "8", "--dtype", "bf16"]) == 0
+    assert memplan_cli.main(["--sharding", "latency,throughput", "--devices", "8", "--dtype", "bf16"]) == 0
     text = capsys.readouterr().out
     assert "8 dev latency (1x1x8)" in text and "8 dev throughput (1x8x1)" in text
     config = C.flash()

@@ -4,9 +4,9 @@ import numpy as np
 from jax import monitoring
 
 import dsv4_jax as d
-from dsv4_jax.params import init_mtp
-from dsv4_jax.spec import generate as G, loop
-from dsv4_jax.spec import precompile as PC
+from dsv4_jax.model.params import init_mtp
+from dsv4_jax.speculative import generate as G, loop
+from dsv4_jax.speculative import precompile as PC
 
 COMPILES: list = []      # (phase, function name) of every XLA compile while a phase is recorded
 PHASE = [None]

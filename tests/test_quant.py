@@ -11,8 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4_jax import config as C, decode as D, memplan as M, params as P, sharding as S
-from dsv4_jax.cache import init_state
+from dsv4_jax import config as C, parallel as S
+from dsv4_jax.model import decode as D, params as P
+from dsv4_jax.analysis import memplan as M
+from dsv4_jax.model.state import init_state
 from dsv4_jax.ops import linear as L, moe as ops_moe, quant as Q
 
 rng = np.random.default_rng(0)
@@ -173,7 +175,7 @@ def test_abstract_trees_shardings_and_memplan_share_one_description():
     plan = M.plan(config, devices=1, weights="quantized", drafter="none")
     assert plan["weights_total"] == pytest.approx(nbytes, rel=0.05)
     assert plan["weights_total"] == nbytes                       # one description: exactly equal
-    assert abs(nbytes / 2 ** 30 - 145.3) < 0.1                    # weight_formats.md §6
+    assert abs(nbytes / 2 ** 30 - 145.3) < 0.1                    # docs/weight_formats.md §6
     # shardings: codes split like the dense twin, scales with them when whole 128-blocks land on each shard
     sizes = {"data": 1, "expert": 8, "model": 8}
     dense = P.flatten(S.param_partition_specs(config, sizes))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dsv4_jax.research import sweep
-from dsv4_jax.spec import generate as spec_generate
+from dsv4_jax.speculative import generate as spec_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

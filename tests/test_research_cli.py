@@ -15,12 +15,12 @@ import pytest
 
 import dsv4_jax as d
 from dsv4_jax.config import HASH_MOE, MOE, _schedule
-from dsv4_jax.demo_io import save_bundle
-from dsv4_jax.params import init_dspark, init_mtp
+from dsv4_jax.io.demo_io import save_bundle
+from dsv4_jax.model.params import init_dspark, init_mtp
 from dsv4_jax.research import batch_eval, common, prompts as P, report, sweep
 from dsv4_jax.research.runner import (RunPlan, Setting, bucket_of, generate_padded, length_buckets, plan_options,
                                       plan_shapes)
-from dsv4_jax.spec import generate as spec_generate, loop
+from dsv4_jax.speculative import generate as spec_generate, loop
 
 RUN = ["--limit", "1", "--max-new-tokens", "8", "--draft-n-max", "1,2", "--repeats", "2", "--no-compile-cache",
        "--quiet"]
@@ -150,7 +150,7 @@ def test_batch_eval_writes_documented_outputs(bundle, tmp_path):
     """Static and continuous batching of 3 prompts in 2 slots with per-request budgets: the documented files
     and fields, the same tokens under both schedules (greedy), one record per request and schedule."""
     out = str(tmp_path / "batch")
-    os.mkdir(out)                      # an existing empty --out is accepted (the rule of dsv4_jax.outdir)
+    os.mkdir(out)                      # an existing empty --out is accepted (the rule of dsv4_jax.io.outdir)
     assert batch_eval.main(["--model", bundle, "--out", out, "--spec", "none", "--batch-size", "2", "--num-prompts",
                             "3", "--limit", "1", "--output-lengths", "2-7", "--ignore-eos", "--prefill-len", "16",
                             "--no-compile-cache", "--quiet"]) == 0

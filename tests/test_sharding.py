@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as PS
 
-from dsv4_jax import cache, config as C, memplan as M, params as P, sharding as S
+from dsv4_jax.model import state as cache, params as P
+from dsv4_jax import config as C, parallel as S
+from dsv4_jax.analysis import memplan as M, memplan_cli
 
 from .eight_devices import run_checks
 
@@ -97,7 +99,7 @@ def test_one_device_mesh_and_shardings():
     placed = S.shard_params(params, config, mesh)
     for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params)):
         assert a.sharding.mesh == mesh and (a == b).all()
-    st = S.init_state(config, mesh, 2, 16, 4)
+    st = S.init_sharded_state(config, mesh, 2, 16, 4)
     ref = cache.init_state(config, 2, 16, 4)
     assert all((a == b).all() for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(ref)))
     with pytest.raises(ValueError):
@@ -187,7 +189,7 @@ def test_memplan_flash_bf16_one_device():
     specs = P.flatten(P.param_specs(config))
     f32 = sum(math.prod(s.shape) for s in specs.values() if s.kind != "weight")
     assert p["weights_total"] == 2 * (n - f32) + 4 * f32
-    assert abs(p["weights_total"] / GIB - 529.7) < 0.1                      # weight_formats.md §6
+    assert abs(p["weights_total"] / GIB - 529.7) < 0.1                      # docs/weight_formats.md §6
     assert p["parts"]["decode state"]["total"] == cache.state_bytes(config, 1, 4096, 8, jnp.bfloat16)["total"]
     assert p["per_device"] == p["total"]
 
@@ -195,7 +197,7 @@ def test_memplan_flash_bf16_one_device():
 def test_memplan_flash_quantized_and_per_device():
     config = C.flash()
     q1 = M.plan(config, devices=1, weights="quantized", drafter="mtp")
-    assert abs((q1["weights_total"] - q1["parts"]["drafter (mtp)"]["total"]) / GIB - 145.3) < 0.1   # §0 / §6
+    assert abs((q1["weights_total"] - q1["parts"]["drafter (mtp)"]["total"]) / GIB - 145.3) < 0.1   # docs/weight_formats.md §0 / §6
     assert abs(q1["parts"]["drafter (mtp)"]["total"] / GIB - 3.3) < 0.1
     experts = q1["parts"]["routed experts"]["total"]
     assert experts == pytest.approx(43 * 3 * 256 * 2048 * 4096 * (0.5 + 1 / 32), rel=1e-12)
@@ -221,21 +223,21 @@ def test_memplan_flash_quantized_and_per_device():
 
 def test_memplan_cli(capsys):
     with pytest.raises(SystemExit) as e:
-        M.main(["--help"])
+        memplan_cli.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     for opt in ("--devices", "--batch", "--context", "--dtype", "--json", "--mesh"):
         assert opt in text
-    assert M.main(["--devices", "1,8,16", "--dtype", "bf16,quantized", "--batch", "2", "--context", "8192"]) == 0
+    assert memplan_cli.main(["--devices", "1,8,16", "--dtype", "bf16,quantized", "--batch", "2", "--context", "8192"]) == 0
     text = capsys.readouterr().out
     assert "routed experts" in text and "16 dev (1x16x1)" in text and "fits 139 GiB" in text
-    assert M.main(["--json", "--devices", "8", "--dtype", "quantized", "--mesh", "1x2x4"]) == 0
+    assert memplan_cli.main(["--json", "--devices", "8", "--dtype", "quantized", "--mesh", "1x2x4"]) == 0
     out = json.loads(capsys.readouterr().out)
     (plan,) = out["quantized"]
     assert plan["mesh"] == {"data": 1, "expert": 2, "model": 4} and plan["devices"] == 8
     with pytest.raises(SystemExit):
-        M.main(["--dtype", "int3"])
-    proc = subprocess.run([sys.executable, "-m", "dsv4_jax.memplan", "--help"], capture_output=True, text=True,
+        memplan_cli.main(["--dtype", "int3"])
+    proc = subprocess.run([sys.executable, "-m", "dsv4_jax.analysis.memplan_cli", "--help"], capture_output=True, text=True,
                           cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
     assert proc.returncode == 0 and "dsv4-memplan" in proc.stdout
 
@@ -255,7 +257,7 @@ def test_memplan_notes_an_unsplittable_batch(capsys):
     (note,) = half["notes"]          # 6 splits over data (2), not over expert (8)
     assert "'expert' (8)" in note and "split 2 ways instead of 16" in note
     assert half["parts"]["decode state"]["per_device"] * 2 == pytest.approx(half["parts"]["decode state"]["total"])
-    assert M.main(["--preset", "tiny", "--devices", "8,16", "--dtype", "bf16", "--batch", "8",
+    assert memplan_cli.main(["--preset", "tiny", "--devices", "8,16", "--dtype", "bf16", "--batch", "8",
                    "--context", "256"]) == 0
     out = capsys.readouterr().out
     assert "note: 16 dev (1x16x1): decode state: batch 8" in out and "note: 8 dev" not in out

@@ -13,11 +13,11 @@ import pytest
 
 import dsv4_jax as d
 from dsv4_jax.config import _tiny_base
-from dsv4_jax.decode import CapacityError
+from dsv4_jax.model.decode import CapacityError
 from dsv4_jax.drafters.dspark import DSparkConfig
-from dsv4_jax.params import init_dspark, init_mtp
-from dsv4_jax.spec import slots as S
-from dsv4_jax.spec.scheduler import SlotEngine, call_widths, prefill_widths
+from dsv4_jax.model.params import init_dspark, init_mtp
+from dsv4_jax.speculative import slots as S
+from dsv4_jax.speculative.scheduler import SlotEngine, call_widths, prefill_widths
 
 PREFILL_LEN = 8
 MAX_LEN = 64
@@ -241,11 +241,11 @@ def test_bad_requests(model):
 MESH_SCRIPT = r"""
 import jax, numpy as np
 import dsv4_jax as d
-from dsv4_jax import sharding
+from dsv4_jax import parallel as sharding
 from dsv4_jax.config import _tiny_base
-from dsv4_jax.params import init_mtp
-from dsv4_jax.spec import slots as S
-from dsv4_jax.spec.scheduler import SlotEngine, prefill_widths
+from dsv4_jax.model.params import init_mtp
+from dsv4_jax.speculative import slots as S
+from dsv4_jax.speculative.scheduler import SlotEngine, prefill_widths
 cfg = _tiny_base(name="slots-mesh", ratios=[4, 8], n_hash=0, hc_mult=2, hc_sinkhorn_iters=3, n_routed_experts=4,
                  num_heads=2, o_groups=2)
 params = d.init_params(cfg, 0)

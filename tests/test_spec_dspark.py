@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 import dsv4_jax as d
-from dsv4_jax.decode import process_block
-from dsv4_jax.cache import init_state
+from dsv4_jax.model.decode import process_block
+from dsv4_jax.model.state import init_state
 from dsv4_jax.drafters import dspark
-from dsv4_jax.params import init_dspark
+from dsv4_jax.model.params import init_dspark
 
 from . import dspark_reference as ref
 from .test_spec_mtp import _softmax, _top_p

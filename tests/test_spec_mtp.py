@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 import dsv4_jax as d
-from dsv4_jax.decode import CapacityError
+from dsv4_jax.model.decode import CapacityError
 from dsv4_jax.drafters import mtp
 from dsv4_jax.model.target import hidden_states
-from dsv4_jax.params import init_mtp
-from dsv4_jax.spec import generate as spec_generate, loop
+from dsv4_jax.model.params import init_mtp
+from dsv4_jax.speculative import generate as spec_generate, loop
 
 from . import mtp_reference as ref
 
@@ -262,7 +262,7 @@ def test_one_compilation_per_shape(model):
 def test_loop_is_one_on_device_while(model):
     """The whole generation after the prefill is one while primitive: no host callbacks inside."""
     config, params = model
-    from dsv4_jax.spec.generate import start
+    from dsv4_jax.speculative.generate import start
     opts = loop.Options(drafter="mtp", k=2, greedy=True, max_new_tokens=4, eos_token_id=-1)
     knobs = loop.Knobs(*(jnp.float32(v) for v in (1.0, 1.0, 0.0, 0.0)))
     carry = start(params, config, np.array([[5, 6, 7]], np.int32), np.array([3]), max_len=32, opts=opts,

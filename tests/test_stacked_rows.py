@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax.cache import StackedRows, rows_of, take_rows
-from dsv4_jax.model import compressor
+from dsv4_jax.model.state import StackedRows, rows_of, take_rows
+from dsv4_jax.model.layers import compressor
 
 
 def _numpy_write(table, rows, index, ok):

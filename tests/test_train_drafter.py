@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from dsv4_jax import params as P
-from dsv4_jax.checkpoint import CheckpointConfig, load_checkpoint
-from dsv4_jax.demo_io import save_bundle
+from dsv4_jax.model import params as P
+from dsv4_jax.io.checkpoint import CheckpointConfig, load_checkpoint
+from dsv4_jax.io.demo_io import save_bundle
 from dsv4_jax.training import drafter_cli as CLI, drafter_export as X, drafter_tasks as T, drafter_train as DT
 from dsv4_jax.training import text_data as TD
 
@@ -331,7 +331,7 @@ def checks():
     return json.loads(line[len("RESULT "):])
 
 
-# DSpark's first stage sees identical input streams (the embedding copied to every stream, drafters.md §2.3),
+# DSpark's first stage sees identical input streams (the embedding copied to every stream, docs/drafter_math.md §2.3),
 # so its comb matrix C (doubly stochastic) gives C^T X = X whatever C is: those hc_attn parameters get an
 # exactly-zero gradient, computed as float noise. Adam turns noise into steps of up to ~lr, so there the two
 # runs can differ by up to steps x lr; every other leaf (and every optimizer moment) must agree to float

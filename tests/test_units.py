@@ -1,6 +1,6 @@
 """Unit tests of the model's building blocks against direct numpy formulations of the spec.
 
-Every reference below is written from `shared/spec/target_model.md` §2 with explicit loops in
+Every reference below is written from docs/model_math.md §2 with explicit loops in
 float64 numpy and shares no code with the library (the only library objects used are the
 functions under test and, for their static arguments, a config). Inputs are random and chosen so
 that the feature under test matters (non-symmetric C, active SwiGLU clamps, a router bias that
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax.config import HASH_MOE, MOE, flash, tiny
-from dsv4_jax.model import attention, compressor, hyper, indexer, moe, rope
+from dsv4_jax.model.layers import attention, compressor, hyper, indexer, moe, rope
 from dsv4_jax.ops import indexer as ops_indexer
 from dsv4_jax.ops import moe as ops_moe
 
@@ -88,7 +88,7 @@ def np_rope_vec(v, pos, freqs, inverse=False):
 
 
 def np_hc(x_tok, fn, base, scale, n, iters, eps, rms_eps=1e-6):
-    """mHC weights of one token (target_model.md §2.2). x_tok [n, D] -> pre [n], post [n], C [n, n]."""
+    """mHC weights of one token (docs/model_math.md §2.2). x_tok [n, D] -> pre [n], post [n], C [n, n]."""
     xh = x_tok.reshape(-1)
     xh = xh / np.sqrt(np.mean(xh ** 2) + rms_eps)
     mu = fn @ xh
@@ -210,7 +210,7 @@ def test_main_rope_is_plain_theta():
 def test_compress_rope_flash_yarn_values():
     c = flash()
     r, th = c.rope_head_dim, c.compress_rope_theta
-    assert np_yarn_bounds(r, th, 65536, 32, 1) == (15, 25)         # target_model.md §2.0
+    assert np_yarn_bounds(r, th, 65536, 32, 1) == (15, 25)         # docs/model_math.md §2.0
     got = rope.inv_freq(c, "compress").astype(np.float64)
     plain = np_rope_freqs(r, th)
     close(got, np_yarn_freqs(r, th, 16, 65536, 32, 1), 0, 2e-6)

@@ -28,7 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dsv4_jax import params as P, sharding as SH  # noqa: E402
+from dsv4_jax.model import params as P
+from dsv4_jax import parallel as SH  # noqa: E402
 from dsv4_jax.training import drafter_tasks as T, drafter_train as DT, target_cache as TC  # noqa: E402
 from tests import drafter_fixtures as F  # noqa: E402
 

@@ -1,6 +1,6 @@
-"""The interface every drafter implements for the speculative loop (DESIGN.md property 5).
+"""The interface every drafter implements for the speculative loop (docs/design.md property 5).
 
-A drafter is one object, registered by name in `dsv4_jax.drafters.registry`; the loop (`dsv4_jax.spec`)
+A drafter is one object, registered by name in `dsv4_jax.drafters.registry`; the loop (`dsv4_jax.speculative`)
 only calls these methods, never compares names:
 
     configure(params, config, k, meta)   host side, before any tracing: check that the weights are

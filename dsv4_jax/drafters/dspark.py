@@ -1,4 +1,4 @@
-"""The DSpark block drafter (drafters.md §2), as released for DeepSeek-V4-Flash.
+"""The DSpark block drafter (docs/drafter_math.md §2), as released for DeepSeek-V4-Flash.
 
 Per committed target position p: taps T_p = concat over tap layers of the mean over HC streams of
 the layer's output; c_p = RMSNorm_main_norm(main_proj · T_p); each stage s keeps context keys
@@ -9,7 +9,7 @@ to the context window; the DSpark hc_head gives y_j, base logits U_j = head(RMSN
 Markov head adds W2·W1[prev] to U_j (prev_0 = anchor, then the previous draft) and a confidence
 head c_j = sigmoid(w·[y_j; W1[prev_j]] (+ b)) decides how many drafts are verified.
 
-Decisions on drafters.md §8 (documented in docs/drafters.md):
+Decisions on docs/drafter_math.md §8 (documented in docs/drafters.md):
   * context visibility: query-relative by default (key k visible to block row j iff
     (a+j) − W < k < a, as llama.cpp and vLLM serve it); `context="anchor"` gives NeMo's training
     mask a − W ≤ k < a.
@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..cache import EMPTY
+from ..model.state import EMPTY
 from ..config import ModelConfig
-from ..model import hyper
-from ..model.attention import attend, grouped_output, project_kv, project_q
-from ..model.block import ffn_sublayer
-from ..model.compressor import write_ring
-from ..model.norms import rms_norm
-from ..model.rope import apply_rope, inv_freq
+from ..model.layers import hyper
+from ..model.layers.attention import attend, grouped_output, project_kv, project_q
+from ..model.layers.block import ffn_sublayer
+from ..model.layers.compressor import write_ring
+from ..model.layers.norms import rms_norm
+from ..model.layers.rope import apply_rope, inv_freq
 from ..ops.linear import embed, linear
 from .base import DraftSetup, Drafter
 from .common import block_config, draw
@@ -44,7 +44,7 @@ CONTEXTS = ("query", "anchor")
 
 @dataclasses.dataclass(frozen=True)
 class DSparkConfig:
-    """Static DSpark settings (drafters.md §2.1)."""
+    """Static DSpark settings (docs/drafter_math.md §2.1)."""
 
     block_size: int = 5
     noise_token_id: int = 128799

@@ -1,4 +1,4 @@
-"""The MTP drafter (drafters.md §1): one extra V4 block chained to draft up to k tokens.
+"""The MTP drafter (docs/drafter_math.md §1): one extra V4 block chained to draft up to k tokens.
 
 Row i of the MTP block takes the target's last-layer HC streams S_i (before hc_head) and the token
 x_{i+1}:  X0 = e_proj(enorm(E[x_{i+1}])) (on every stream) + h_proj(hnorm(S_i)) (per stream);
@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..cache import init_state
+from ..model.state import init_state
 from ..config import ModelConfig
-from ..model import hyper
-from ..model.block import layer_step
-from ..model.norms import rms_norm
+from ..model.layers import hyper
+from ..model.layers.block import layer_step
+from ..model.layers.norms import rms_norm
 from ..ops.linear import embed, linear
 from .base import DraftSetup, Drafter
 from .common import block_config, chain_length, draw

@@ -1,4 +1,4 @@
-"""Lightning-indexer scores kernel (target_model.md §2.7; math and top-k: `dsv4_jax.ops.indexer`).
+"""Lightning-indexer scores kernel (docs/model_math.md §2.7; math and top-k: `dsv4_jax.ops.indexer`).
 
 score(p, w) = Σ_h ω_h · ReLU(q_h · K_w) · dI^-0.5, −inf unless valid(p, w) = w < ⌊(p+1)/m⌋ and w < n_rows.
 

@@ -1,4 +1,4 @@
-"""MoE routing kernel (target_model.md §2.8; math: `ops.moe.route_from_logits`): s = sqrt(softplus(l)), top-k of s + bias (or hash ids),
+"""MoE routing kernel (docs/model_math.md §2.8; math: `ops.moe.route_from_logits`): s = sqrt(softplus(l)), top-k of s + bias (or hash ids),
 w = s[idx] / (Σ s[idx] + eps) · routed_scaling_factor.
 
 The router matmul l = x·W_rᵀ stays in XLA (a [T,D]×[D,E] GEMV, exactly as in `ops.moe.route_from_logits`), so the

@@ -1,4 +1,4 @@
-"""Lightning-indexer scores as a Pallas TPU (Mosaic) kernel (target_model.md §2.7; math: `ops.indexer`).
+"""Lightning-indexer scores as a Pallas TPU (Mosaic) kernel (docs/model_math.md §2.7; math: `ops.indexer`).
 
 score(p, w) = Σ_h ω_h · ReLU(q_h · K_w) · dI^-0.5, −inf unless w < ⌊(p+1)/m⌋ and w < n_rows[b] —
 the contract of `kernels.lightning_indexer.scores` (GPU) and `ops.indexer.scores` + `validity`.

@@ -1,4 +1,2 @@
-"""Pure functions of the DeepSeek-V4 target model, one concern per module."""
-from .target import embed, forward, head, hidden_states, run_segments
-
-__all__ = ["embed", "forward", "head", "hidden_states", "run_segments"]
+"""The DeepSeek-V4 target model: `target` (forward), `decode` (prefill / decode / verify / commit),
+`state` (the position-indexed decode state), `params` (parameter specs), `layers/` (one block's math)."""

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 
 from ..backends import Backends
 from ..bundle import CheckpointConfig, target_config
-from ..cache import STACKED_TABLES, StackedRows
+from .state import STACKED_TABLES, StackedRows
 from ..config import ModelConfig
 from ..ops.linear import embed as embed_rows
 from ..ops.linear import linear
-from ..schedule import segments
-from . import hyper
-from .block import layer_sequence
-from .norms import rms_norm
+from .schedule import segments
+from .layers import hyper
+from .layers.block import layer_sequence
+from .layers.norms import rms_norm
 
 
 def embed(params: dict, config: ModelConfig, tokens: jax.Array) -> jax.Array:

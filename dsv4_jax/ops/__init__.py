@@ -1,4 +1,4 @@
-"""Pure math shared by the model and the kernels (DESIGN property 8): a leaf layer.
+"""Pure math shared by the model and the kernels (docs/design.md property 8): a leaf layer.
 
 Modules here import only jax, numpy and ml_dtypes (never `ModelConfig`, the model or the kernels) and take
 plain arrays and scalars, so the model (`dsv4_jax.model`) and every kernel family (`dsv4_jax.kernels`)

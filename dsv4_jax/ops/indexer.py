@@ -1,4 +1,4 @@
-"""Lightning-indexer math (target_model.md §2.7) on plain arrays: scores, validity, exact top-k.
+"""Lightning-indexer math (docs/model_math.md §2.7) on plain arrays: scores, validity, exact top-k.
 
 score(p, w) = Σ_h ω_h · ReLU(q_h · K_w) · dI^-0.5 with ω = (W_ω h) · nI^-0.5, in float32;
 valid(p, w) = w < ⌊(p+1)/m⌋ (and w < n_rows[b]). The top-k keeps the k highest valid scores, ties to the

@@ -1,4 +1,4 @@
-"""Mixture-of-experts math (target_model.md §2.8) on plain arrays.
+"""Mixture-of-experts math (docs/model_math.md §2.8) on plain arrays.
 
 Routing: s = sqrt(softplus(l)) for router logits l = W_r h (float32); score-routed layers pick the top-k of
 s + bias (the bias for selection only, `lax.top_k` order: value desc, lower index first), hash layers take

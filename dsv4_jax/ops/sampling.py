@@ -1,8 +1,8 @@
-"""Target and draft distributions, and lossless verification (drafters.md §3.1): pure math on logits.
+"""Target and draft distributions, and lossless verification (docs/drafter_math.md §3.1): pure math on logits.
 
 Both distributions go through the same `filtered_probs` (softmax at temperature T, then top-p), so
 rejection sampling against them reproduces plain sampling from the target's filtered distribution.
-The drafters (`dsv4_jax.drafters`) and the speculative loop (`dsv4_jax.spec`) both import it from here.
+The drafters (`dsv4_jax.drafters`) and the speculative loop (`dsv4_jax.speculative`) both import it from here.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def verify_forced(target_logits: jax.Array, drafts: jax.Array, n_draft: jax.Arra
 
 
 def verify_sampled(key, target_logits, drafts, draft_probs, n_draft, temperature, top_p):
-    """Lossless rejection sampling (Leviathan et al.; drafters.md §3.1).
+    """Lossless rejection sampling (Leviathan et al.; docs/drafter_math.md §3.1).
 
     Draft j is accepted with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the next
     token is drawn from norm(max(p_j − q_j, 0)); if every proposed draft is accepted (or the chain

@@ -2,7 +2,7 @@
 batching, with and without speculation.
 
 The prompts (a suite, cycled to --num-prompts, or a prompts file) are all queued at time 0 and decoded in
-B slots by `dsv4_jax.spec.scheduler.SlotEngine`, under each --schedule in the same run on the same
+B slots by `dsv4_jax.speculative.scheduler.SlotEngine`, under each --schedule in the same run on the same
 prompts: `static` refills the slots only when the whole batch has finished (each batch runs until its
 longest sequence ends), `continuous` refills every freed slot between decode chunks. Output lengths
 spread by EOS or, with --output-lengths LO-HI, by per-request budgets drawn uniformly (seeded). For each
@@ -24,9 +24,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import sharding
-from ..spec.options import Sampling, Speculation
-from ..spec.scheduler import SCHEDULES, RunResult, SlotEngine
+from .. import parallel as sharding
+from ..speculative.options import Sampling, Speculation
+from ..speculative.scheduler import SCHEDULES, RunResult, SlotEngine
 from . import common, report
 from .common import OptionError
 from .models import add_model_args

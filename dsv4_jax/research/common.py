@@ -8,7 +8,7 @@ import re
 import jax
 from tqdm.auto import tqdm
 
-from .. import sharding
+from .. import parallel as sharding
 from . import prompts as P
 from .runner import SPEC_TYPES
 

@@ -2,13 +2,13 @@
 or a random tiny model for smoke tests.
 
     (default)       the bundled tiny model (`dsv4_jax.demo.tiny_demo()`)
-    --model DIR     a bundle written by `dsv4_jax.demo_io.save_bundle` (DIR/bundle.json) or a checkpoint
+    --model DIR     a bundle written by `dsv4_jax.io.demo_io.save_bundle` (DIR/bundle.json) or a checkpoint
                     written by `dsv4-convert` (DIR/dsv4.json, loaded with `load_checkpoint`)
     --random-tiny   a random `dsv4_jax.config.tiny()` target (byte vocabulary) with random MTP and DSpark
                     drafters, seeded by --model-seed
     --kernels NAME  the backend choice (`dsv4_jax.backends`: auto | reference | pallas), stored in the
                     model's config (its static field; part of every jit key)
-    --sharding P    place it on all devices with a sharding preset (`dsv4_jax.sharding.PRESETS`: "latency",
+    --sharding P    place it on all devices with a sharding preset (`dsv4_jax.parallel.PRESETS`: "latency",
                     "throughput"): the preset's mesh and rules, the expert-parallel MoE in the config
 
 A model is held as the config bundle `load_checkpoint` returns (`CheckpointConfig`: target config plus
@@ -25,15 +25,15 @@ import jax.numpy as jnp
 
 from .. import backends
 from ..bundle import CheckpointConfig, as_bundle
-from .. import sharding as S
-from ..checkpoint import load_checkpoint
+from .. import parallel as S
+from ..io.checkpoint import load_checkpoint
 from ..config import ModelConfig, tiny
 from ..demo import ASSET_DIR, ByteTokenizer, demo_dspark_config, tiny_demo
-from ..demo_io import load_bundle
+from ..io.demo_io import load_bundle
 from ..drafters import registry
 from ..drafters.base import DraftSetup
 from ..drafters.dspark import DSparkConfig
-from ..params import init_dspark, init_mtp, init_params
+from ..model.params import init_dspark, init_mtp, init_params
 
 BUNDLE_META = "bundle.json"
 CHECKPOINT_META = "dsv4.json"

@@ -1,6 +1,6 @@
 """Aggregates, markdown tables, plots and atomic output directories for the research CLIs.
 
-Metric names follow drafters.md §4.1 and the llama.cpp MTP bench: `total_predicted` (generated
+Metric names follow docs/drafter_math.md §4.1 and the llama.cpp MTP bench: `total_predicted` (generated
 tokens), `total_draft` (drafted tokens), `total_draft_accepted`, `aggregate_accept_rate` =
 accepted / drafted, `mean_accepted_length` = (accepted + rounds) / rounds (includes the bonus token),
 `per_position_accept_rate[j]` = rounds whose draft j+1 was accepted / rounds that proposed a draft j+1,
@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import jax
 import numpy as np
 
-from .. import outdir
+from ..io import outdir
 from .runner import BASELINE, KNOB_LABELS
 
 AGGREGATE_FIELDS = ("n_requests", "total_predicted", "total_draft", "total_draft_accepted", "aggregate_accept_rate",
@@ -399,7 +399,7 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 def check_out_dir(path: str, overwrite: bool) -> None:
     """Refuse a file or an existing non-empty directory unless overwrite (checked before any work);
-    missing parents are fine, they are created (the rule of `dsv4_jax.outdir`, shared with dsv4-convert)."""
+    missing parents are fine, they are created (the rule of `dsv4_jax.io.outdir`, shared with dsv4-convert)."""
     outdir.check_target(path, overwrite, "--out")
 
 

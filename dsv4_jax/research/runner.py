@@ -31,9 +31,9 @@ import time
 from typing import Any, Mapping, Sequence
 
 from ..drafters import registry
-from ..spec.generate import generate, prepare
-from ..spec.precompile import compile_all, programs
-from ..spec.options import RunShape, Sampling, Speculation
+from ..speculative.generate import generate, prepare
+from ..speculative.precompile import compile_all, programs
+from ..speculative.options import RunShape, Sampling, Speculation
 
 BASELINE = "none"                          # no speculation: what speed-ups are measured against
 SPEC_TYPES = (BASELINE, "mtp", "dspark")   # the drafters the CLIs offer (names in drafters.registry)

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Sequence
 
-from ..outdir import OutDirError
+from ..io.outdir import OutDirError
 from ..drafters import registry
 from . import common, report
 from .common import OptionError

@@ -29,13 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import sharding as SH
+from .. import parallel as SH
 from ..demo import ByteTokenizer
 from ..drafters.dspark import DSparkConfig
 from . import drafter_export as X, drafter_tasks as T, drafter_train as DT, target_cache as TC
 from . import target_source as TS, text_data as TD
 from .plots import plot_run
-from .spec_eval import SpeculativeEval
+from .speculative_eval import SpeculativeEval
 
 EXAMPLES = """examples:
   # the bundled tiny model, byte tokenizer, a few CPU minutes (the stdlib corpus as training text)

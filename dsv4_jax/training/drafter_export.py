@@ -23,12 +23,12 @@ import shutil
 
 import numpy as np
 
-from .. import params as P
-from ..checkpoint import META_FILE, read_metadata
+from ..model import params as P
+from ..io.checkpoint import META_FILE, read_metadata
 from ..config import ModelConfig
-from ..convert.writer import FORMAT_VERSION, ItemWriter, write_json_atomic
-from ..outdir import AtomicDir
-from ..schedule import segments
+from ..io.convert.writer import FORMAT_VERSION, ItemWriter, write_json_atomic
+from ..io.outdir import AtomicDir
+from ..model.schedule import segments
 
 
 class ExportError(ValueError):

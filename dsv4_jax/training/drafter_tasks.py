@@ -3,8 +3,8 @@
 A task (`MTPTask`, `DSparkTask`: frozen, hashable, a static argument of the jitted step) fixes:
   * the target states the objective reads (`target_states`), computed from the frozen target in the
     training step or read from a cache of them (`training.target_cache`):
-        MTP     hidden  [B,L,n,D]  last-layer HC streams before hc_head (drafters.md §1.2)
-        DSpark  taps    [B,L,t,D]  mean over HC streams of each tap layer (drafters.md §2.3)
+        MTP     hidden  [B,L,n,D]  last-layer HC streams before hc_head (docs/drafter_math.md §1.2)
+        DSpark  taps    [B,L,t,D]  mean over HC streams of each tap layer (docs/drafter_math.md §2.3)
                 head_in [B,L,D]    the target head's input, RMSNorm(hc_head(X_last))
     The target's logits are recomputed from them (`head_in @ head.T`; for MTP from `hidden`), which is
     one matmul: a cache needs no [L, V] rows. DSpark computes them only at the rows its blocks read.
@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import params as P
+from ..model import params as P
 from ..config import ModelConfig
 from ..drafters.dspark import DSparkConfig
-from ..model import hyper
-from ..model.norms import rms_norm
-from ..schedule import locate
+from ..model.layers import hyper
+from ..model.layers.norms import rms_norm
+from ..model.schedule import locate
 from . import objectives
 
 INITS = ("scratch", "drafter", "target-layers")

@@ -2,7 +2,7 @@
 resumable through an Orbax CheckpointManager.
 
 Train state {params: f32 master weights, opt: optax state, step}. On a mesh every params leaf (and its
-optimizer moments) lives in the NamedSharding that `dsv4_jax.sharding` derives from the drafter's logical
+optimizer moments) lives in the NamedSharding that `dsv4_jax.parallel` derives from the drafter's logical
 axes (`params.mtp_specs` / `dspark_specs`: experts over expert × model, heads and vocabulary over model,
 the router replicated), the frozen target in `sharding.param_shardings`, and the batch is split over
 data × expert (the `batch` rule). `train_step` is one jitted GSPMD program: for each of the grad_accum
@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from .. import sharding as SH
+from .. import parallel as SH
 from ..config import ModelConfig
 from . import drafter_tasks as T
 

@@ -1,7 +1,7 @@
 """Held-out evaluation of the tiny demo bundle: acceptance per position, mean accepted length,
 greedy losslessness and the wall-clock speed-up of speculative decoding, all in one run.
 
-Besides the end-to-end speed-up, each run reports where it is bounded (drafters.md §4.1 terms):
+Besides the end-to-end speed-up, each run reports where it is bounded (docs/drafter_math.md §4.1 terms):
 a round costs `round_cost_in_decode_steps` = (decode time / rounds) / (plain decode time / token)
 and emits mean_accepted_length tokens, so speed-up = mean_accepted_length / round cost; with every
 draft accepted it could reach at most (k + 1) / round cost (`speedup_bound_full_acceptance`).
@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax as d
-from dsv4_jax.bundle import CheckpointConfig, target_config
-from dsv4_jax.decode import prefill, process_block
-from dsv4_jax.demo import ByteTokenizer, tiny_demo
-from dsv4_jax.drafters import registry
-from dsv4_jax.drafters.base import Knobs
-from dsv4_jax.research.report import markdown_table
+from ..bundle import CheckpointConfig, target_config
+from ..model.decode import prefill, process_block
+from ..demo import ByteTokenizer, tiny_demo
+from ..drafters import registry
+from ..drafters.base import Knobs
+from ..research.report import markdown_table
 
 from . import data
 

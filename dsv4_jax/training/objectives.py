@@ -5,16 +5,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..cache import EMPTY, init_state
+from ..model.state import EMPTY, init_state
 from ..config import ModelConfig
-from ..decode import process_block
+from ..model.decode import process_block
 from ..drafters import dspark
 from ..drafters.common import block_config
-from ..model import hyper
-from ..model.attention import project_kv
-from ..model.block import layer_sequence
-from ..model.norms import rms_norm
-from ..model.rope import inv_freq
+from ..model.layers import hyper
+from ..model.layers.attention import project_kv
+from ..model.layers.block import layer_sequence
+from ..model.layers.norms import rms_norm
+from ..model.layers.rope import inv_freq
 from ..model.target import head, hidden_states
 
 

@@ -1,7 +1,7 @@
 """The frozen target a drafter is trained against: the bundled tiny model, a bundle, or a converted checkpoint.
 
     tiny-demo        the bundled tiny model (`dsv4_jax.tiny_demo()`, byte vocabulary); also "bundled"
-    DIR/bundle.json  a bundle written by `dsv4_jax.demo_io.save_bundle` (e.g. experiments/train_tiny.py)
+    DIR/bundle.json  a bundle written by `dsv4_jax.io.demo_io.save_bundle` (e.g. experiments/train_tiny.py)
     DIR/dsv4.json    a checkpoint written by `dsv4-convert` (any stored format `load_checkpoint` reads)
 
 `describe` reads metadata only (a checkpoint's dsv4.json; a bundle's small weight file), so every check
@@ -15,12 +15,13 @@ import hashlib
 import json
 import os
 
-from ..checkpoint import CheckpointConfig, load_checkpoint, read_metadata
+from ..io.checkpoint import CheckpointConfig, load_checkpoint, read_metadata
 from ..config import ModelConfig
 from ..demo import ASSET_DIR, demo_dspark_config
-from ..demo_io import META as BUNDLE_META, load_bundle
+from ..io.demo_io import META as BUNDLE_META, load_bundle
 from ..drafters.dspark import DSparkConfig
-from .. import params as P, sharding as SH
+from ..model import params as P
+from .. import parallel as SH
 
 TINY_DEMO = ("tiny-demo", "bundled")
 

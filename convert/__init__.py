@@ -1,1 +1,0 @@
-"""Checkpoint readers and converters (installed as `dsv4_jax.convert`)."""

@@ -1,0 +1,119 @@
+"""The programs the report compiles, each a jitted function with abstract, sharded arguments and its bound.
+
+    prefill       `decode.process_block` on a chunk of [B, prefill_chunk] tokens against a state at `context`
+    decode        `decode.process_block` on [B, 1] (the call `decode_step` makes)
+    verify        `decode.process_block` on [B, k+1] (the call `verify` makes)
+    spec-mtp      one round of the speculative loop with the MTP drafter (`spec.loop.round_step`: draft k,
+                  verify k+1, accept, commit, observe) — one round, not `run_rounds`: the loop is a
+                  `while_loop`, whose body XLA's cost analysis would count once whatever the trip count
+    spec-dspark   the same with the DSpark drafter (3 stages, 3 taps, Markov rank 256; k ≤ block size 5)
+
+The config passed in carries the backends; the report sets `unroll_layers=True` so every layer is in the
+program text. The speculative round's options (`spec.loop.Options`) and carry are built in `_round` only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ...config import ModelConfig
+from ...model.decode import process_block
+from ...drafters import registry
+from ...drafters.base import Knobs
+from ...speculative import loop
+from . import bounds
+from . import inputs as I
+
+PROGRAMS = ("prefill", "decode", "verify", "spec-mtp", "spec-dspark")
+MAX_NEW_TOKENS = 256        # the loop's output buffer per sequence (a static size of the carry)
+
+
+@dataclasses.dataclass
+class Program:
+    """One program to compile: `fn.lower(*args)`; `bound` = its bytes bound (whole slice)."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    bound: dict
+    tokens_per_sequence: int
+    notes: str = ""
+
+    def lower(self):
+        return self.fn.lower(*self.args)
+
+    @property
+    def argument_bytes_per_device(self) -> float:
+        return I.per_device_bytes([a for a in self.args if _is_abstract(a)])
+
+
+def _is_abstract(x) -> bool:
+    return all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(x)) and bool(jax.tree.leaves(x))
+
+
+def _block(name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, S: int, rules) -> Program:
+    params = I.target_params(config, mesh, weights, rules)
+    state = I.decode_state(config, mesh, sh.batch, sh.max_len, sh.max_block, rules)
+    tokens = I.batch_array(mesh, (sh.batch, S), jnp.int32, rules=rules)
+    n_valid = I.replicated(mesh, (sh.batch,), jnp.int32)
+    bound = bounds.target_bound(config, weights, sh.batch, sh.context, S)
+    return Program(name, process_block, (params, config, state, tokens, n_valid), bound, S)
+
+
+def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, rules) -> Program:
+    """One speculative round (`spec.loop.round_step`, greedy verification) with the drafter `drafter_name`
+    (configured, initialised and run through the `drafters.registry` interface): the only place that builds
+    the loop's Options and Carry."""
+    B, dt = sh.batch, I.COMPUTE_DTYPE
+    params = I.target_params(config, mesh, weights, rules)
+    if drafter_name == "mtp":
+        params["mtp"] = I.mtp_params(config, mesh, weights, rules)
+    else:
+        params["dspark"] = I.dspark_params(config, mesh, weights, rules)
+    drafter = registry.get(drafter_name)
+    setup = drafter.configure(params, config, sh.draft_n_max)
+    k = setup.k
+    notes = "" if k == sh.draft_n_max else \
+        f"k = {sh.draft_n_max} > DSpark block size {setup.settings.block_size}: compiled with k = {k}"
+    # drafter state: MTP [B, ...]; DSpark [stages, B, ...]
+    batch_axis = 0 if drafter_name == "mtp" else 1
+    dstate = jax.eval_shape(lambda: drafter.init(params, config, setup, B, sh.max_len, dt))
+    dstate = jax.tree.map(lambda x: I.batch_array(mesh, x.shape, x.dtype, batch_axis, rules), dstate)
+    opts = loop.Options(drafter=drafter_name, k=k, greedy=True, max_new_tokens=MAX_NEW_TOKENS,
+                        eos_token_id=config.eos_token_id, taps=setup.taps, settings=setup.settings)
+    if drafter_name == "mtp":
+        bound = bounds.mtp_round_bound(config, weights, B, sh.context, k)
+    else:
+        dp = params["dspark"]
+        bound = bounds.dspark_round_bound(config, weights, B, sh.context, k, setup.settings.block_size,
+                                          len(dp["stages"]), len(setup.taps), dp["markov_w1"].shape[1])
+    ints = lambda *shape: I.batch_array(mesh, shape, jnp.int32, rules=rules)
+    carry = loop.Carry(
+        out=ints(B, MAX_NEW_TOKENS + k + 1), out_len=ints(B), limit=ints(B), last=ints(B),
+        done=I.batch_array(mesh, (B,), jnp.bool_, rules=rules),
+        target=I.decode_state(config, mesh, B, sh.max_len, sh.max_block, rules), drafter=dstate,
+        key=I.replicated(mesh, (2,), jnp.uint32),
+        stats=loop.Stats(rounds=ints(B), drafted=ints(B), accepted=ints(B), per_position=ints(B, k),
+                         proposed_at=ints(B, k), length_hist=ints(B, k + 1)),
+        round=I.replicated(mesh, (), jnp.int32))
+    scalar = lambda: I.replicated(mesh, (), jnp.float32)
+    knobs = Knobs(temperature=scalar(), top_p=scalar(), p_min=scalar(), confidence=scalar())
+    return Program(f"spec-{drafter_name}", loop.round_jit, (params, config, carry, knobs, opts), bound, k + 1,
+                   notes)
+
+
+def build(name: str, config: ModelConfig, mesh, weights: str, shapes: I.Shapes, rules=None) -> Program:
+    """The program `name` (one of PROGRAMS) for `config` on `mesh` with weights in format `weights`."""
+    I.check_weights(weights)
+    if name == "prefill":
+        return _block(name, config, mesh, weights, shapes, shapes.prefill_chunk, rules)
+    if name == "decode":
+        return _block(name, config, mesh, weights, shapes, 1, rules)
+    if name == "verify":
+        return _block(name, config, mesh, weights, shapes, shapes.max_block, rules)
+    if name in ("spec-mtp", "spec-dspark"):
+        return _round(name.split("-")[1], config, mesh, weights, shapes, rules)
+    raise ValueError(f"unknown program {name!r}; choose from {PROGRAMS}")

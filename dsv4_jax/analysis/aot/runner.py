@@ -1,0 +1,314 @@
+"""Run the report: for each topology × weight format, build and compile every requested program.
+
+`model_config` picks the model (a preset, optionally with fewer of Flash's repeated HCA/CSA pairs, or
+`small` dimensions for quick checks). `Counting` says how every layer is counted (XLA's cost analysis counts
+a `while` body once; `aot.compile` describes the methods): "extrapolate" (default: the program as run for
+the fit and HLO analysis, two small unrolled programs for the costs, `aot.extrapolate`), "unroll" (the full
+program unrolled) or "scan" (one compile, repeated layers counted once by XLA). `mesh_shape` resolves
+`--mesh` / `--mesh-preset` to (data, expert, model) sizes. `run` returns the report dict that
+`report.write` renders.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import importlib.metadata
+import math
+import os
+import platform
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+from jax.sharding import AbstractMesh
+
+from ... import backends as B
+from ...model import params as P
+from ... import parallel as S
+from ...config import ModelConfig, preset
+from . import chips, compile as C, extrapolate as X, inputs as I, programs as PR
+from .kernel_hook import kernel_reports
+
+# --mesh-preset: name -> (data, expert, model) sizes for n devices. "default" is sharding.default_mesh_shape
+# (experts split n ways, attention data-parallel); the expert-parallel presets ("latency" / "throughput",
+# issue 19) register here.
+MESH_PRESETS: dict[str, Callable[[int], tuple[int, int, int]]] = {"default": S.default_mesh_shape}
+
+# --small: the same layer schedule with tiny dimensions (compiles in seconds; checks the report, not Flash)
+SMALL_DIMS = dict(vocab_size=256, hidden_size=64, num_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=24,
+                  o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=8, index_head_dim=16, index_topk=4,
+                  n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32)
+
+
+def model_config(name: str = "flash", *, pairs: int | None = None, small: bool = False,
+                 backends: str | B.Backends = "reference", platform: str = "tpu", unroll: bool = True) -> ModelConfig:
+    """The preset `name`; `pairs` keeps the leading non-repeated layers and that many of the repeated
+    HCA/CSA pairs (Flash: 3 + 2·20 layers); `small` shrinks the dimensions (same schedule)."""
+    c = preset(name)
+    if pairs is not None:
+        lead = 3
+        n_pairs = (c.num_layers - lead) // 2
+        if not 0 <= pairs <= n_pairs:
+            raise ValueError(f"--pairs must be in 0..{n_pairs} for {name} ({n_pairs} HCA/CSA pairs), got {pairs}")
+        n = lead + 2 * pairs
+        if n < c.num_layers:
+            c = c.replace(name=f"{c.name}-{n}L", num_layers=n, layer_types=c.layer_types[:n],
+                          compress_ratios=c.compress_ratios[:n], mlp_layer_types=c.mlp_layer_types[:n])
+    if small:
+        c = c.replace(name=f"small-{c.name}", **SMALL_DIMS,
+                      yarn=dataclasses.replace(c.yarn, original_max_position_embeddings=64) if c.yarn else None)
+    b = B.resolve(backends, platform)       # Pallas off GPU switches interpret mode on
+    if platform == "tpu" and b.interpret:
+        raise B.BackendError(f"backends {b.describe()}: the Pallas GPU (Triton) kernels do not compile for TPU; "
+                             "use --kernels reference or pallas_tpu")
+    return c.with_backends(b.replace(unroll_layers=unroll))
+
+
+COUNT_METHODS = ("extrapolate", "unroll", "scan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Counting:
+    """The configs a program is compiled from under one way of counting every layer.
+
+    method: "extrapolated" (`program` = the model as run; `points` = (a, n, config with a, with a + 1
+    repetitions, unrolled)), "unrolled" (`program` unrolled; `as_run` with the layer scans, or None with
+    --fit-from-unrolled) or "scan" (`program` as run, nothing else)."""
+
+    method: str
+    program: ModelConfig
+    as_run: ModelConfig | None = None
+    points: tuple | None = None
+
+
+def counting(config: ModelConfig, count: str = "extrapolate", fit_as_run: bool = True,
+             base: int = X.DEFAULT_BASE) -> Counting:
+    """The configs for `count` (one of COUNT_METHODS); "extrapolate" on a model with at most base + 1
+    repetitions compiles it unrolled (as small as the two extrapolation points)."""
+    if count not in COUNT_METHODS:
+        raise ValueError(f"unknown count method {count!r}; choose from {COUNT_METHODS}")
+    rolled = config.with_backends(config.backends.replace(unroll_layers=False))
+    flat = config.with_backends(config.backends.replace(unroll_layers=True))
+    if count == "scan":
+        return Counting("scan", rolled)
+    pts = X.points(config, base) if count == "extrapolate" else None
+    if pts is None:
+        return Counting("unrolled", flat, rolled if fit_as_run else None)
+    a, b, n = pts
+    return Counting("extrapolated", rolled, points=(a, n, X.with_reps(flat, a), X.with_reps(flat, b)))
+
+
+def mesh_shape(n_devices: int, mesh: Sequence[int] | None = None, preset_name: str = "default") -> tuple[int, ...]:
+    if mesh is not None:
+        if math.prod(mesh) != n_devices:
+            raise ValueError(f"mesh {'x'.join(map(str, mesh))} has {math.prod(mesh)} devices, the topology "
+                             f"{n_devices}")
+        return tuple(mesh)
+    if preset_name not in MESH_PRESETS:
+        raise ValueError(f"unknown mesh preset {preset_name!r}; choose from {sorted(MESH_PRESETS)}")
+    return tuple(MESH_PRESETS[preset_name](n_devices))
+
+
+def _versions() -> dict:
+    out = {"jax": jax.__version__}
+    try:
+        out["libtpu"] = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        out["libtpu"] = None
+    return out
+
+
+def meta(command: str) -> dict:
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, "
+                       f"{platform.system()} {platform.release()})",
+            "python": platform.python_version(), "command": command, **_versions()}
+
+
+def plan_run(topology: chips.Topology, config: ModelConfig, weights: str, shapes: I.Shapes, programs: Sequence[str],
+             mesh: Sequence[int] | None, mesh_preset: str, rules=None) -> dict:
+    """What `run` would compile, from abstract shapes only (no libtpu, no compile): per-device argument
+    bytes against the table HBM, and the bounds."""
+    shape = mesh_shape(topology.chips, mesh, mesh_preset)
+    amesh = AbstractMesh(shape, S.MESH_AXES)
+    rows = []
+    for name in programs:
+        p = PR.build(name, config, amesh, weights, shapes, rules)
+        rows.append({"program": name, "argument_bytes_per_device": p.argument_bytes_per_device,
+                     "bound": p.bound, "tokens_per_sequence": p.tokens_per_sequence})
+    return {"topology": topology.name, "chips": topology.chips, "mesh": shape, "weights": weights,
+            "hbm_table_gib": topology.chip.hbm_gib, "programs": rows}
+
+
+def _log(msg: str, t0: float, log) -> None:
+    if log:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=log, flush=True)
+
+
+def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, config: ModelConfig, *,
+        programs: Sequence[str] = PR.PROGRAMS, mesh: Sequence[int] | None = None, mesh_preset: str = "default",
+        rules=None, hbm_gib: float | None = None, top: int = 15, force: bool = False, kernels: bool = True,
+        hlo_dir: str | None = None, command: str = "", log=sys.stdout, checkpoint: Callable | None = None,
+        prefill_min: int = 8, fit_as_run: bool = True, count: str = "extrapolate",
+        base: int = X.DEFAULT_BASE, fit_from: Sequence[tuple[str, dict]] = ()) -> dict:
+    """Compile `programs` for every topology × weight format; returns the report dict. A prefill chunk that
+    does not fit is halved until it does (`compile_prefill`, not below `prefill_min` tokens per sequence).
+    count: how every layer is counted (`counting`; the config's own unroll_layers is not used); base: the
+    smaller repetition count of "extrapolate"; fit_from: saved (path, report)s whose rows of the same
+    program as run (same model, shapes, topology, weights, mesh, chunk; compiled with the layer scans) give
+    the fit and HLO analysis instead of a new full compile ("extrapolate" only; `reusable_row`);
+    fit_as_run ("unroll" only): also compile each program with
+    its layer scans (as a run executes it) for the fit. checkpoint(report) is called after every program
+    (the CLI writes a partial JSON with it).
+    """
+    t0 = time.perf_counter()
+    say = lambda msg: _log(msg, t0, log)
+    how = counting(config, count, fit_as_run, base)
+    report = {"meta": meta(command), "model": {"name": config.name, "layers": config.num_layers,
+                                               "params_b": P.count_params(config) / 1e9,
+                                               "unroll_layers": how.method == "unrolled"},
+              "counting": _counting_meta(how), "backends": how.program.backends.describe(),
+              "shapes": dataclasses.asdict(shapes), "runs": []}
+    for tname in topologies:
+        topo = chips.parse(tname)
+        devs = chips.devices(topo)
+        hbm, source = (hbm_gib * chips.GIB, "--hbm-gib") if hbm_gib else chips.hbm_bytes(topo, devs)
+        shape = mesh_shape(len(devs), mesh, mesh_preset)
+        target = Target(topo, devs, S.make_mesh(shape, devs), hbm,
+                        chips.TPU_COMPILE_OPTIONS if topo.is_tpu else None)
+        for w in weights:
+            run_ = {"topology": topo.name, "chips": len(devs), "hosts": chips.host_count(devs),
+                    "chip": dataclasses.asdict(topo.chip), "device_kind": devs[0].device_kind,
+                    "hbm_bytes": hbm, "hbm_source": source, "mesh": dict(zip(S.MESH_AXES, shape)),
+                    "mesh_text": "×".join(map(str, shape)), "weights": w, "programs": []}
+            report["runs"].append(run_)
+            for name in programs:
+                dump = os.path.join(hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if hlo_dir else None
+                saved = functools.partial(reusable_row, fit_from, config, shapes, topo.name, w, run_["mesh_text"],
+                                          name)
+                one = functools.partial(compile_one, target, name, how, w, rules=rules, top=top,
+                                        force=force, hlo_dump=dump, say=say, saved=saved)
+                run_["programs"].append(compile_prefill(one, shapes, prefill_min) if name == "prefill"
+                                        else one(shapes))
+                if checkpoint:
+                    report["meta"]["wall_s"] = time.perf_counter() - t0
+                    checkpoint(report)
+            if kernels and topo.is_tpu:
+                run_["kernels"] = kernel_reports(topo.name, config, shapes, w, log=say)
+    report["meta"]["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where programs are compiled for: topology, its devices and mesh, HBM per device, compiler options."""
+
+    topology: chips.Topology
+    devices: list
+    mesh: object
+    hbm: float
+    options: dict | None
+
+
+def _counting_meta(how: Counting) -> dict:
+    out = {"method": how.method}
+    if how.points:
+        a, n, ca, cb = how.points
+        out.update(reps=(a, a + 1), layers=(ca.num_layers, cb.num_layers), extrapolated_to=n)
+    return out
+
+
+def reusable_row(sources: Sequence[tuple[str, dict]], config: ModelConfig, shapes: I.Shapes, topology: str,
+                 weights: str, mesh_text: str, name: str, chunk: int) -> dict | None:
+    """The row of program `name` as run in a saved report of the same model (name, layers), shapes
+    (prefill: the same chunk), topology, weights and mesh, compiled with its layer scans (`--count scan`, or
+    the as-run half of an "extrapolated" / "unrolled" row), with "fit_source" naming the report; else None."""
+    for path, rep in sources:
+        if (rep["model"]["name"], rep["model"]["layers"]) != (config.name, config.num_layers) or \
+                {k: v for k, v in rep["shapes"].items() if k != "prefill_chunk"} != \
+                {k: v for k, v in dataclasses.asdict(shapes).items() if k != "prefill_chunk"}:
+            continue
+        for run_ in rep["runs"]:
+            if (run_["topology"], run_["weights"], run_["mesh_text"]) != (topology, weights, mesh_text):
+                continue
+            for r in run_["programs"]:
+                if r["program"] != name or not r.get("compiled") or \
+                        (name == "prefill" and r["tokens_per_sequence"] != chunk):
+                    continue
+                method = r.get("cost_method") or ("unrolled" if r.get("cost_counts_every_layer", True) else "scan")
+                if method == "scan":
+                    out = dict(r, cost_as_run=r["cost"])
+                elif "memory_as_run" in r or method == "extrapolated":   # its "hlo" is the program as run's
+                    out = dict(r, memory=r.get("memory_as_run", r["memory"]))
+                else:
+                    continue
+                out["fit_source"] = f"{path} ({rep['meta'].get('date')}: {rep['meta'].get('command')})"
+                return out
+    return None
+
+
+def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: I.Shapes, last_try: bool = True,
+                *, rules=None, top: int = 15, force: bool = False, hlo_dump: str | None = None,
+                say=lambda msg: None, saved: Callable[[int], dict | None] = lambda chunk: None) -> dict:
+    """Build program `name` from the configs of `how` and compile it (`compile.compile_program`); with
+    "extrapolated" counting, `saved(chunk)` may give a saved row of the program as run (`reusable_row`)."""
+    label = f"{target.topology.name} {weights} {name}"
+    say(f"{label}: building ({how.method})")
+    build = lambda cfg: PR.build(name, cfg, target.mesh, weights, shapes, rules)
+    prog = build(how.program)
+    as_run = build(how.as_run) if how.as_run is not None else None
+    points = None
+    if how.points:
+        a, n, ca, cb = how.points
+        points = C.Counting(a, n, build(ca), build(cb), (ca.num_layers, cb.num_layers))
+    reuse = saved(shapes.prefill_chunk) if points is not None else None
+    if reuse is not None:
+        say(f"{label}: fit and HLO analysis from {reuse['fit_source'][:160]}")
+    row = C.compile_program(prog, target.topology.chip, len(target.devices), target.hbm, as_run=as_run,
+                            counting=points, options=target.options, top=top, force=force, hlo_dump=hlo_dump,
+                            count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse)
+    say(f"{label}: {summary_line(row)}")
+    return row
+
+
+def compile_prefill(compile_one: Callable[..., dict], shapes: I.Shapes, min_chunk: int) -> dict:
+    """The prefill chunk: when it does not fit, halve the chunk (down to `min_chunk` tokens per sequence) and
+    compile again; the row is the largest chunk that fits, with every attempt listed. compile_one(shapes,
+    last_try) may skip the costs of a chunk that does not fit when a smaller one follows."""
+    attempts, sh = [], shapes
+    while True:
+        row = compile_one(sh, sh.prefill_chunk // 2 < min_chunk)
+        attempts.append({"prefill_chunk": sh.prefill_chunk, "fits": row.get("fits"),
+                         "required_bytes": row.get("required_bytes"), "reason": row.get("reason")})
+        out_of_memory = row.get("fits") is False and row.get("required_bytes") is not None   # not args alone
+        if not out_of_memory or sh.prefill_chunk // 2 < min_chunk:
+            break
+        sh = dataclasses.replace(sh, prefill_chunk=sh.prefill_chunk // 2)
+    if len(attempts) > 1:
+        row["attempts"] = attempts
+        tried = ", ".join(f"{a['prefill_chunk']}: " + ("fits" if a["fits"] else
+                          f"needs {a['required_bytes'] / chips.GIB:.1f} GiB" if a["required_bytes"] else "no")
+                          for a in attempts)
+        row["notes"] = (row.get("notes", "") + f" prefill chunks tried (tokens per sequence): {tried}").strip()
+    return row
+
+
+def summary_line(row: dict) -> str:
+    if not row.get("compiled"):
+        return f"not compiled — fits={row.get('fits')}: {row.get('reason', '')[:200]}"
+    m, c, e = row["memory"], row["cost"], row["estimate"]
+    g = chips.GIB
+    unrolled = f"; unrolled {row['memory_unrolled']['peak'] / g:.2f}" if "memory_unrolled" in row else ""
+    as_run = f"as run in {row['as_run_compile_s']:.0f} s, unrolled " if "as_run_compile_s" in row else ""
+    counted = f", costs {row.get('cost_method')}" + (f" from {'+'.join(str(p['layers']) for p in row['cost_points'])}"
+                                                    f"-layer compiles in {row['count_compile_s']:.0f} s"
+                                                    if "cost_points" in row else "")
+    return (f"compiled ({as_run}in {row['compile_s']:.0f} s, lower {row['lower_s']:.0f} s{counted}); peak "
+            f"{m['peak'] / g:.2f} GiB/chip (args {m['argument'] / g:.2f}, temp {m['temp'] / g:.2f}{unrolled}) "
+            f"{'fits' if row['fits'] else 'DOES NOT FIT'}; "
+            f"{c['flops'] / 1e12:.3g} TFLOP, XLA {c['bytes_accessed'] / 1e9:.3g} GB, HLO ops "
+            f"{row['hlo']['top_ops']['total_bytes'] / 1e9:.3g} GB, bound "
+            f"{e.get('bound_per_chip_bytes', 0) / 1e9:.3g} GB per chip; roofline {e['roofline_s'] * 1e3:.3g} ms; "
+            f"{row['hlo']['collectives']['count']} collectives")

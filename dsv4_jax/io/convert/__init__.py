@@ -1,0 +1,1 @@
+"""Checkpoint readers and converters (installed as `dsv4_jax.io.convert`)."""

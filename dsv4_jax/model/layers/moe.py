@@ -1,0 +1,73 @@
+"""Mixture of experts of every layer (docs/model_math.md §2.8); the math is `dsv4_jax.ops.moe`.
+
+The config's static backends pick the implementation: routing "reference" (`ops.moe.route_from_logits`)
+or "pallas" (`kernels.routing`); routed experts "reference" (gather the active experts for few tokens,
+sorted `ragged_dot` for many — expert-pure row tiles when compiled for CPU, `ops.moe.experts_sorted`),
+"pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens, `kernels.moe_prefill` above), "pallas_tpu"
+(`kernels.tpu_moe.routed`: Mosaic decode / grouped matmul), or "ep": routed and shared experts under an
+explicit `shard_map` (`model.moe_ep`, expert parallelism on `config.backends.ep.mesh`, the local grouped
+matmul chosen by `config.backends.ep.local`).
+Every weight may be dense or an `ops.quant.QArray`: the router and shared expert go through `ops.linear`;
+routed experts are dequantized after gathering the active experts' codes (reference gather path), per
+expert-pure row tile (reference sorted path), or tile by tile in the kernels.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ...backends import require
+from ...config import HASH_MOE, ModelConfig
+from ...kernels import moe_decode, moe_prefill, routing, tpu_moe
+from ...ops import moe as ops
+from ...ops.linear import linear
+from . import moe_ep
+
+
+def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str):
+    """x [T,D], tokens int [T] -> (expert ids int32 [T,k], weights f32 [T,k])."""
+    logits = linear(x, p["weight"]).astype(jnp.float32)
+    hashed = mlp_type == HASH_MOE
+    bias = None if hashed else p["bias"]
+    hash_idx = p["tid2eid"][tokens] if hashed else None
+    kw = dict(k=config.num_experts_per_tok, norm=config.norm_topk_prob, eps=config.router_eps,
+              scale=config.routed_scaling_factor)
+    if require(config.backends.routing, "routing") == "pallas":
+        return routing.route_from_logits(logits, bias, hash_idx, interpret=config.backends.interpret, **kw)
+    return ops.route_from_logits(logits, bias, hash_idx, **kw)
+
+
+def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
+    """The experts entry: Σ_j w[t,j] · expert_{idx[t,j]}(x[t]). x [T,D], idx int [T,k] (ids into p's
+    expert axis), w f32 [T,k], p {"w1" [E,I,D], "w2" [E,D,I], "w3" [E,I,D]} dense or QArray -> [T,D].
+
+    Pure per call (no collectives): under expert parallelism call it per shard with the local experts
+    (ids made local, weights of foreign experts zeroed)."""
+    limit = config.swiglu_limit
+    impl = require(config.backends.moe, "moe")
+    if impl == "pallas_tpu" and tpu_moe.supports(p):     # else (Q8_0 experts) the reference path below
+        return tpu_moe.routed(x, idx, w, p, limit=limit, interpret=config.backends.interpret)
+    if impl == "pallas":
+        kernel = moe_decode.experts_decode if x.shape[0] <= moe_decode.DECODE_MAX_TOKENS else \
+            moe_prefill.experts_prefill
+        return kernel(x, idx, w, p, limit=limit, interpret=config.backends.interpret)
+    n_experts = p["w1"].shape[0]
+    path = ops.experts_gather if ops.prefer_gather(idx.size, n_experts) else ops.experts_sorted
+    return path(x, idx, w, p["w1"], p["w2"], p["w3"], limit)
+
+
+def shared_expert(x: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
+    return ops.dense_mlp(x, p["w1"], p["w2"], p["w3"], config.swiglu_limit)
+
+
+def moe(h: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str) -> jax.Array:
+    """h [B,S,D], tokens int [B,S] -> [B,S,D]."""
+    B, S, D = h.shape
+    x = h.reshape(B * S, D)
+    idx, w = route(x, tokens.reshape(-1), p["gate"], config, mlp_type)
+    if require(config.backends.moe, "moe") == "ep":
+        return moe_ep.moe_block(x, idx, w, p, config, batch=B).reshape(B, S, D)
+    y = routed_experts(x, idx, w, p["experts"], config)
+    if "shared_experts" in p:
+        y = y + shared_expert(x, p["shared_experts"], config)
+    return y.reshape(B, S, D)

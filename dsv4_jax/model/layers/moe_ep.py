@@ -1,0 +1,321 @@
+"""Expert-parallel MoE under `jax.shard_map` (backend moe="ep"; docs/design.md property 10; docs/model_math.md §2.8).
+
+The routed experts' collectives are written down here; everything around them stays GSPMD. The router
+runs before (GSPMD, the router weight replicated: its logical axes `router_experts` / `router_in` have no
+rule in the presets, and the bias is in `sharding.DEFAULT_REPLICATED`; every device gets every score), then
+one `shard_map` over the whole mesh takes, per device,
+
+    x [T/n_tok, D], idx / w [T/n_tok, k]   the tokens split like the batch (logical axis "batch")
+    w1 / w3 [E/n_e, I/n_i, D], w2 [E/n_e, D, I/n_i]   the routed experts as placed (logical axes
+                                            "experts", "mlp": expert parallelism and/or expert-tensor
+                                            parallelism, whatever the rules gave)
+    shared w1 / w3 [I/n_s, D], w2 [D, I/n_s]   the shared expert as placed ("mlp")
+
+and does, for any split (the rules' divisibility fallback included):
+
+  1. all-gather the tokens (and idx, w) over the mesh axes that split both the tokens and the experts
+     ("gather axes": every device of an expert group sees the group's tokens; decode / verify / prefill);
+  2. keep the assignments to its local experts (ids e0 .. e0 + E_loc − 1, e0 from the device's index on
+     the expert axes), weight 0 for the others, and run the local grouped matmul on them
+     (`ExpertParallel.local`, see `local_experts`) -> a float32 partial sum [T_group, D];
+  3. reduce: `psum_scatter` over the gather axes (back to its own tokens), then `psum` over the other
+     axes the experts are split over (expert axes not splitting tokens, and the `mlp` axes of
+     expert-tensor parallelism). The shared expert runs on the device's own tokens; its partial sum
+     (split over its `mlp` axes) joins the same `psum` when those are exactly the remaining axes
+     (the usual case: both on `model`), else it is reduced on its own.
+
+Quantized experts (`ops.quant.QArray` leaves, routed or shared) come in as placed: codes and scales
+with the specs `sharding.leaf_partition_spec` gives them (`shard_params`), so every device holds the
+codes and scales of its own expert slices. Where a scale block straddles the shards (the scale whole
+along a split dim; tiny configs only, e.g. FP8's 128-row blocks over a 6-row shard) `local_qarray`
+takes this shard's scale rows. The local matmuls dequantize one expert tile at a time (the sliced
+path, the expert-pure row tiles of `ops.moe.experts_tiled`), in the kernels (`pallas`, `pallas_tpu`
+for the formats `kernels.tpu_moe.supports`; Q8_0 falls back to the reference), or, for `dense`, the
+local stack as one expression feeding the matmuls.
+
+Prefill uses the same gather path. `jax.lax.ragged_all_to_all` (the dropless dispatch that sends each
+token only to the devices of its experts) is not implemented by XLA:CPU in jax 0.10.2, so it cannot be
+tested here, and a dense `all_to_all` that drops nothing needs a per-destination capacity of every
+local token (a token may have an expert on every device) — exactly the all-gather's volume. Cost: per
+layer the group's tokens are all-gathered and the partial outputs reduce-scattered, 2·T_group·D
+elements per device, vs. 2·T_loc·n·(1 − (1 − 1/n)^k)·D for an ideal ragged all-to-all (1.8× more at
+n = 8, k = 6). Odd expert counts (E not divisible by the expert axes) need no special path: the rules
+replicate the expert dimension (or split `mlp` instead) and the same code runs with E_loc = E.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from ...backends import BackendError, ExpertParallel
+from ...config import MOE, ModelConfig
+from ...kernels import moe_decode, moe_prefill, tpu_moe
+from ...ops import moe as ops
+from ...ops import quant
+from ...ops.quant import QArray
+from ..params import ParamSpec, moe_specs
+from ...ops.partitioning import leaf_partition_spec, mesh_sizes, partition_spec
+
+ROUTED = ("w1", "w2", "w3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static per-call shard_map layout (derived from the mesh, the rules and the shapes)."""
+
+    tokens: PartitionSpec                  # x [T, D], idx / w [T, k]
+    experts: dict                          # routed leaf name -> PartitionSpec
+    shared: dict | None                    # shared-expert leaf name -> PartitionSpec
+    expert_axes: tuple[str, ...]           # mesh axes splitting the expert dimension (major first)
+    gather_axes: tuple[str, ...]           # token axes the experts are split over: gather, then scatter
+    reduce_axes: tuple[str, ...]           # the other expert-split axes: psum
+    shared_axes: tuple[str, ...]           # axes the shared expert's `mlp` is split over
+
+    @property
+    def fold_shared(self) -> bool:
+        """The shared expert's partial sum can join the routed psum (same axes)."""
+        return set(self.shared_axes) == set(self.reduce_axes)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    return tuple(a for e in spec for a in _axes(e))
+
+
+def _dim_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
+    return _axes(spec[dim]) if dim < len(spec) else ()
+
+
+def leaf_axes(name: str, config: ModelConfig, group: str) -> tuple:
+    """Logical axes of a routed ("experts") or shared ("shared_experts") leaf."""
+    return moe_specs(config, MOE)[group][name].axes
+
+
+def leaf_spec(leaf, axes: tuple, sizes: dict, rules):
+    """PartitionSpec of a dense expert leaf; for a QArray a QArray(codes spec, scale spec)
+    (`sharding.leaf_partition_spec`: the placement `shard_params` gives it)."""
+    if not isinstance(leaf, QArray):
+        return leaf_partition_spec(ParamSpec(tuple(leaf.shape), axes), sizes, rules)
+    sp = leaf_partition_spec(ParamSpec(tuple(leaf.shape), axes, quant=leaf.fmt), sizes, rules)
+    return QArray(sp.codes, sp.scale, leaf.fmt, leaf.dtype)     # the leaf's static parts: the same tree node
+
+
+def _codes_spec(spec):
+    return spec.codes if isinstance(spec, QArray) else spec
+
+
+def layout(ep: ExpertParallel, config: ModelConfig, batch: int, experts: dict, shared: dict | None) -> Layout:
+    """The shard_map specs for a batch of `batch` sequences and these (per-layer) expert leaves (dense or
+    `ops.quant.QArray`: codes and scales get the placement `shard_params` gave them).
+
+    Raises BackendError for placements the explicit path cannot run: the contraction dimension (`embed`)
+    split, routed leaves split differently, or a shared expert split over an axis that splits the tokens.
+    """
+    sizes, rules = mesh_sizes(ep.mesh), ep.rules_dict
+    tok = partition_spec((batch,), ("batch",), sizes, rules)
+    token_axes = _dim_axes(tok, 0)
+
+    def specs(tree: dict, group: str) -> dict:
+        return {k: leaf_spec(v, leaf_axes(k, config, group), sizes, rules) for k, v in tree.items()}
+
+    e_specs = specs(experts, "experts")
+    w1 = _codes_spec(e_specs["w1"])
+    expert_axes = _dim_axes(w1, 0)
+    mlp_axes = _dim_axes(w1, 1)
+    for k, sp in e_specs.items():
+        ax, sp = leaf_axes(k, config, "experts"), _codes_spec(sp)
+        if _dim_axes(sp, ax.index("embed")):
+            raise BackendError(f"expert-parallel MoE: the rules split the contraction axis 'embed' of {k} ({sp})")
+        if (_dim_axes(sp, 0), _dim_axes(sp, ax.index("mlp"))) != (expert_axes, mlp_axes):
+            raise BackendError(f"expert-parallel MoE: {k} is split as {sp}, unlike w1 ({w1}); the local experts "
+                               f"must be the same slices of every matrix")
+    split = expert_axes + mlp_axes
+    gather = tuple(a for a in token_axes if a in split)
+    reduce_ = tuple(a for a in split if a not in gather)
+    s_specs, s_axes = None, ()
+    if shared is not None:
+        s_specs = specs(shared, "shared_experts")
+        s_axes = _spec_axes(_codes_spec(s_specs["w1"]))
+        if set(s_axes) & set(token_axes) or any(
+                _dim_axes(_codes_spec(sp), leaf_axes(k, config, "shared_experts").index("embed"))
+                for k, sp in s_specs.items()):
+            raise BackendError(f"expert-parallel MoE: the shared expert is split as {s_specs['w1']} over an axis "
+                               f"that splits the tokens ({tok}) or over 'embed'; give 'mlp' other mesh axes")
+    return Layout(PartitionSpec(tok[0] if len(tok) else None), e_specs, s_specs, expert_axes, gather, reduce_,
+                  s_axes)
+
+
+# ---- quantized leaves inside the shard_map --------------------------------------------------------------
+
+def local_qarray(q: QArray, spec: QArray, sizes: dict) -> QArray:
+    """This device's QArray from its shards. Where the codes are split along a dim but the scale is whole
+    there (a scale block straddles the shards, e.g. FP8's 128-row blocks over a small split: tiny configs
+    only), the scale is expanded to one per element along that dim and this shard's rows taken: a
+    QArray with block 1 on that dim, the same values. q: codes / scale as shard_map passes them."""
+    codes, scale, fmt = q.codes, q.scale, q.fmt
+    block = list(fmt.block)
+    nd = codes.ndim
+    for dim in (nd - 2, nd - 1):
+        c_axes, s_axes = _dim_axes(spec.codes, dim), _dim_axes(spec.scale, dim)
+        if not c_axes or s_axes == c_axes:
+            continue
+        n_split = math.prod(sizes[a] for a in c_axes)
+        n_loc = q.shape[dim]                                         # logical rows / cols of this shard
+        full = list(q.shape)
+        full[dim] = n_loc * n_split
+        b = quant.resolved_block(fmt, full)[dim - (nd - 2)]
+        s = jnp.repeat(scale, b, axis=dim) if b > 1 else scale
+        s = jax.lax.slice_in_dim(s, 0, full[dim], axis=dim)
+        scale = jax.lax.dynamic_slice_in_dim(s, jax.lax.axis_index(c_axes) * n_loc, n_loc, axis=dim)
+        block[dim - (nd - 2)] = 1
+    return QArray(codes, scale, quant.QFormat(fmt.codes, tuple(block), fmt.scale), q.dtype)
+
+
+def local_leaves(tree: dict, specs: dict, sizes: dict) -> dict:
+    """`local_qarray` on the QArray leaves of an expert tree, dense leaves as they are."""
+    return {k: local_qarray(v, specs[k], sizes) if isinstance(v, QArray) else v for k, v in tree.items()}
+
+
+# ---- the local grouped matmul --------------------------------------------------------------------------
+
+def _one_expert(m, e: jax.Array, dtype) -> jax.Array:
+    """Expert e of a local stack [E_loc, N, K] as a dense [N, K]: a dynamic slice of the dense stack, or of a
+    QArray's codes and scales, dequantized (one expert tile)."""
+    pick = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)
+    if isinstance(m, QArray):
+        return quant.dequantize(QArray(pick(m.codes), pick(m.scale), m.fmt, m.dtype), dtype)
+    return pick(m)
+
+
+def experts_sliced(x: jax.Array, idx: jax.Array, w: jax.Array, w1, w2, w3, limit: float) -> jax.Array:
+    """Few assignments: one expert slice per assignment (read as a dynamic slice feeding its matmul, so
+    XLA reads exactly the assigned experts; `w1[idx]` gathers lower to copies of the whole stack on TPU;
+    a QArray expert is dequantized alone). x [T,D], idx/w [T,k] (idx in range), w1/w3 [E,I,D],
+    w2 [E,D,I] dense or QArray -> float32 [T,D]."""
+    T, k = idx.shape
+    rows = []
+    for a in range(T * k):
+        t, j = divmod(a, k)
+        e = idx[t, j]
+        xt = x[t:t + 1]
+        pick = lambda m: _one_expert(m, e, x.dtype)
+        h = ops.swiglu(xt @ pick(w1).T, xt @ pick(w3).T, limit)
+        rows.append(h @ pick(w2).T)                                     # [1, D]
+    y = jnp.concatenate(rows, axis=0).reshape(T, k, -1)
+    return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), w.astype(jnp.float32))
+
+
+def experts_sorted_local(x: jax.Array, idx: jax.Array, w: jax.Array, local: jax.Array, w1: jax.Array,
+                         w2: jax.Array, w3: jax.Array, limit: float) -> jax.Array:
+    """Many assignments, dense experts: the local ones sorted into expert groups, grouped `ragged_dot`; the
+    others sort past the last group (ragged_dot leaves those rows zero). x [T,D], idx/w/local [T,k] ->
+    float32 [T,D]."""
+    T, k = idx.shape
+    E = w1.shape[0]
+    key = jnp.where(local, idx, E).reshape(-1)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=E + 1)[:E].astype(jnp.int32)
+    xs = x[order // k]
+    h = ops.swiglu(ops.grouped_matmul(xs, w1, sizes), ops.grouped_matmul(xs, w3, sizes), limit)
+    ys = ops.grouped_matmul(h, w2, sizes).astype(jnp.float32) * w.reshape(-1)[order][:, None].astype(jnp.float32)
+    return jnp.zeros((T, x.shape[-1]), jnp.float32).at[order // k].add(ys)
+
+
+def experts_dense(x: jax.Array, idx: jax.Array, w: jax.Array, w1, w2, w3, limit: float) -> jax.Array:
+    """Many assignments: every local expert once over all tokens, the routing weight (0 when not routed)
+    folded into the hidden activations. x [T,D], idx/w [T,k], experts dense or QArray (dequantized as one
+    expression feeding the matmul, for XLA to fuse) -> float32 [T,D]."""
+    T, _ = idx.shape
+    E = w1.shape[0]
+    w1, w2, w3 = (quant.dense(m, x.dtype) for m in (w1, w2, w3))
+    cw = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w.astype(jnp.float32))
+    h = ops.swiglu(jnp.einsum("td,eid->tei", x, w1), jnp.einsum("td,eid->tei", x, w3), limit)
+    h = (h.astype(jnp.float32) * cw[..., None]).astype(x.dtype)
+    return jnp.einsum("tei,edi->td", h, w2, preferred_element_type=jnp.float32)
+
+
+def local_experts(x: jax.Array, idx: jax.Array, w: jax.Array, local: jax.Array, e: dict, impl: str,
+                  limit: float, interpret: bool) -> jax.Array:
+    """Σ over the local assignments of w · expert(x) on this device's expert slices (the one entry point for
+    the local computation). x [T,D]; idx [T,k] local ids (0 where not local), w [T,k] (0 where not local),
+    local bool [T,k]; e {"w1" [E_loc,I_loc,D], "w2" [E_loc,D,I_loc], "w3"}, dense or QArray -> float32 [T,D].
+
+    The kernels get the foreign assignments as expert 0 with weight 0 (a dropless static shape); the
+    decode kernels therefore may read local expert 0 once more than the step needs."""
+    w1, w2, w3 = e["w1"], e["w2"], e["w3"]
+    if impl == "pallas_tpu" and tpu_moe.supports(e):          # else (Q8_0 experts) the reference below
+        return tpu_moe.routed(x, idx, w, e, limit=limit, interpret=interpret).astype(jnp.float32)
+    if impl == "pallas":
+        kernel = moe_decode.experts_decode if x.shape[0] <= moe_decode.DECODE_MAX_TOKENS else \
+            moe_prefill.experts_prefill
+        return kernel(x, idx, w, e, limit=limit, interpret=interpret).astype(jnp.float32)
+    if ops.prefer_gather(idx.size, w1.shape[0]):
+        return experts_sliced(x, idx, w, w1, w2, w3, limit)
+    if impl == "dense":
+        return experts_dense(x, idx, w, w1, w2, w3, limit)
+    if any(isinstance(m, QArray) for m in (w1, w2, w3)):        # expert-pure row tiles, one expert dequantized
+        return ops.experts_tiled(x, idx, w, w1, w2, w3, limit).astype(jnp.float32)
+    return experts_sorted_local(x, idx, w, local, w1, w2, w3, limit)
+
+
+# ---- the shard_map block --------------------------------------------------------------------------------
+
+def _local_offset(expert_axes: tuple[str, ...], n_local: int):
+    """First global expert id held by this device: its index on the expert axes (major first) × E_loc."""
+    if not expert_axes:
+        return 0
+    return jax.lax.axis_index(expert_axes) * n_local
+
+
+def _block(x, idx, w, experts, shared, *, lay: Layout, sizes: dict, impl: str, limit: float, interpret: bool):
+    """Per-device body: x [T_loc,D], idx/w [T_loc,k], local expert slices -> y [T_loc,D] (routed + shared)."""
+    experts = local_leaves(experts, lay.experts, sizes)
+    shared = None if shared is None else local_leaves(shared, lay.shared, sizes)
+    x_own = x
+    if lay.gather_axes:
+        gather = functools.partial(jax.lax.all_gather, axis_name=lay.gather_axes, axis=0, tiled=True)
+        x, idx, w = gather(x), gather(idx), gather(w)
+    n_local = experts["w1"].shape[0]
+    e0 = _local_offset(lay.expert_axes, n_local)
+    local = (idx >= e0) & (idx < e0 + n_local)
+    y = local_experts(x, jnp.where(local, idx - e0, 0), jnp.where(local, w, 0.0), local, experts, impl, limit,
+                      interpret)
+    if lay.gather_axes:
+        y = jax.lax.psum_scatter(y, lay.gather_axes, scatter_dimension=0, tiled=True)
+    ys = None
+    if shared is not None:
+        ys = ops.dense_mlp(x_own, shared["w1"], shared["w2"], shared["w3"], limit).astype(jnp.float32)
+        if lay.fold_shared:
+            y, ys = y + ys, None
+    if lay.reduce_axes:
+        y = jax.lax.psum(y, lay.reduce_axes)
+    if ys is not None:
+        y = y + (jax.lax.psum(ys, lay.shared_axes) if lay.shared_axes else ys)
+    return y.astype(x_own.dtype)
+
+
+def moe_block(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: ModelConfig, batch: int) -> jax.Array:
+    """Routed experts + shared expert of one MoE layer on the mesh of `config.backends.ep`.
+
+    x [T,D] with T = batch·S (the batch-major flattening of [batch, S, D]), idx / w [T,k] from the router,
+    p the layer's ffn parameters ({"experts": ..., "shared_experts": ...}) -> [T,D] in x.dtype.
+    """
+    ep = config.backends.ep
+    if ep.local == "auto":
+        raise BackendError("ExpertParallel.local 'auto' reached traced code; resolve it first "
+                           "(dsv4_jax.backends.resolve)")
+    experts, shared = p["experts"], p.get("shared_experts")
+    lay = layout(ep, config, batch, experts, shared)
+    body = functools.partial(_block, lay=lay, sizes=mesh_sizes(ep.mesh), impl=ep.local, limit=config.swiglu_limit,
+                             interpret=config.backends.interpret)
+    in_specs = (lay.tokens, lay.tokens, lay.tokens, lay.experts, lay.shared)
+    fn = jax.shard_map(body, mesh=ep.mesh, in_specs=in_specs, out_specs=lay.tokens, check_vma=False)
+    return fn(x, idx.astype(jnp.int32), w.astype(jnp.float32), experts, shared)

@@ -1,0 +1,186 @@
+"""The speculative decoding loop: one jitted `lax.while_loop` over rounds (docs/design.md property 5).
+
+A round: draft k tokens (the drafter registered under `Options.drafter`, `dsv4_jax.drafters.registry`) →
+verify [last, d_1..d_k] in one target pass → accept (greedy prefix match or lossless rejection sampling)
+plus the bonus token → emit, commit, and feed the newly committed positions to the drafter. The carry (`Carry`) holds everything: output buffer,
+positions, done flags, target and drafter state, RNG key and statistics. `run_rounds_python`
+drives the same jitted round from Python (debugging twin; identical results).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ..model.state import DecodeState
+from ..config import ModelConfig
+from ..model.decode import advance, process_block
+from ..drafters import registry
+from ..drafters.base import DraftSetup, Knobs
+from ..ops import sampling
+
+__all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "run_rounds",
+           "run_rounds_python"]
+
+
+@struct.dataclass
+class Options:
+    """Static choices of a run (part of the compilation key)."""
+
+    drafter: str = struct.field(pytree_node=False, default="none")   # a name in drafters.registry
+    k: int = struct.field(pytree_node=False, default=0)              # drafts per round (draft_n_max)
+    greedy: bool = struct.field(pytree_node=False, default=True)
+    max_new_tokens: int = struct.field(pytree_node=False, default=16)
+    eos_token_id: int = struct.field(pytree_node=False, default=-1)  # -1: none
+    taps: tuple = struct.field(pytree_node=False, default=())        # target layers the drafter reads
+    settings: Any = struct.field(pytree_node=False, default=None)    # the drafter's static settings
+    # cost benchmarks only: accept every proposed draft (ops.sampling.verify_forced; greedy runs; not lossless)
+    forced_acceptance: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def setup(self) -> DraftSetup:
+        """What the drafter's methods take (drafters.base)."""
+        return DraftSetup(k=self.k, taps=self.taps, settings=self.settings)
+
+
+@struct.dataclass
+class Stats:
+    rounds: jax.Array          # [B] rounds in which the sequence was active
+    drafted: jax.Array         # [B] drafts proposed
+    accepted: jax.Array        # [B] drafts accepted
+    per_position: jax.Array    # [B,K] rounds whose draft j was accepted (K >= k: the run's bound, max_block - 1)
+    proposed_at: jax.Array     # [B,K] rounds that proposed a draft at position j
+    length_hist: jax.Array     # [B,K+1] rounds that proposed exactly L drafts (after p_min / confidence)
+
+
+@struct.dataclass
+class Carry:
+    out: jax.Array             # [B, max_new + K + 1] generated tokens (−1 = none)
+    out_len: jax.Array         # [B]
+    limit: jax.Array           # [B] each sequence's token budget (<= opts.max_new_tokens, the buffer's)
+    last: jax.Array            # [B] the next token to feed the target (sampled, not yet processed)
+    done: jax.Array            # [B] bool
+    target: DecodeState
+    drafter: Any
+    key: jax.Array
+    stats: Stats
+    round: jax.Array           # scalar int32
+
+
+def emit(c: Carry, tokens: jax.Array, n_new: jax.Array, opts: Options):
+    """Append up to n_new[b] of tokens [B,m] to each output; stop at EOS or the budget. -> (out, out_len, done, n)."""
+    m = tokens.shape[1]
+    j = jnp.arange(m)[None, :]
+    n = jnp.where(c.done, 0, jnp.minimum(n_new, c.limit - c.out_len))
+    hit_eos = jnp.zeros_like(c.done)
+    if opts.eos_token_id >= 0:
+        is_eos = (tokens == opts.eos_token_id) & (j < n[:, None])
+        first = jnp.argmax(is_eos, axis=1)
+        hit_eos = jnp.any(is_eos, axis=1)
+        n = jnp.where(hit_eos, first + 1, n)
+    idx = jnp.where(j < n[:, None], c.out_len[:, None] + j, c.out.shape[1])
+    out = c.out.at[jnp.arange(c.out.shape[0])[:, None], idx].set(tokens, mode="drop")
+    out_len = c.out_len + n
+    done = c.done | hit_eos | (out_len >= c.limit)
+    return out, out_len, done, n
+
+
+def initial_carry(first: jax.Array, target: DecodeState, drafter, key, opts: Options, limit=None) -> Carry:
+    """The carry of freshly prefilled sequences: first [B] (the token sampled from the prompt) already
+    emitted, empty statistics; limit [B] per-sequence budgets (default opts.max_new_tokens)."""
+    B, k = first.shape[0], opts.k
+    fresh = lambda *shape: jnp.zeros(shape, jnp.int32)   # distinct buffers: the carry is donated
+    limit = jnp.full((B,), opts.max_new_tokens, jnp.int32) if limit is None else jnp.asarray(limit, jnp.int32)
+    c = Carry(out=jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32), out_len=fresh(B), limit=limit,
+              last=first, done=jnp.zeros((B,), bool), target=target, drafter=drafter, key=key,
+              stats=Stats(rounds=fresh(B), drafted=fresh(B), accepted=fresh(B), per_position=fresh(B, k),
+                          proposed_at=fresh(B, k), length_hist=fresh(B, k + 1)), round=fresh())
+    # the first token is already generated: emit it (it may be EOS, or the whole budget)
+    out, out_len, done, _ = emit(c, first[:, None], jnp.ones((B,), jnp.int32), opts)
+    return c.replace(out=out, out_len=out_len, done=done)
+
+
+def _verify(key, logits, drafts, q, n_draft, knobs: Knobs, opts: Options):
+    """(n_accept [B], next token [B]) of a verify block's logits [B,k+1,V] (ops.sampling)."""
+    if opts.forced_acceptance:
+        return sampling.verify_forced(logits, drafts, n_draft)
+    if opts.greedy:
+        return sampling.verify_greedy(logits, drafts, n_draft)
+    return sampling.verify_sampled(key, logits, drafts, q, n_draft, knobs.temperature, knobs.top_p)
+
+
+def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """One draft → verify → accept → commit round for every active sequence.
+
+    With a run-time bound (`Knobs.draft_n`, RunShape.dynamic_draft_n) the verify and everything after it
+    run at the run's own width, draft_n + 1: a `lax.switch` over the widths 2..k + 1 the program holds, so a
+    run costs per round what a program compiled for its draft_n_max costs (only the drafting is shared)."""
+    drafter = registry.get(opts.drafter)
+    key, k_draft, k_acc = jax.random.split(c.key, 3)
+    drafts, q, n_draft = drafter.propose(params, config, opts.setup, c.drafter, c.target.pos, c.last, k_draft,
+                                         knobs, opts.greedy)
+    if knobs.draft_n is not None:
+        n_draft = jnp.minimum(n_draft, knobs.draft_n)
+    if knobs.draft_n is None or opts.k <= 1:
+        return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, drafts, q, n_draft)
+    widths = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
+                                drafts[:, :w], q[:, :w]) for w in range(1, opts.k + 1)]
+    return jax.lax.switch(jnp.clip(knobs.draft_n, 1, opts.k) - 1, widths, n_draft)
+
+
+def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options, key, k_acc,
+                       drafts: jax.Array, q: jax.Array, n_draft: jax.Array) -> Carry:
+    """Verify [last, drafts] (drafts [B,w], q [B,w,V], n_draft [B] <= w), accept, emit, commit, observe."""
+    drafter = registry.get(opts.drafter)
+    pos = c.target.pos
+    B, w = drafts.shape
+    n_draft = jnp.where(c.done, 0, n_draft)
+    block = jnp.concatenate([c.last[:, None], drafts], axis=1)                       # [B,w+1]
+    logits, tstate, aux = process_block(params, config, c.target, block, jnp.full((B,), w + 1, jnp.int32),
+                                        opts.taps)
+    a, nxt = _verify(k_acc, logits, drafts, q, n_draft, knobs, opts)
+    # emitted this round: the a accepted drafts, then the correction / bonus token
+    j = jnp.arange(w + 1)[None, :]
+    emitted = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
+    active = ~c.done
+    out, out_len, done, _ = emit(c, emitted, a + 1, opts)
+    n_commit = jnp.where(active, a + 1, 0)
+    tstate = advance(tstate, n_commit)
+    dstate = drafter.observe(params, config, opts.setup, c.drafter, aux, emitted, pos, jnp.maximum(n_commit, 1))
+    s = c.stats
+    kk = jnp.arange(s.per_position.shape[1])[None, :]   # the carry may be sized for a wider bound than w
+    stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
+                  accepted=s.accepted + jnp.where(active, a, 0),
+                  per_position=s.per_position + ((kk < a[:, None]) & active[:, None]),
+                  proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]),
+                  length_hist=s.length_hist + ((jnp.arange(s.length_hist.shape[1])[None, :] == n_draft[:, None])
+                                               & active[:, None]))
+    return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
+                 target=tstate,
+                 drafter=dstate, key=key, stats=stats, round=c.round + 1)
+
+
+def _cond(c: Carry, opts: Options):
+    return jnp.any(~c.done) & (c.round < opts.max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
+def run_rounds(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """All rounds in one on-device lax.while_loop (no host round-trips)."""
+    return jax.lax.while_loop(lambda c: _cond(c, opts), lambda c: round_step(params, config, c, knobs, opts), carry)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
+def round_jit(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """One round as its own jitted call (the host loop; benchmarks dispatch it back to back)."""
+    return round_step(params, config, carry, knobs, opts)
+
+
+def run_rounds_python(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """The Python-loop twin of `run_rounds`: the same jitted round, driven from the host."""
+    while bool(_cond(carry, opts)):
+        carry = round_jit(params, config, carry, knobs, opts)
+    return carry

@@ -1,0 +1,175 @@
+"""Decode slots for continuous batching: the device programs that the host scheduler (`spec.scheduler`) drives.
+
+B slots share one loop `Carry` (`spec.loop`: output buffer, budgets, done flags, target and drafter
+state, statistics — every leaf has its batch axis somewhere, `batch_axes`). Between decode chunks the
+host refills freed slots, in the JetStream / MaxText manner (prefill → insert → generate):
+
+    init_rows     P empty prefill rows (`Rows`: a P-row target state, drafter state, first tokens)
+    prefill_chunk one prompt chunk [P, C] into the rows (chunked prefill at one fixed shape; rows
+                  whose prompt has ended get n_valid = 0 and keep their state); the chunk that holds
+                  a prompt's last token samples its first generated token and primes the drafter
+    insert        the rows' decode state written into slots [P] of the carry (donated; a slot index
+                  B drops the row), with fresh outputs, statistics and per-request budgets: the slot's
+                  previous target *and drafter* state are replaced, so nothing of the old request leaks
+    run_chunk     the speculative loop (`loop.round_step`) for at most `max_rounds` rounds, or until
+                  `min_finished` sequences that were running at the start of the chunk have finished
+                  (or none is left running)
+
+Shapes are fixed by (config, B, max_len, opts): the chunk program compiles once per run, whatever
+the prompts, budgets, refills or chunk length (`max_rounds`, `min_finished` are traced scalars);
+init_rows, prefill and insert compile once per prefill width P.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ..model.state import DecodeState, init_state
+from ..config import ModelConfig
+from ..model.decode import advance, process_block
+from ..drafters import registry
+from ..ops.sampling import sample_first
+from .loop import Carry, Knobs, Options, initial_carry, round_step
+
+__all__ = ["Rows", "batch_axes", "carry_axes", "empty_carry", "init_rows", "insert", "prefill_chunk", "run_chunk",
+           "rows_axes"]
+
+
+@struct.dataclass
+class Rows:
+    """P prefilled (or being prefilled) requests, not yet in a slot."""
+
+    target: DecodeState        # P-row target state
+    drafter: Any               # P-row drafter state (the drafter's `init` + `observe` of the prompt)
+    first: jax.Array           # [P] the first generated token (valid once the prompt's last chunk ran)
+
+
+def batch_axes(make) -> tuple[int | None, ...]:
+    """The batch axis of every leaf (in `jax.tree.leaves` order) of the pytree make(batch) builds (None: a
+    leaf without one), from abstract shapes at batch 2 and 3 (`jax.eval_shape`; nothing is allocated).
+    A tuple, so that it can be a static jit argument."""
+    a, b = jax.eval_shape(lambda: make(2)), jax.eval_shape(lambda: make(3))
+
+    def axis(x, y):
+        diff = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
+        return diff[0] if diff else None
+
+    return tuple(axis(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _dtype(params: dict):
+    return params["embed"].dtype
+
+
+def _init_parts(params: dict, config: ModelConfig, batch: int, max_len: int, opts: Options):
+    state = init_state(config, batch, max_len, opts.k + 1, _dtype(params))
+    dstate = registry.get(opts.drafter).init(params, config, opts.setup, batch, max_len, _dtype(params))
+    return state, dstate
+
+
+def rows_axes(params: dict, config: ModelConfig, max_len: int, opts: Options) -> tuple[int | None, ...]:
+    """`batch_axes` of `Rows`."""
+    return batch_axes(lambda n: Rows(*_init_parts(params, config, n, max_len, opts), jnp.zeros((n,), jnp.int32)))
+
+
+def carry_axes(params: dict, config: ModelConfig, max_len: int, opts: Options) -> tuple[int | None, ...]:
+    """`batch_axes` of the loop `Carry`."""
+    def make(n):
+        state, dstate = _init_parts(params, config, n, max_len, opts)
+        return initial_carry(jnp.zeros((n,), jnp.int32), state, dstate, jax.random.PRNGKey(0), opts)
+    return batch_axes(make)
+
+
+def _leafwise(fn, axes: tuple, a, b):
+    """fn(axis, leaf of a, leaf of b) over two pytrees of the same structure whose leaves' batch axes are axes."""
+    leaves_a, tree = jax.tree.flatten(a)
+    return jax.tree.unflatten(tree, [fn(ax, x, y) for ax, x, y in zip(axes, leaves_a, jax.tree.leaves(b))])
+
+
+def _select_rows(keep: jax.Array, new, old, axes: tuple):
+    """Per row: new where keep[P] else old, along each leaf's batch axis (leaves without one: new)."""
+    def one(ax, n, o):
+        if ax is None:
+            return n
+        shape = [1] * n.ndim
+        shape[ax] = keep.shape[0]
+        return jnp.where(keep.reshape(shape), n, o)
+    return _leafwise(one, axes, new, old)
+
+
+def _scatter_rows(big, rows, slots: jax.Array, axes: tuple):
+    """big with rows[P] written at slots[P] along each leaf's batch axis; a slot index out of range
+    (= B) drops its row; leaves without a batch axis keep big's value."""
+    def one(ax, b, r):
+        if ax is None:
+            return b
+        return b.at[(slice(None),) * ax + (slots,)].set(r, mode="drop")
+    return _leafwise(one, axes, big, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "opts"))
+def empty_carry(params: dict, config: ModelConfig, *, batch: int, max_len: int, opts: Options, key) -> Carry:
+    """B idle slots (done, budget 0): the carry before the first insert."""
+    state, dstate = _init_parts(params, config, batch, max_len, opts)
+    c = initial_carry(jnp.zeros((batch,), jnp.int32), state, dstate, key, opts, jnp.zeros((batch,), jnp.int32))
+    return c.replace(done=jnp.ones((batch,), bool))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "opts"))
+def init_rows(params: dict, config: ModelConfig, *, batch: int, max_len: int, opts: Options) -> Rows:
+    """P empty rows (pos 0) to prefill into."""
+    state, dstate = _init_parts(params, config, batch, max_len, opts)
+    return Rows(target=state, drafter=dstate, first=jnp.zeros((batch,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "opts", "axes"), donate_argnames=("rows",))
+def prefill_chunk(params: dict, config: ModelConfig, rows: Rows, tokens: jax.Array, n_valid: jax.Array,
+                  nxt: jax.Array, final: jax.Array, key, knobs: Knobs, *, opts: Options, axes: tuple) -> Rows:
+    """Append one prompt chunk to every row: tokens [P,C] (n_valid[P] real, right-padded) at positions
+    rows.target.pos + [0, C).
+
+    nxt [P,C]: the token after each position (the prompt shifted left; at a prompt's last position the
+    host's value is replaced by the sampled first token); final [P]: the chunk holds the prompt's last
+    token — sample the first token there (`ops.sampling.sample_first`, like `generate.start`). Rows with
+    n_valid = 0 keep their state. axes: `rows_axes` (static).
+    """
+    drafter = registry.get(opts.drafter)
+    start = rows.target.pos
+    logits, state, aux = process_block(params, config, rows.target, tokens, n_valid, opts.taps)
+    state = advance(state, n_valid)
+    last = jnp.maximum(n_valid - 1, 0)
+    last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    first = sample_first(key, last_logits, knobs.temperature, knobs.top_p, opts.greedy)
+    at_last = final[:, None] & (jnp.arange(tokens.shape[1])[None, :] == last[:, None])
+    nxt = jnp.where(at_last, first[:, None], nxt)
+    dstate = drafter.observe(params, config, opts.setup, rows.drafter, aux, nxt, start, jnp.maximum(n_valid, 1))
+    new = Rows(target=state, drafter=dstate, first=jnp.where(final, first, rows.first))
+    return _select_rows(n_valid > 0, new, rows, axes)
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "axes"), donate_argnames=("carry",))
+def insert(carry: Carry, rows: Rows, slots: jax.Array, limits: jax.Array, *, opts: Options, axes: tuple) -> Carry:
+    """Write P prefilled rows into slots [P] (index B: skip the row) with budgets limits [P]: fresh
+    outputs (the first token emitted), statistics and done flags. axes: `carry_axes` (static)."""
+    fresh = initial_carry(rows.first, rows.target, rows.drafter, carry.key, opts, limits)
+    return _scatter_rows(carry, fresh, slots, axes)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
+def run_chunk(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, max_rounds: jax.Array,
+              min_finished: jax.Array, *, opts: Options) -> Carry:
+    """Speculative rounds (one on-device while loop) until max_rounds have run, min_finished of the
+    sequences running at the start have finished, or every slot is done. carry.round counts rounds
+    over the whole run."""
+    running = ~carry.done
+    r0 = carry.round
+
+    def cond(c: Carry):
+        finished = jnp.sum(c.done & running)
+        return jnp.any(~c.done) & (finished < min_finished) & (c.round - r0 < max_rounds)
+
+    return jax.lax.while_loop(cond, lambda c: round_step(params, config, c, knobs, opts), carry)
