@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 
+from dsv4_jax import parallel
 from dsv4_jax.analysis import libtpu
 from dsv4_jax.analysis.aot import chips, compile as AC, extrapolate as X, inputs as I, programs as PR, runner
 
@@ -34,7 +35,7 @@ def main() -> int:
     libtpu.set_env()
     topo = chips.parse(a.topology)
     devs = chips.devices(topo)
-    mesh = runner.S.make_mesh(runner.mesh_shape(len(devs)), devs)
+    mesh = parallel.make_mesh(runner.mesh_shape(len(devs)), devs)
     opts = chips.TPU_COMPILE_OPTIONS if topo.is_tpu else None
     shapes = I.Shapes(a.batch, a.context, 3, 256)
     pairs = [int(x) for x in a.pairs.split(",")]

@@ -8,7 +8,7 @@ import os
 import jax.numpy as jnp
 import pytest
 
-from dsv4_jax import config as C
+from dsv4_jax import config as C, parallel
 from dsv4_jax.analysis import libtpu, traffic
 from dsv4_jax.model import params as P
 from dsv4_jax.ops import quant
@@ -227,7 +227,7 @@ def test_programs_from_abstract_shapes():
     at its block size."""
     from jax.sharding import AbstractMesh
     cfg = runner.model_config("flash", pairs=1, small=True, platform="cpu")
-    mesh = AbstractMesh((1, 2, 1), runner.S.MESH_AXES)
+    mesh = AbstractMesh((1, 2, 1), parallel.MESH_AXES)
     sh = I.Shapes(batch=4, context=512, draft_n_max=6, prefill_chunk=16)
     progs = {(n, w): PR.build(n, cfg, mesh, w, sh) for n in PR.PROGRAMS for w in I.WEIGHTS}
     layer = lambda w: progs["decode", w].args[0]["segments"][-1][0]
@@ -261,7 +261,7 @@ def test_programs_from_abstract_shapes():
 def cpu_compile(cfg: C.ModelConfig, program: str = "decode", weights: str = "bf16", hbm: float = 16 * chips.GIB,
                 unrolled: bool = True):
     topo = chips.parse("cpu")
-    mesh = runner.S.make_mesh((1, 1, 1), chips.devices(topo))
+    mesh = parallel.make_mesh((1, 1, 1), chips.devices(topo))
     return AC.compile_program(PR.build(program, cfg, mesh, weights, SHAPES), topo.chip, 1, hbm, unrolled=unrolled)
 
 
@@ -270,7 +270,7 @@ def test_unrolled_scan_counts_every_layer():
     base + body; unrolled (`Backends.unroll_layers`, what the report counts) they are base + 2·body. (Bytes are
     not compared: a rolled loop adds its own carry copies and slicing.) The row holds both compiles."""
     topo = chips.parse("cpu")
-    mesh = runner.S.make_mesh((1, 1, 1), chips.devices(topo))
+    mesh = parallel.make_mesh((1, 1, 1), chips.devices(topo))
     base = cpu_compile(scan_config(0))["cost"]["flops"]
     row = AC.compile_program(PR.build("decode", scan_config(2), mesh, "bf16", SHAPES), topo.chip, 1, 16 * chips.GIB,
                              as_run=PR.build("decode", scan_config(2, unroll=False), mesh, "bf16", SHAPES))
@@ -293,7 +293,7 @@ def test_extrapolated_costs_predict_the_unrolled_compile(monkeypatch):
     the default base of 2 reps."""
     monkeypatch.setattr(I, "COMPUTE_DTYPE", jnp.float32)
     topo = chips.parse("cpu")
-    mesh = runner.S.make_mesh((1, 1, 1), chips.devices(topo))
+    mesh = parallel.make_mesh((1, 1, 1), chips.devices(topo))
     cfg = scan_config(4, hidden=256)
     how = runner.counting(cfg, "extrapolate")
     a, n, at_a, at_b = how.points
@@ -354,8 +354,8 @@ def test_report_on_cpu_backend(tmp_path):
     estimates; the report files are written and the JSON re-renders (merged) through --render."""
     cfg = C.tiny().replace(name="aot-test-1", num_layers=1, layer_types=(C.SLIDING,), compress_ratios=(0,),
                            mlp_layer_types=(C.MOE,))
-    rep = runner.run(["cpu"], ["fp8"], SHAPES, cfg, programs=("decode", "spec-mtp"), hbm_gib=1.0, log=None,
-                     fit_as_run=False)
+    rep = runner.run(runner.AotRequest(("cpu",), ("fp8",), SHAPES, cfg, programs=("decode", "spec-mtp"), hbm_gib=1.0,
+                                       fit_as_run=False), log=None)
     (run,) = rep["runs"]
     assert [r["program"] for r in run["programs"]] == ["decode", "spec-mtp"]
     for r in run["programs"]:
@@ -401,7 +401,7 @@ def test_libtpu_compile_counts_every_layer():
         pytest.fail("this test needs libtpu (pip install libtpu)")
     topo = chips.parse("v5p:2x2x1")
     devs = chips.devices(topo)
-    mesh = runner.S.make_mesh((1, 4, 1), devs)
+    mesh = parallel.make_mesh((1, 4, 1), devs)
     hbm, source = chips.hbm_bytes(topo, devs)
     assert source.startswith("TPU compiler") and 90 * chips.GIB < hbm < 100 * chips.GIB
     opts = chips.TPU_COMPILE_OPTIONS

@@ -8,41 +8,11 @@ import sys
 from typing import Iterable
 
 
-from ..config import PRESETS, preset
-from ..parallel import PRESETS as SHARDING_PRESETS, default_mesh_shape, parse_mesh_shape
+from .. import cli
+from ..config import preset
+from ..parallel import PRESETS as SHARDING_PRESETS, default_mesh_shape
 from ..model import params as P
 from .memplan import FORMATS, GIB, H200_GIB, checkpoint_table, checkpoint_unit, measure_checkpoint, plan
-
-def _mesh_arg(text: str) -> tuple[int, ...]:
-    try:
-        return parse_mesh_shape(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        out = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return out
-
-
-def _names(allowed, what: str):
-    """argparse type: a comma list of names from `allowed` (`what` names them in the error)."""
-    def parse(text: str) -> list[str]:
-        out = [v for v in text.split(",") if v]
-        bad = [v for v in out if v not in allowed]
-        if bad or not out:
-            raise argparse.ArgumentTypeError(f"unknown {what}(s) {bad}; choose from {','.join(allowed)}")
-        return out
-    return parse
-
-
-_formats = _names(FORMATS, "weight format")
-_presets = _names(SHARDING_PRESETS, "sharding preset")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,22 +21,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Memory plan (GiB) of a DeepSeek-V4 model from abstract shapes: weights, drafter and decode "
                     "state, in total and per device on a (data, expert, model) mesh. Nothing is allocated.",
         epilog="Example: dsv4-memplan --devices 1,8,16 --dtype bf16,quantized --batch 8 --context 32768")
-    p.add_argument("--preset", default="flash", choices=sorted(PRESETS), help="model config (default flash)")
-    p.add_argument("--devices", type=_int_list, default=[1, 8, 16],
+    cli.add_preset(p)
+    p.add_argument("--devices", type=cli.positive_ints, default=[1, 8, 16],
                    help="comma-separated device counts, one column each (default 1,8,16)")
-    p.add_argument("--mesh", type=_mesh_arg, action="append", default=None,
-                   help="explicit mesh DATAxEXPERTxMODEL, e.g. 1x1x8 (repeatable; replaces --devices); default "
-                        "for n devices: 1xnx1 (experts split n ways, attention data-parallel)")
-    p.add_argument("--sharding", type=_presets, default=None, metavar="PRESETS",
+    cli.add_mesh(p, action="append", default=None,
+                 help="explicit mesh DATAxEXPERTxMODEL, e.g. 1x1x8 (repeatable; replaces --devices); default "
+                      "for n devices: 1xnx1 (experts split n ways, attention data-parallel)")
+    p.add_argument("--sharding", type=cli.names(SHARDING_PRESETS, "sharding preset"), default=None, metavar="PRESETS",
                    help=f"sharding presets, comma-separated from {','.join(SHARDING_PRESETS)} (dsv4_jax.parallel.PRESETS): "
                         "one column per preset and --devices count, with the preset's mesh and rules "
                         "(replaces --mesh)")
-    p.add_argument("--dtype", type=_formats, default=["bf16", "quantized"],
+    p.add_argument("--dtype", type=cli.names(FORMATS, "weight format"), default=["bf16", "quantized"],
                    help="weight storage, comma-separated from f32,bf16,quantized (default bf16,quantized); "
                         "quantized = release FP4 experts + FP8 projections with e8m0 scales")
-    p.add_argument("--batch", type=int, default=1, help="sequences in the decode state (default 1)")
-    p.add_argument("--context", type=int, default=4096, help="decode-state capacity in tokens (default 4096)")
-    p.add_argument("--max-block", type=int, default=8, help="widest verify block, k + 1 (default 8)")
+    p.add_argument("--batch", type=cli.positive_int, default=1, help="sequences in the decode state (default 1)")
+    p.add_argument("--context", type=cli.positive_int, default=4096, help="decode-state capacity in tokens (default 4096)")
+    p.add_argument("--max-block", type=cli.positive_int, default=8, help="widest verify block, k + 1 (default 8)")
     p.add_argument("--drafter", default="mtp", choices=("none", "mtp", "dspark"),
                    help="drafter weights and state to add (default mtp: one block)")
     p.add_argument("--hbm-gib", type=float, default=H200_GIB,
@@ -97,9 +67,6 @@ def table(plans: list[dict], hbm_gib: float) -> str:
 
 def main(argv: Iterable[str] | None = None) -> int:
     a = build_parser().parse_args(None if argv is None else list(argv))
-    if a.batch < 1 or a.context < 1 or a.max_block < 1:
-        print("dsv4-memplan: --batch, --context and --max-block must be positive", file=sys.stderr)
-        return 2
     if a.checkpoint:
         m = measure_checkpoint(a.checkpoint, a.mesh[0] if a.mesh else None)
         if a.json:

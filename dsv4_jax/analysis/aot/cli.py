@@ -17,10 +17,8 @@ from typing import Iterable
 
 import jax
 
-from ... import backends as B
+from ... import backends as B, cli
 from .. import libtpu
-from ...config import PRESETS
-from ...parallel import parse_mesh_shape
 from . import chips, extrapolate as X, inputs as I, programs as PR, report as R, runner
 
 EXAMPLES = """examples:
@@ -36,77 +34,49 @@ as run plus two small unrolled compiles (3 + 2 and 3 + 3 layers of Flash), extra
 pairs (--count extrapolate); --count unroll compiles every layer written out (tens of minutes per program)."""
 
 
-def _list(choices=None):
-    def parse(text: str) -> list[str]:
-        out = [v.strip() for v in text.split(",") if v.strip()]
-        bad = [v for v in out if choices is not None and v not in choices]
-        if not out or bad:
-            raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {','.join(choices or [])}")
-        return out
-    return parse
-
-
-def _mesh(text: str) -> tuple[int, ...]:
-    try:
-        return parse_mesh_shape(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4-aot", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--topology", type=_list(), default=["v5p:2x2x2"],
+    p.add_argument("--topology", type=cli.names(what="topology"), default=["v5p:2x2x2"],
                    help="comma list of topologies as libtpu names them (v5p:2x2x2, v5e:4x4, v6e:2x4, ...; "
                         "'cpu' or 'cpu:N' for this machine's CPU backend); default v5p:2x2x2")
-    p.add_argument("--weights", type=_list(I.WEIGHTS), default=["bf16"],
+    p.add_argument("--weights", type=cli.names(I.WEIGHTS, "weight format"), default=["bf16"],
                    help="comma list of weight formats: bf16; fp8 (routed experts as FP8 e4m3 codes + a float32 "
                         "scale per 128x128 block, the MoE kernels' storage); release (the official release "
                         "precision kept quantized: FP4 experts, FP8 attention / shared experts) (default bf16)")
-    p.add_argument("--batch", type=_positive, default=8, help="sequences per step (default 8)")
-    p.add_argument("--context", type=_positive, default=32768,
+    p.add_argument("--batch", type=cli.positive_int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--context", type=cli.positive_int, default=32768,
                    help="committed tokens per sequence when the step runs (default 32768)")
-    p.add_argument("--draft-n-max", type=_positive, default=3,
+    p.add_argument("--draft-n-max", type=cli.positive_int, default=3,
                    help="drafts per round k; the verify block is k+1 tokens (default 3; DSpark: at most its "
                         "block size 5)")
-    p.add_argument("--prefill-chunk", type=_positive, default=256,
+    p.add_argument("--prefill-chunk", type=cli.positive_int, default=256,
                    help="tokens per sequence in one prefill call (default 256: 2048 tokens at batch 8)")
-    p.add_argument("--prefill-min", type=_positive, default=8,
+    p.add_argument("--prefill-min", type=cli.positive_int, default=8,
                    help="when the prefill chunk runs out of memory, halve it down to this many tokens per "
                         "sequence and report the largest that fits (default 8; = --prefill-chunk: no retry)")
-    p.add_argument("--programs", type=_list(PR.PROGRAMS), default=list(PR.PROGRAMS),
+    p.add_argument("--programs", type=cli.names(PR.PROGRAMS, "program"), default=list(PR.PROGRAMS),
                    help=f"comma list of {','.join(PR.PROGRAMS)} (default all)")
-    p.add_argument("--mesh", type=_mesh, default=None,
-                   help="mesh DATAxEXPERTxMODEL (product = devices of the topology); default from --mesh-preset")
+    cli.add_mesh(p, help="mesh DATAxEXPERTxMODEL (product = devices of the topology); default from --mesh-preset")
     p.add_argument("--mesh-preset", default="default", choices=sorted(runner.MESH_PRESETS),
                    help="named mesh for n devices (default: 1 x n x 1, experts split n ways, attention "
                         "data-parallel)")
-    p.add_argument("--preset", default="flash", choices=sorted(PRESETS), help="model config (default flash)")
+    cli.add_preset(p)
     p.add_argument("--pairs", type=int, default=None,
                    help="keep only this many of the repeated HCA/CSA pairs (flash has 20; default all)")
     p.add_argument("--small", action="store_true",
                    help="tiny dimensions, same layer schedule: seconds per compile (checks the report, not Flash)")
-    p.add_argument("--kernels", "--backends", dest="kernels", default="reference", choices=B.CHOICES,
-                   help="hot-op implementations, a static dsv4_jax.backends.Backends: reference (XLA), pallas_tpu "
-                        "(the Mosaic TPU kernels for the MoE experts and the indexer scores; auto = the same on "
-                        "TPU); default reference")
+    cli.add_kernels(p, "--backends",
+                    help="hot-op implementations, a static dsv4_jax.backends.Backends: reference (XLA), pallas_tpu "
+                         "(the Mosaic TPU kernels for the MoE experts and the indexer scores; auto = the same on "
+                         "TPU); default reference")
     p.add_argument("--count", choices=runner.COUNT_METHODS, default="extrapolate",
                    help="how XLA's costs count every layer (its cost analysis counts a while body once): "
                         "extrapolate (default: the program as run gives the fit and HLO analysis; the leading "
                         "layers + N and + N+1 repeated pairs compiled unrolled give the costs, extrapolated "
                         "linearly to every pair); unroll (the whole program unrolled: exact, slow); scan (one "
                         "compile, each repeated layer counted once)")
-    p.add_argument("--count-base", type=_positive, default=X.DEFAULT_BASE,
+    p.add_argument("--count-base", type=cli.positive_int, default=X.DEFAULT_BASE,
                    help=f"N of --count extrapolate: the smaller number of repeated pairs compiled (default "
                         f"{X.DEFAULT_BASE})")
     p.add_argument("--no-unroll", action="store_true", help="the same as --count scan")
@@ -123,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile even when the arguments alone exceed the HBM of a device")
     p.add_argument("--hbm-gib", type=float, default=None,
                    help="HBM per device (default: asked from the TPU compiler; the CPU backend uses 16)")
-    p.add_argument("--top", type=_positive, default=15, help="top HLO ops kept per program (default 15)")
+    p.add_argument("--top", type=cli.positive_int, default=15, help="top HLO ops kept per program (default 15)")
     p.add_argument("--hlo-dir", default=None, help="also write each compiled program's HLO text here")
     p.add_argument("--no-kernels", action="store_true", help="skip the Mosaic TPU kernels section")
     p.add_argument("--no-plot", action="store_true", help="write JSON and Markdown only")
@@ -136,8 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(msg: str) -> int:
-    print(f"dsv4-aot: {msg}", file=sys.stderr)
-    return 2
+    return cli.fail("dsv4-aot", msg)
 
 
 def _use_cpu_backend() -> None:
@@ -182,63 +151,69 @@ def print_plan(plans: list[dict], config, shapes) -> None:
                   f"{(b or 0) / pl['chips'] / 1e9:8.3g} GB/chip")
 
 
-def main(argv: Iterable[str] | None = None) -> int:
-    argv = None if argv is None else list(argv)
-    a = build_parser().parse_args(argv)
-    if a.render:
-        return render(a.render, a.out, not a.no_plot)
+def parse_request(a: argparse.Namespace, argv: list[str] | None) -> runner.AotRequest:
+    """The report the flags ask for, every flag checked and the --fit-from reports read (cli.OptionError
+    naming the problem otherwise)."""
     try:
         topologies = [chips.parse(t) for t in a.topology]
-    except chips.TopologyError as e:
-        return _fail(str(e))
-    try:
         for w in a.weights:
             I.check_weights(w)
-    except I.WeightFormatError as e:
-        return _fail(str(e))
+    except (chips.TopologyError, I.WeightFormatError) as e:
+        raise cli.OptionError(str(e)) from None
     if a.mesh is not None and len({t.chips for t in topologies}) > 1:
-        return _fail("--mesh fixes the device count; give one topology (or topologies of one size) with it")
+        raise cli.OptionError("--mesh fixes the device count; give one topology (or topologies of one size) with it")
     platform = "tpu" if any(t.is_tpu for t in topologies) else "cpu"
     if platform == "tpu" and any(not t.is_tpu for t in topologies):
-        return _fail("mix of TPU and cpu topologies: run them separately")
+        raise cli.OptionError("mix of TPU and cpu topologies: run them separately")
+    count = "scan" if a.no_unroll else a.count
     try:
-        count = "scan" if a.no_unroll else a.count
         config = runner.model_config(a.preset, pairs=a.pairs, small=a.small, backends=a.kernels,
                                      platform=platform, unroll=count != "scan")
-        shapes = I.Shapes(a.batch, a.context, a.draft_n_max, a.prefill_chunk)
         for t in topologies:
             runner.mesh_shape(t.chips, a.mesh, a.mesh_preset)
     except (ValueError, B.BackendError) as e:
-        return _fail(str(e))
-    if a.plan:
-        print_plan([runner.plan_run(t, config, w, shapes, a.programs, a.mesh, a.mesh_preset)
-                    for t in topologies for w in a.weights], config, shapes)
-        return 0
-    if platform == "tpu" and not libtpu.available():
-        return _fail(chips.LIBTPU_HELP)
-    if a.hlo_dir:
-        os.makedirs(a.hlo_dir, exist_ok=True)
-    _use_cpu_backend()
-    libtpu.set_env()
-    command = "dsv4-aot " + " ".join(sys.argv[1:] if argv is None else argv)
+        raise cli.OptionError(str(e)) from None
     fit_from = []
     for path in a.fit_from:
         try:
             with open(path) as f:
                 fit_from.append((path, json.load(f)))
         except (OSError, json.JSONDecodeError) as e:
-            return _fail(f"cannot read --fit-from report {path}: {e}")
+            raise cli.OptionError(f"cannot read --fit-from report {path}: {e}") from None
+    return runner.AotRequest(
+        tuple(a.topology), tuple(a.weights), I.Shapes(a.batch, a.context, a.draft_n_max, a.prefill_chunk), config,
+        programs=tuple(a.programs), mesh=a.mesh, mesh_preset=a.mesh_preset, hbm_gib=a.hbm_gib, top=a.top,
+        force=a.force, kernels=not a.no_kernels, hlo_dir=a.hlo_dir,
+        command="dsv4-aot " + " ".join(sys.argv[1:] if argv is None else argv), prefill_min=a.prefill_min,
+        fit_as_run=not a.fit_from_unrolled, count=count, base=a.count_base, fit_from=tuple(fit_from))
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    argv = None if argv is None else list(argv)
+    a = build_parser().parse_args(argv)
+    if a.render:
+        return render(a.render, a.out, not a.no_plot)
+    try:
+        req = parse_request(a, argv)
+    except cli.OptionError as e:
+        return _fail(str(e))
+    topologies = [chips.parse(t) for t in req.topologies]
+    if a.plan:
+        print_plan([runner.plan_run(req, t, w) for t in topologies for w in req.weights], req.config, req.shapes)
+        return 0
+    if any(t.is_tpu for t in topologies) and not libtpu.available():
+        return _fail(chips.LIBTPU_HELP)
+    if a.hlo_dir:
+        os.makedirs(a.hlo_dir, exist_ok=True)
+    _use_cpu_backend()
+    libtpu.set_env()
     partial = os.path.splitext(a.out)[0] + ".partial.json"
 
     def checkpoint(rep):
         R._atomic_write(partial, lambda p: json.dump(rep, open(p, "w"), indent=1, default=str))
 
     try:
-        rep = runner.run(a.topology, a.weights, shapes, config, programs=a.programs, mesh=a.mesh,
-                         mesh_preset=a.mesh_preset, hbm_gib=a.hbm_gib, top=a.top, force=a.force,
-                         kernels=not a.no_kernels, hlo_dir=a.hlo_dir, command=command, checkpoint=checkpoint,
-                         prefill_min=a.prefill_min, fit_as_run=not a.fit_from_unrolled, count=count,
-                         base=a.count_base, fit_from=fit_from)
+        rep = runner.run(req, checkpoint=checkpoint)
     except (chips.TopologyError, chips.LibtpuMissing) as e:
         return _fail(str(e))
     for p in R.write(rep, a.out, not a.no_plot):

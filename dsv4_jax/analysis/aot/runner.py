@@ -5,8 +5,8 @@
 a `while` body once; `aot.compile` describes the methods): "extrapolate" (default: the program as run for
 the fit and HLO analysis, two small unrolled programs for the costs, `aot.extrapolate`), "unroll" (the full
 program unrolled) or "scan" (one compile, repeated layers counted once by XLA). `mesh_shape` resolves
-`--mesh` / `--mesh-preset` to (data, expert, model) sizes. `run` returns the report dict that
-`report.write` renders.
+`--mesh` / `--mesh-preset` to (data, expert, model) sizes. `run` compiles an `AotRequest` (what the CLI's
+flags ask for) and returns the report dict that `report.write` renders.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh
 
 from ... import backends as B
 from ...model import params as P
-from ... import parallel as S
+from ... import parallel
 from ...config import ModelConfig, preset
 from . import chips, compile as C, extrapolate as X, inputs as I, programs as PR
 from .kernel_hook import kernel_reports
@@ -34,7 +34,7 @@ from .kernel_hook import kernel_reports
 # --mesh-preset: name -> (data, expert, model) sizes for n devices. "default" is sharding.default_mesh_shape
 # (experts split n ways, attention data-parallel); the expert-parallel presets ("latency" / "throughput",
 # issue 19) register here.
-MESH_PRESETS: dict[str, Callable[[int], tuple[int, int, int]]] = {"default": S.default_mesh_shape}
+MESH_PRESETS: dict[str, Callable[[int], tuple[int, int, int]]] = {"default": parallel.default_mesh_shape}
 
 # --small: the same layer schedule with tiny dimensions (compiles in seconds; checks the report, not Flash)
 SMALL_DIMS = dict(vocab_size=256, hidden_size=64, num_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=24,
@@ -127,15 +127,15 @@ def meta(command: str) -> dict:
             "python": platform.python_version(), "command": command, **_versions()}
 
 
-def plan_run(topology: chips.Topology, config: ModelConfig, weights: str, shapes: I.Shapes, programs: Sequence[str],
-             mesh: Sequence[int] | None, mesh_preset: str, rules=None) -> dict:
-    """What `run` would compile, from abstract shapes only (no libtpu, no compile): per-device argument
-    bytes against the table HBM, and the bounds."""
-    shape = mesh_shape(topology.chips, mesh, mesh_preset)
-    amesh = AbstractMesh(shape, S.MESH_AXES)
+def plan_run(request: AotRequest, topology: chips.Topology, weights: str) -> dict:
+    """What `run` would compile for one topology and weight format, from abstract shapes only (no libtpu, no
+    compile): per-device argument bytes against the table HBM, and the bounds."""
+    r = request
+    shape = mesh_shape(topology.chips, r.mesh, r.mesh_preset)
+    amesh = AbstractMesh(shape, parallel.MESH_AXES)
     rows = []
-    for name in programs:
-        p = PR.build(name, config, amesh, weights, shapes, rules)
+    for name in r.programs:
+        p = PR.build(name, r.config, amesh, weights, r.shapes, r.rules)
         rows.append({"program": name, "argument_bytes_per_device": p.argument_bytes_per_device,
                      "bound": p.bound, "tokens_per_sequence": p.tokens_per_sequence})
     return {"topology": topology.name, "chips": topology.chips, "mesh": shape, "weights": weights,
@@ -147,55 +147,83 @@ def _log(msg: str, t0: float, log) -> None:
         print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=log, flush=True)
 
 
-def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, config: ModelConfig, *,
-        programs: Sequence[str] = PR.PROGRAMS, mesh: Sequence[int] | None = None, mesh_preset: str = "default",
-        rules=None, hbm_gib: float | None = None, top: int = 15, force: bool = False, kernels: bool = True,
-        hlo_dir: str | None = None, command: str = "", log=sys.stdout, checkpoint: Callable | None = None,
-        prefill_min: int = 8, fit_as_run: bool = True, count: str = "extrapolate",
-        base: int = X.DEFAULT_BASE, fit_from: Sequence[tuple[str, dict]] = ()) -> dict:
-    """Compile `programs` for every topology × weight format; returns the report dict. A prefill chunk that
-    does not fit is halved until it does (`compile_prefill`, not below `prefill_min` tokens per sequence).
-    count: how every layer is counted (`counting`; the config's own unroll_layers is not used); base: the
-    smaller repetition count of "extrapolate"; fit_from: saved (path, report)s whose rows of the same
-    program as run (same model, shapes, topology, weights, mesh, chunk; compiled with the layer scans) give
-    the fit and HLO analysis instead of a new full compile ("extrapolate" only; `reusable_row`);
-    fit_as_run ("unroll" only): also compile each program with
-    its layer scans (as a run executes it) for the fit. checkpoint(report) is called after every program
-    (the CLI writes a partial JSON with it).
+@dataclasses.dataclass(frozen=True)
+class AotRequest:
+    """One report: every topology × weight format × program of one model at one set of shapes, and how they
+    are compiled and counted (the dsv4-aot flags, parsed once by its CLI).
+
+    mesh: (data, expert, model) sizes, else `mesh_preset`'s for each topology; hbm_gib: HBM per device
+    (default: asked from the compiler); top: HLO ops kept per program; force: compile even when the
+    arguments alone do not fit; kernels: add the Mosaic kernels section (TPU topologies); hlo_dir: also
+    write each program's HLO text there; command: recorded in the report's meta; prefill_min: a prefill
+    chunk that does not fit is halved (`compile_prefill`) down to this many tokens per sequence; count: how
+    every layer is counted (`counting`; the config's own unroll_layers is not used); base: the smaller
+    repetition count of "extrapolate"; fit_from: saved (path, report)s whose rows of the same program as
+    run (same model, shapes, topology, weights, mesh, chunk; compiled with the layer scans) give the fit
+    and HLO analysis instead of a new full compile ("extrapolate" only; `reusable_row`); fit_as_run
+    ("unroll" only): also compile each program with its layer scans (as a run executes it) for the fit.
     """
+
+    topologies: tuple[str, ...]
+    weights: tuple[str, ...]
+    shapes: I.Shapes
+    config: ModelConfig
+    programs: tuple[str, ...] = PR.PROGRAMS
+    mesh: tuple[int, ...] | None = None
+    mesh_preset: str = "default"
+    rules: object = None
+    hbm_gib: float | None = None
+    top: int = 15
+    force: bool = False
+    kernels: bool = True
+    hlo_dir: str | None = None
+    command: str = ""
+    prefill_min: int = 8
+    fit_as_run: bool = True
+    count: str = "extrapolate"
+    base: int = X.DEFAULT_BASE
+    fit_from: tuple[tuple[str, dict], ...] = ()
+
+
+def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = None) -> dict:
+    """Compile the request's programs for every topology × weight format; returns the report dict.
+    log: progress lines (None: quiet); checkpoint(report) is called after every program (the CLI writes a
+    partial JSON with it)."""
+    r = request
+    config, shapes = r.config, r.shapes
     t0 = time.perf_counter()
     say = lambda msg: _log(msg, t0, log)
-    how = counting(config, count, fit_as_run, base)
-    report = {"meta": meta(command), "model": {"name": config.name, "layers": config.num_layers,
+    how = counting(config, r.count, r.fit_as_run, r.base)
+    report = {"meta": meta(r.command), "model": {"name": config.name, "layers": config.num_layers,
                                                "params_b": P.count_params(config) / 1e9,
                                                "unroll_layers": how.method == "unrolled"},
               "counting": _counting_meta(how), "backends": how.program.backends.describe(),
               "shapes": dataclasses.asdict(shapes), "runs": []}
-    for tname in topologies:
+    for tname in r.topologies:
         topo = chips.parse(tname)
         devs = chips.devices(topo)
-        hbm, source = (hbm_gib * chips.GIB, "--hbm-gib") if hbm_gib else chips.hbm_bytes(topo, devs)
-        shape = mesh_shape(len(devs), mesh, mesh_preset)
-        target = Target(topo, devs, S.make_mesh(shape, devs), hbm,
+        hbm, source = (r.hbm_gib * chips.GIB, "--hbm-gib") if r.hbm_gib else chips.hbm_bytes(topo, devs)
+        shape = mesh_shape(len(devs), r.mesh, r.mesh_preset)
+        target = Target(topo, devs, parallel.make_mesh(shape, devs), hbm,
                         chips.TPU_COMPILE_OPTIONS if topo.is_tpu else None)
-        for w in weights:
+        for w in r.weights:
             run_ = {"topology": topo.name, "chips": len(devs), "hosts": chips.host_count(devs),
                     "chip": dataclasses.asdict(topo.chip), "device_kind": devs[0].device_kind,
-                    "hbm_bytes": hbm, "hbm_source": source, "mesh": dict(zip(S.MESH_AXES, shape)),
+                    "hbm_bytes": hbm, "hbm_source": source, "mesh": dict(zip(parallel.MESH_AXES, shape)),
                     "mesh_text": "×".join(map(str, shape)), "weights": w, "programs": []}
             report["runs"].append(run_)
-            for name in programs:
-                dump = os.path.join(hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if hlo_dir else None
-                saved = functools.partial(reusable_row, fit_from, config, shapes, topo.name, w, run_["mesh_text"],
+            for name in r.programs:
+                dump = os.path.join(r.hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if r.hlo_dir else None
+                saved = functools.partial(reusable_row, r.fit_from, config, shapes, topo.name, w, run_["mesh_text"],
                                           name)
-                one = functools.partial(compile_one, target, name, how, w, rules=rules, top=top,
-                                        force=force, hlo_dump=dump, say=say, saved=saved)
-                run_["programs"].append(compile_prefill(one, shapes, prefill_min) if name == "prefill"
+                one = functools.partial(compile_one, target, name, how, w, rules=r.rules, top=r.top,
+                                        force=r.force, hlo_dump=dump, say=say, saved=saved)
+                run_["programs"].append(compile_prefill(one, shapes, r.prefill_min) if name == "prefill"
                                         else one(shapes))
                 if checkpoint:
                     report["meta"]["wall_s"] = time.perf_counter() - t0
                     checkpoint(report)
-            if kernels and topo.is_tpu:
+            if r.kernels and topo.is_tpu:
                 run_["kernels"] = kernel_reports(topo.name, config, shapes, w, log=say)
     report["meta"]["wall_s"] = time.perf_counter() - t0
     return report
