@@ -23,7 +23,7 @@ PACKAGE_DIRS = {"dsv4_jax": os.path.join(ROOT, "dsv4_jax"), "dsv4_jax.io.convert
 TRACED = ("dsv4_jax.model", "dsv4_jax.ops", "dsv4_jax.kernels", "dsv4_jax.speculative", "dsv4_jax.drafters",
           "dsv4_jax.model.decode", "dsv4_jax.model.state", "dsv4_jax.backends", "dsv4_jax.bundle", "dsv4_jax.config",
           "dsv4_jax.model.schedule")
-ENV_ALLOWED = {"dsv4_jax.parallel.multihost", "dsv4_jax.research.common", "dsv4_jax.analysis.libtpu"}
+ENV_ALLOWED = {"dsv4_jax.parallel.multihost", "dsv4_jax.cli", "dsv4_jax.analysis.libtpu"}
 
 
 def _modules() -> dict[str, str]:
@@ -195,7 +195,7 @@ def _env_reads(module: str) -> list[int]:
 
 
 def test_env_check_sees_reads():
-    assert _env_reads("dsv4_jax.parallel.multihost") and _env_reads("dsv4_jax.research.common")
+    assert _env_reads("dsv4_jax.parallel.multihost") and _env_reads("dsv4_jax.cli")
 
 
 def test_no_environment_reads_in_traced_code():

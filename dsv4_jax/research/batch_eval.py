@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import parallel as sharding
+from .. import cli, parallel
 from ..speculative.options import Sampling, Speculation
 from ..speculative.scheduler import SCHEDULES, RunResult, SlotEngine
 from . import common, report
@@ -79,9 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts are prefilled in chunks of C tokens, the requests of a refill with as many chunks "
                         "together as the rows of one call (one compiled shape per row count 1, 2, 4, .. B; "
                         "default 64)")
-    s.add_argument("--mesh", metavar="DxExM",
-                   help="shard the model over a data x expert x model device mesh, e.g. 1x8x1 (default: one "
-                        "device)")
+    cli.add_mesh(s, help="shard the model over a data x expert x model device mesh, e.g. 1x8x1 (default: one "
+                         "device)")
     common.add_prompt_args(p, default_per_category=None)
     common.add_run_args(p)
     return p
@@ -111,7 +110,7 @@ def parse_settings(a: argparse.Namespace) -> tuple[list[Setting], list[int]]:
     a.length_range = output_range(a.output_lengths)
     if a.length_range and a.max_new_tokens:
         raise OptionError("give --max-new-tokens or --output-lengths, not both")
-    a.mesh_obj = common.parse_mesh(a.mesh)
+    a.mesh_obj = cli.device_mesh(a.mesh)
     return grid_settings(specs, ks, {"p_min": p_mins, "confidence_threshold": confs}, temps, sizes), ks
 
 
@@ -280,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in notes:
         print(n, file=sys.stderr)
     if a.mesh_obj is not None:
-        model.params = sharding.shard_params(model.params, model.config, a.mesh_obj)
+        model.params = parallel.shard_params(model.params, model.config, a.mesh_obj)
     prompts = cycle_to(prompts, a.num_prompts)
     max_new = a.max_new_tokens or suite_max_new
     budgets = budgets_for(len(prompts), max_new, a.length_range, a.seed)
@@ -307,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "seed": a.seed, "top_p": a.top_p, "ignore_eos": a.ignore_eos,
                             "chunk_rounds": a.chunk_rounds, "prefill_len": a.prefill_len,
                             "refill_min": a.refill_min, "prefill_ahead": a.prefill_ahead,
-                            "mesh": None if a.mesh_obj is None else dict(sharding.mesh_sizes(a.mesh_obj)),
+                            "mesh": None if a.mesh_obj is None else dict(parallel.mesh_sizes(a.mesh_obj)),
                             "timing": "per schedule: wall time of SlotEngine.run (prefills, inserts and decode "
                                       "chunks, host synchronised after each), median over repeats, after one "
                                       "untimed warm-up per setting that compiles every program"},

@@ -2,58 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import os
-import re
 
-import jax
 from tqdm.auto import tqdm
 
-from .. import parallel as sharding
+from .. import cli
+from ..cli import OptionError, enable_compile_cache, float_list, int_list  # noqa: F401 - the research CLIs' names
 from . import prompts as P
 from .runner import SPEC_TYPES
-
-DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv4_jax", "xla")
-
-
-class OptionError(ValueError):
-    """An invalid command-line option (reported before any work starts)."""
-
-
-def int_list(text: str, name: str, minimum: int = 0) -> list[int]:
-    """'1,2,3' | '1-5' | '1..5' | '1,3-5' -> sorted unique ints >= minimum."""
-    out = set()
-    for part in filter(None, (s.strip() for s in text.split(","))):
-        m = re.fullmatch(r"(-?\d+)(?:\s*(?:-|\.\.)\s*(-?\d+))?", part)
-        if not m:
-            raise OptionError(f"{name}: {part!r} is not an integer or a range like 1-5")
-        lo, hi = int(m[1]), int(m[2]) if m[2] is not None else int(m[1])
-        if hi < lo:
-            raise OptionError(f"{name}: {part!r} is an empty range (write low-high, e.g. {hi}-{lo})")
-        out.update(range(lo, hi + 1))
-    if not out:
-        raise OptionError(f"{name}: give at least one value")
-    bad = sorted(v for v in out if v < minimum)
-    if bad:
-        raise OptionError(f"{name}: values must be >= {minimum}, got {', '.join(map(str, bad))}")
-    return sorted(out)
-
-
-def float_list(text: str, name: str, lo: float = 0.0, hi: float | None = None) -> list[float]:
-    """'0,0.5,1' -> sorted unique floats in [lo, hi]."""
-    out = set()
-    for part in filter(None, (s.strip() for s in text.split(","))):
-        try:
-            out.add(float(part))
-        except ValueError:
-            raise OptionError(f"{name}: {part!r} is not a number") from None
-    if not out:
-        raise OptionError(f"{name}: give at least one value")
-    bad = sorted(v for v in out if v < lo or (hi is not None and v > hi))
-    if bad:
-        allowed = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
-        raise OptionError(f"{name}: values must be {allowed}, got {', '.join(f'{v:g}' for v in bad)}")
-    return sorted(out)
-
 
 def spec_list(text: str) -> list[str]:
     specs = [s.strip().lower() for s in text.split(",") if s.strip()]
@@ -98,15 +53,11 @@ def add_run_args(p: argparse.ArgumentParser, default_repeats: int = 3) -> None:
                         "compilation; default 2)")
     g.add_argument("--no-shared-programs", action="store_true",
                    help="compile each setting on its own (no shared max_block / drafter pool); for comparison")
-    g.add_argument("--compile-cache", default=DEFAULT_CACHE, metavar="DIR",
-                   help=f"JAX persistent compilation cache, speeds up reruns (default {DEFAULT_CACHE})")
-    g.add_argument("--no-compile-cache", action="store_true", help="do not use a persistent compilation cache")
+    cli.add_compile_cache(g)
     o = p.add_argument_group("output")
-    o.add_argument("--out", required=True, metavar="DIR",
-                   help="output directory: missing or empty (parents are created); written atomically")
-    o.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
+    cli.add_out_dir(o)
     o.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
-    o.add_argument("--quiet", action="store_true", help="no per-prompt lines or progress bar")
+    cli.add_quiet(o, "no per-prompt lines or progress bar")
 
 
 def check_common(a: argparse.Namespace) -> None:
@@ -143,29 +94,6 @@ def resolve_prompts(a: argparse.Namespace, model, file_prompts: list[dict] | Non
         suite, max_new = data["name"], data["max_new_tokens"]
         chosen = P.select(data["prompts"], cats, per_cat, a.limit)
     return suite, P.tokenize(chosen, model.encode, model.config.vocab_size, a.prompt_template), max_new
-
-
-def enable_compile_cache(a: argparse.Namespace) -> None:
-    """Turn on JAX's persistent compilation cache (process-wide) unless --no-compile-cache or DSV4_COMPILE_CACHE=0."""
-    if a.no_compile_cache or os.environ.get("DSV4_COMPILE_CACHE", "1") == "0":
-        return
-    os.makedirs(a.compile_cache, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", a.compile_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
-def parse_mesh(text: str | None):
-    """None (no --mesh: one device, no sharding) or the `sharding.make_mesh` of 'DATAxEXPERTxMODEL' sizes."""
-    if text is None:
-        return None
-    try:
-        shape = sharding.parse_mesh_shape(text)
-    except ValueError as e:
-        raise OptionError(f"--{e}") from None
-    try:
-        return sharding.make_mesh(shape)
-    except ValueError as e:
-        raise OptionError(f"--mesh {text}: {e}") from None
 
 
 def eos_for(a: argparse.Namespace) -> int | None:

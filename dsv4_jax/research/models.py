@@ -23,9 +23,9 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from .. import backends
+from .. import backends, cli
 from ..bundle import CheckpointConfig, as_bundle
-from .. import parallel as S
+from .. import parallel
 from ..io.checkpoint import load_checkpoint
 from ..config import ModelConfig, tiny
 from ..demo import ASSET_DIR, ByteTokenizer, demo_dspark_config, tiny_demo
@@ -102,10 +102,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-seed", type=int, default=0, help="seed of --random-tiny (default 0)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype of the weights (default: float32 for the bundled model, else as stored)")
-    g.add_argument("--kernels", choices=backends.CHOICES, default="reference",
-                   help="implementation of the hot ops (MoE experts, routing, indexer): the jnp references, the "
-                        "Pallas kernels, or auto (Pallas on GPU, references elsewhere); default reference")
-    g.add_argument("--sharding", choices=("none",) + tuple(S.PRESETS), default="none",
+    cli.add_kernels(g)
+    g.add_argument("--sharding", choices=("none",) + tuple(parallel.PRESETS), default="none",
                    help="place the model on all devices with a sharding preset: 'latency' (tensor-parallel "
                         "attention + expert-tensor-parallel experts; batches up to ~32) or 'throughput' "
                         "(data-parallel attention + expert-parallel experts; large batches); default none "
@@ -129,9 +127,9 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
 
 def place(model: LoadedModel, sharding: str) -> LoadedModel:
     """The model's parameters on a sharding preset's mesh (all devices), its config with the preset's backends."""
-    pre = S.preset(sharding)
+    pre = parallel.preset(sharding)
     mesh = pre.make_mesh()
-    params = S.shard_params(model.params, model.config, mesh, pre.rules_dict)
+    params = parallel.shard_params(model.params, model.config, mesh, pre.rules_dict)
     bundle = dataclasses.replace(model.bundle, target=pre.apply(model.config, mesh))
     return dataclasses.replace(model, bundle=bundle, params=params, sharding=pre.name)
 

@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import parallel as SH
+from .. import cli, parallel
+from ..cli import OptionError
 from ..demo import ByteTokenizer
 from ..drafters.dspark import DSparkConfig
 from . import drafter_export as X, drafter_tasks as T, drafter_train as DT, target_cache as TC
@@ -58,10 +59,6 @@ EXAMPLES = """examples:
 """
 
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "f32": jnp.float32}
-
-
-class OptionError(ValueError):
-    """An invalid command-line option."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="compute dtype of the target and the drafter (master weights stay float32); default bf16")
     o.add_argument("--seed", type=int, default=0, help="windows, anchors and the initial weights (default 0)")
-    o.add_argument("--mesh", default="auto", metavar="DxExM",
-                   help="data x expert x model device mesh, e.g. 2x4x1 (default: every device on 'expert')")
+    cli.add_mesh(o, auto=True, default="auto",
+                 help="data x expert x model device mesh, e.g. 2x4x1 (default: every device on 'expert')")
     d = p.add_argument_group("DSpark (defaults: the model's own DSpark drafter, else the released Flash shape)")
     d.add_argument("--taps", metavar="L1,L2,..", help="target layers whose HC-stream means feed the drafter "
                                                      "(default: the last 3)")
@@ -136,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 (exact greedy losslessness) or bfloat16 (half the memory for big targets; bf16 "
                         "verify blocks and decode steps round differently, so a near-tie can flip a token)")
     w = p.add_argument_group("output")
-    w.add_argument("--out", required=True, metavar="DIR")
+    cli.add_out_dir(w, help="the run directory (above); missing or empty, or a run to --resume", overwrite=False)
     w.add_argument("--resume", action="store_true", help="continue the run in --out (same options)")
     w.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
     w.add_argument("--keep", type=int, default=2, help="checkpoints kept (default 2)")
@@ -147,21 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--save-dtype", choices=("bfloat16", "float32"),
                    help="dtype of the written drafter weights (default: the checkpoint's, bf16 for bundles)")
     w.add_argument("--no-plots", action="store_true")
-    w.add_argument("--quiet", action="store_true", help="no progress bars")
+    cli.add_quiet(w, "no progress bars")
     return p
 
 
 # ---- checks --------------------------------------------------------------------------------------------
-
-def _int_list(text: str, name: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise OptionError(f"{name}: expected comma-separated integers, got {text!r}") from None
-    if not out:
-        raise OptionError(f"{name}: give at least one value")
-    return out
-
 
 def check_options(a) -> None:
     for name in ("steps", "batch", "grad_accum", "seq_len", "anchors", "save_every", "keep", "eval_prompts",
@@ -185,18 +172,11 @@ def check_options(a) -> None:
         raise OptionError("--write-into and --no-export exclude each other")
 
 
-def parse_mesh(text: str):
-    """None (one device, no mesh) or a Mesh of the given data x expert x model sizes."""
-    n = jax.device_count()
-    if text == "auto":
-        return None if n == 1 else SH.make_mesh()
-    try:
-        shape = SH.parse_mesh_shape(text)
-    except ValueError as e:
-        raise OptionError(f"--{e}") from None
-    if int(np.prod(shape)) != n:
-        raise OptionError(f"--mesh {text}: needs {int(np.prod(shape))} devices, {n} available")
-    return None if n == 1 else SH.make_mesh(shape)
+def parse_mesh(shape: tuple[int, ...] | str):
+    """None (one device, no mesh) or the Mesh of --mesh: data x expert x model sizes, or 'auto' (every device on
+    'expert')."""
+    mesh = cli.device_mesh(shape)
+    return None if jax.device_count() == 1 else mesh
 
 
 def make_task(a, src: TS.TargetSource):
@@ -213,11 +193,11 @@ def make_task(a, src: TS.TargetSource):
         for name, mine in (("taps", own.dcfg.target_layer_ids), ("stages", own.n_stages),
                            ("markov_rank", own.markov_rank)):
             given = getattr(a, name)
-            if given is not None and (_int_list(given, "--taps") if name == "taps" else given) != mine:
+            if given is not None and (cli.int_tuple(given, "--taps") if name == "taps" else given) != mine:
                 raise OptionError(f"--init drafter: --{name.replace('_', '-')} {given} differs from the model's "
                                   f"DSpark drafter ({mine})")
     n = config.num_layers
-    taps = _int_list(a.taps, "--taps") if a.taps else own.dcfg.target_layer_ids if own else \
+    taps = cli.int_tuple(a.taps, "--taps") if a.taps else own.dcfg.target_layer_ids if own else \
         tuple(range(max(n - 3, 0), n))
     bad = [t for t in taps if not 0 <= t < n]
     if bad:
@@ -507,7 +487,7 @@ def run(plan: Plan, argv) -> dict:
         timings["export_s"] = time.perf_counter() - t0
     initial = next((r for r in evals if r["step"] == 0), None)
     summary = {"run": plan.record, "corpus": plan.corpus.info, "mesh": None if plan.mesh is None else
-               dict(SH.mesh_sizes(plan.mesh)), "devices": jax.device_count(), "backend": jax.default_backend(),
+               dict(parallel.mesh_sizes(plan.mesh)), "devices": jax.device_count(), "backend": jax.default_backend(),
                "timings": timings, "bytes_per_token_target_states": TC.bytes_per_token(task, config, dtype),
                "eval_initial": initial, "eval_final": final, "eval_baseline_model_drafter": baseline,
                "export": export}
@@ -570,8 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         plan = prepare(a)
     except ERRORS as e:
-        print(f"dsv4-train-drafter: error: {e}", file=sys.stderr)
-        return 2
+        return cli.fail("dsv4-train-drafter", e)
     c = plan.corpus.info
     print(f"dsv4-train-drafter: {a.drafter} for {plan.src.spec} ({plan.src.config.name}), {c['train_tokens']} train / "
           f"{c['heldout_tokens']} held-out tokens, {a.steps} steps x {a.grad_accum} x {a.batch} x {a.seq_len}"

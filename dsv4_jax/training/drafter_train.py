@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from .. import parallel as SH
+from .. import parallel
 from ..config import ModelConfig
 from . import drafter_tasks as T
 
@@ -84,7 +84,7 @@ def _replicated(mesh):
 
 def state_shardings(task: T.Task, config: ModelConfig, hyper: Hyper, mesh, opt_state):
     """NamedSharding tree of the train state: params by the drafter's rules, optimizer moments alike."""
-    p_sh = SH.drafter_shardings(T.drafter_specs(task, config), mesh)
+    p_sh = parallel.drafter_shardings(T.drafter_specs(task, config), mesh)
     opt_sh = optax.tree_map_params(optimizer(hyper), lambda _, s: s, opt_state, p_sh,
                                    transform_non_params=lambda _: _replicated(mesh))
     return {"params": p_sh, "opt": opt_sh, "step": _replicated(mesh)}
@@ -92,7 +92,7 @@ def state_shardings(task: T.Task, config: ModelConfig, hyper: Hyper, mesh, opt_s
 
 def batch_sharding(shape: tuple[int, ...], mesh) -> NamedSharding:
     """[accum, B, ...] arrays: B split like the decode state's batch (data × expert)."""
-    spec = SH.partition_spec(shape, (None, "batch") + (None,) * (len(shape) - 2), SH.mesh_sizes(mesh))
+    spec = parallel.partition_spec(shape, (None, "batch") + (None,) * (len(shape) - 2), parallel.mesh_sizes(mesh))
     return NamedSharding(mesh, spec)
 
 

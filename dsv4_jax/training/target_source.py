@@ -21,7 +21,7 @@ from ..demo import ASSET_DIR, demo_dspark_config
 from ..io.demo_io import META as BUNDLE_META, load_bundle
 from ..drafters.dspark import DSparkConfig
 from ..model import params as P
-from .. import parallel as SH
+from .. import parallel
 
 TINY_DEMO = ("tiny-demo", "bundled")
 
@@ -132,7 +132,7 @@ def load(src: TargetSource, dtype, mesh=None) -> tuple[dict, dict]:
         params = dict(P.cast_params({k: v for k, v in params.items() if k not in ("mtp", "dspark")}, cfg, dtype),
                       **{k: v for k, v in params.items() if k in ("mtp", "dspark")})
         if mesh is not None:
-            params = SH.shard_params(params, cfg, mesh)
+            params = parallel.shard_params(params, cfg, mesh)
     own = {}
     if params.get("mtp"):
         own["mtp"] = params["mtp"][0]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ...model import params as P
-from ... import parallel as S
+from ... import parallel
 from ...model.state import state_shapes
 from ...config import ModelConfig
 from ...ops import quant
@@ -78,14 +78,14 @@ def abstract_tree(specs, shardings):
 
 def drafter_params(specs, mesh, weights: str, rules=None):
     q = quantized_specs(specs, weights)
-    return abstract_tree(q, S.drafter_shardings(q, mesh, rules))
+    return abstract_tree(q, parallel.drafter_shardings(q, mesh, rules))
 
 
 def target_params(config: ModelConfig, mesh, weights: str, rules=None) -> dict:
     """Abstract target parameters of `config` in format `weights`, placed by `sharding.param_shardings`."""
     rule = lambda path, spec: leaf_format(weights, path, spec)
     return abstract_tree(quantized_specs(P.param_specs(config), weights),
-                         S.param_shardings(config, mesh, rules, formats=rule))
+                         parallel.param_shardings(config, mesh, rules, formats=rule))
 
 
 def mtp_params(config: ModelConfig, mesh, weights: str, rules=None) -> list:
@@ -104,7 +104,7 @@ def dspark_specs(config: ModelConfig):
 def decode_state(config: ModelConfig, mesh, batch: int, max_len: int, max_block: int, rules=None):
     """The target's DecodeState (bf16 caches) for `batch` sequences of capacity `max_len`."""
     shapes = state_shapes(config, batch, max_len, max_block, COMPUTE_DTYPE)
-    shard = S.state_shardings(config, mesh, batch, max_len, max_block, COMPUTE_DTYPE, rules)
+    shard = parallel.state_shardings(config, mesh, batch, max_len, max_block, COMPUTE_DTYPE, rules)
     return jax.tree.map(lambda s, sh: sds(s.shape, s.dtype, sh), shapes, shard)
 
 
@@ -113,7 +113,7 @@ def batch_split(mesh, shape, batch_axis: int = 0, rules=None) -> NamedSharding:
     axes = [None] * len(shape)
     if len(shape) > batch_axis:
         axes[batch_axis] = "batch"
-    return NamedSharding(mesh, S.partition_spec(shape, axes, S.mesh_sizes(mesh), rules))
+    return NamedSharding(mesh, parallel.partition_spec(shape, axes, parallel.mesh_sizes(mesh), rules))
 
 
 def batch_array(mesh, shape, dtype, batch_axis: int = 0, rules=None) -> jax.ShapeDtypeStruct:

@@ -13,6 +13,7 @@ import os
 import sys
 import textwrap
 
+from ... import cli
 from ...config import ConfigError
 from ..outdir import OutDirError, check_target
 
@@ -26,6 +27,7 @@ from .truncation import TruncatedFileError
 ERRORS = (ConvertError, GGUFError, SafetensorsError, TruncatedFileError, FormatError, ConfigError, OutDirError,
           FileNotFoundError)
 
+DTYPES = ("bf16", "f32", "f16")
 _OUTPUT = """
 output: OUT_DIR/dsv4.json (config, source, per-tensor formats) and Orbax items OUT_DIR/target,
 OUT_DIR/mtp, OUT_DIR/dspark. Load with dsv4_jax.load_checkpoint(OUT_DIR, dtype=..., mesh=...).
@@ -61,7 +63,7 @@ def _examples(*cmds: str) -> str:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default=None, choices=["bf16", "f32", "f16"],
+    p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="dequantize every weight to DTYPE (f32: exact; bf16: exact for FP8 / FP4, rounds Q8_0 "
                         "and K-quants; a rounding is reported as a warning). Default: keep the source's "
                         "codes and dtypes. Norms/HC/sinks/biases are always f32.")
@@ -71,7 +73,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "then only load_checkpoint's default compute dtype. load_checkpoint(..., "
                         "keep_quantized=True) keeps them quantized on the device.")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    cli.add_quiet(p, "no progress bar", short=True)
 
 
 def _sub(sub, name: str, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
@@ -119,13 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "or ds4 mtp.0.*) or an official safetensors directory (mtp.N.*)")
     dr.add_argument("--dspark", metavar="PATH", help="DSpark drafter: a GGUF file (llama.cpp 'dflash' or ds4 "
                                                      "dspark.*) or an official safetensors directory (mtp.{0,1,2}.*)")
-    dr.add_argument("--dtype", choices=["bf16", "f32", "f16"], default=None,
+    dr.add_argument("--dtype", choices=DTYPES, default=None,
                     help="dtype of dequantized drafter weights (default: the checkpoint's conversion dtype)")
     dr.add_argument("--keep-quantized", action="store_true", default=None,
                     help="store quantized drafter tensors as codes + scales (default: as the checkpoint was "
                          "converted)")
     dr.add_argument("--overwrite", action="store_true", help="replace drafters already in CKPT_DIR")
-    dr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    cli.add_quiet(dr, "no progress bar", short=True)
     return ap
 
 
@@ -165,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta = run(args)
     except ERRORS as e:
-        print(f"dsv4-convert: error: {e}", file=sys.stderr)
-        return 2
+        return cli.fail("dsv4-convert", e)
     except KeyboardInterrupt:
         print("dsv4-convert: interrupted; nothing written", file=sys.stderr)
         return 130
