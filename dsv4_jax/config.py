@@ -242,6 +242,35 @@ def preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
 
 
+# ---- reduced presets (benchmarks and the AOT report) ------------------------------------------
+
+LEADING_LAYERS = 3     # Flash / Pro: the layers before the repeated (HCA, CSA) pairs
+
+# the same layer schedule with tiny dimensions: compiles in seconds (checks code paths and reports, not the model)
+SMALL_DIMS = dict(vocab_size=256, hidden_size=64, num_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=24,
+                  o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=8, index_head_dim=16, index_topk=4,
+                  n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32)
+
+
+def with_pairs(c: ModelConfig, pairs: int) -> ModelConfig:
+    """`c` with its LEADING_LAYERS and the first `pairs` of its repeated HCA/CSA pairs (Flash: 3 + 2·20
+    layers), named "{name}-{n}L" (unchanged when every pair is kept)."""
+    n_pairs = (c.num_layers - LEADING_LAYERS) // 2
+    if not 0 <= pairs <= n_pairs:
+        raise ConfigError(f"pairs must be in 0..{n_pairs} for {c.name} ({n_pairs} HCA/CSA pairs), got {pairs}")
+    n = LEADING_LAYERS + 2 * pairs
+    if n == c.num_layers:
+        return c
+    return c.replace(name=f"{c.name}-{n}L", num_layers=n, layer_types=c.layer_types[:n],
+                     compress_ratios=c.compress_ratios[:n], mlp_layer_types=c.mlp_layer_types[:n])
+
+
+def small(c: ModelConfig) -> ModelConfig:
+    """`c`'s layer schedule with SMALL_DIMS, named "small-{name}"."""
+    return c.replace(name=f"small-{c.name}", **SMALL_DIMS,
+                     yarn=dataclasses.replace(c.yarn, original_max_position_embeddings=64) if c.yarn else None)
+
+
 # ---- Hugging Face / DeepSeek config.json ---------------------------------------------------
 
 def _yarn_from(rp: Mapping[str, Any] | None) -> YarnScaling | None:

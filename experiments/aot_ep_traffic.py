@@ -12,7 +12,7 @@ analysis counts a `while` body once), and compiled. Reported per chip:
                  on-chip VMEM with copy-start/copy-done pairs, and the cost model counts such a weight three
                  times (HBM read, VMEM write, the consumer's VMEM read) although HBM is read once; without
                  the prefetches every operand is counted once where it is read, the closer HBM-traffic figure
-    bound        the ideal split: what the step must read (`dsv4_jax.analysis.traffic.bytes_bound` in the --weights format:
+    bound        the ideal split: what the step must read (`dsv4_jax.analysis.traffic.per_chip_bounds` in the --weights format:
                  weights with E·(1 − (1 − k/E)^T) distinct active experts per layer under uniform routing,
                  the head whole, embedding rows, + the cache rows of every sequence) / chips
     bound_bal    the same with min(E, T·k) active experts (balanced routing: the most a dropless static
@@ -22,13 +22,7 @@ analysis counts a `while` body once), and compiled. Reported per chip:
                  compiled HLO with its result bytes, grouped by (op, shape), and per layer
     memory       argument / temp / output bytes per chip (fits: ≤ the chip's HBM)
 
-Variants (`--variants`, comma list):
-    gspmd-ep        mesh 1x8x1, default rules, moe=reference: GSPMD partitions the `w[idx]` gathers (before)
-    gspmd-tp        mesh 1x1x8, default rules, moe=reference (before)
-    latency         the "latency" preset: 1x1x8, TP attention + expert-TP experts, moe=ep (after)
-    latency-ep      1x1x8, TP attention + whole experts split 8 ways (default rules), moe=ep
-    latency-v1      the latency preset with its small projections replicated (no `sharding.LATENCY_SPLIT`)
-    throughput      the "throughput" preset: 1x8x1, DP attention + EP experts, moe=ep (after)
+Variants (`--variants`, comma list): the placements of `dsv4_jax.analysis.placements.VARIANTS`.
 
     JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost ALLOW_MULTIPLE_LIBTPU_LOAD=1 \\
         .venv/bin/python experiments/aot_ep_traffic.py --out experiments/results/aot_ep_traffic_DATE
@@ -52,39 +46,25 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from bench_decode import reduced_flash  # noqa: E402
-from dsv4_jax.analysis import libtpu, memplan
-from dsv4_jax.model import params as P
-from dsv4_jax import parallel as S  # noqa: E402
+from dsv4_jax import parallel  # noqa: E402
+from dsv4_jax.analysis import libtpu, memplan  # noqa: E402
+from dsv4_jax.analysis.placements import VARIANTS  # noqa: E402
+from dsv4_jax.analysis.traffic import per_chip_bounds  # noqa: E402
+from dsv4_jax.model import params as P  # noqa: E402
 from dsv4_jax.ops import quant  # noqa: E402
-from dsv4_jax.analysis.traffic import bytes_bound  # noqa: E402
 from dsv4_jax.backends import REFERENCE, ExpertParallel, resolve  # noqa: E402
 from dsv4_jax.model.state import state_shapes  # noqa: E402
-from dsv4_jax.config import flash  # noqa: E402
+from dsv4_jax.config import flash, with_pairs  # noqa: E402
 from dsv4_jax.model.decode import process_block  # noqa: E402
 
 GIB = 1024 ** 3
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "ragged-all-to-all")
-VARIANTS = {
-    # name: (mesh shape or preset name, rules (None: the defaults or the preset's), moe backend)
-    "gspmd-ep": ((1, 8, 1), None, "reference"),
-    "gspmd-tp": ((1, 1, 8), None, "reference"),
-    "latency": ("latency", None, "ep"),
-    "latency-ep": ((1, 1, 8), None, "ep"),
-    "throughput": ("throughput", None, "ep"),
-    # the latency preset without `sharding.LATENCY_SPLIT` (q latent, compressor and K=V projections, mHC
-    # mixing matrices replicated: the placement before issue 19's second pass)
-    "latency-v1": ("latency", {k: () for k in S.LATENCY_SPLIT}, "ep"),
-}
 # compiler options that switch VMEM memory-space assignment off, per topology family
 NO_VMEM_MSA = {"v5p": {"xla_vf_vmem_memory_space_assignment": False}}
 PROGRAMS = {"decode_b1": (1, 1), "decode_b8": (8, 1), "verify6_b8": (8, 6)}   # name: (batch, block tokens)
@@ -113,12 +93,12 @@ def variant_setup(name: str, config, devices):
     shape, rules, moe = VARIANTS[name]
     base = REFERENCE.replace(unroll_layers=True)
     if isinstance(shape, str):
-        pre = S.preset(shape)
+        pre = parallel.preset(shape)
         if rules:
             pre = dataclasses.replace(pre, rules=ExpertParallel.freeze_rules({**pre.rules_dict, **rules}))
         mesh = pre.make_mesh(devices)
         return config.with_backends(pre.backends(mesh, base)), mesh, pre.rules_dict
-    mesh = S.make_mesh(shape, devices)
+    mesh = parallel.make_mesh(shape, devices)
     if moe == "ep":
         b = resolve(base.replace(moe="ep", ep=ExpertParallel(mesh, ExpertParallel.freeze_rules(rules), "auto")),
                     "tpu")
@@ -143,14 +123,14 @@ def abstract_inputs(config, mesh, rules, batch: int, block: int, context: int, d
                     capacity_multiple: int = 1):
     """ShapeDtypeStructs with shardings: params (QArrays where `formats` quantizes), state (max_len =
     `capacity(context, block, capacity_multiple)`), tokens, n_valid."""
-    specs = S.param_partition_specs(config, mesh, rules, formats=formats)
+    specs = parallel.param_partition_specs(config, mesh, rules, formats=formats)
     shapes = P.abstract_params(config, dtype, formats)
     params = jax.tree.map(lambda a, s: _placed(mesh, a, s), shapes, specs, is_leaf=quant.is_qarray)
     st = state_shapes(config, batch, capacity(context, block, capacity_multiple), block, dtype)
-    st_specs = S.state_partition_specs(st, mesh, rules)
+    st_specs = parallel.state_partition_specs(st, mesh, rules)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
                          st, st_specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    tok_spec = S.partition_spec((batch, block), ("batch", None), S.mesh_sizes(mesh), rules)
+    tok_spec = parallel.partition_spec((batch, block), ("batch", None), parallel.mesh_sizes(mesh), rules)
     tokens = jax.ShapeDtypeStruct((batch, block), jnp.int32, sharding=NamedSharding(mesh, tok_spec))
     n_valid = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     return params, state, tokens, n_valid
@@ -317,16 +297,6 @@ def compile_one(config, mesh, rules, batch, block, context, dtype, no_msa: dict 
     return out
 
 
-def bounds(config, batch: int, block: int, context: int, chips: int, weights: str = "bf16") -> dict:
-    b = bytes_bound(config, weights, batch, context, block)
-    E, k = config.n_routed_experts, config.num_experts_per_tok
-    bal = min(E, batch * block * k)
-    experts = b["weight_parts"]["routed_experts"]
-    balanced = b["total"] - experts + experts * bal / b["active_experts_per_layer"]
-    return {"bound": b["total"] / chips, "bound_bal": balanced / chips, "active_experts": b["active_experts_per_layer"],
-            "active_experts_bal": bal, "bound_weights": b["weights"] / chips, "bound_cache": b["cache"] / chips}
-
-
 def per_layer(coll: list[dict], n_layers: int) -> list[dict]:
     """Collectives that occur a multiple of n_layers times, as (op, shape, bytes, per layer)."""
     return [dict(c, per_layer=c["count"] / n_layers) for c in coll if c["count"] >= n_layers]
@@ -403,7 +373,7 @@ def main(argv=None) -> int:
     no_msa = NO_VMEM_MSA.get(a.topology.split(":")[0])
     skip_nomsa = set(a.no_nomsa.split(",")) if a.no_nomsa != "all" else set(VARIANTS)
     chips = len(devices)
-    config = flash() if a.pairs is None else reduced_flash(a.pairs)
+    config = flash() if a.pairs is None else with_pairs(flash(), a.pairs)
     partial = a.out + ".partial.jsonl"
     done = {}
     if a.resume and os.path.exists(partial):
@@ -432,7 +402,7 @@ def main(argv=None) -> int:
                                        WEIGHTS[a.weights], default=not a.only_nomsa,
                                        capacity_multiple=a.capacity_multiple))
                 row["max_len"] = capacity(a.context, block, a.capacity_multiple)
-                row.update(bounds(config, batch, block, a.context, chips, a.weights))
+                row.update(per_chip_bounds(config, a.weights, batch, block, a.context, chips))
                 row["per_layer"] = per_layer(row["collectives"], config.num_layers)
                 nomsa = row.get("xla_bytes_nomsa", float("nan"))
                 print(f"    {row['xla_bytes'] / GIB:.2f} GiB/chip ({nomsa / GIB:.2f} without VMEM prefetch) vs bound "

@@ -6,7 +6,7 @@ bytes) grow linearly with the number of repeated HCA/CSA pairs once the pairs ar
 
     x(20) = x(a) + (20 − a) · (x(a + 1) − x(a))
 
-compared with the bound of the full model (`aot_ep_traffic.bounds` of `flash()`):
+compared with the bound of the full model (`dsv4_jax.analysis.traffic.per_chip_bounds` of `flash()`):
 
     python experiments/aot_ep_traffic_extrapolate.py RUN_a.json RUN_a+1.json --out experiments/results/NAME
 
@@ -20,13 +20,9 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-from aot_ep_traffic import bounds  # noqa: E402
-from dsv4_jax.analysis.aot.extrapolate import linear  # noqa: E402
-from dsv4_jax.config import flash  # noqa: E402
+from dsv4_jax.analysis.aot.extrapolate import linear
+from dsv4_jax.analysis.traffic import per_chip_bounds
+from dsv4_jax.config import flash
 
 GIB = 1024 ** 3
 KEYS = ("xla_bytes", "xla_bytes_nomsa", "flops", "collective_bytes", "optimal_seconds")
@@ -67,7 +63,7 @@ def main(argv=None) -> int:
         at = lambda p: linear(numbers(rl), numbers(rh), pa, p)
         row = {"variant": key[0], "program": key[1], "batch": rl["batch"], "block": rl["block"], "mesh": rl["mesh"],
                "points": {pa: numbers(rl), pb: numbers(rh)}, "extrapolated": at(n),
-               **bounds(full, rl["batch"], rl["block"], lo["context"], chips, lo.get("weights", "bf16"))}
+               **per_chip_bounds(full, lo.get("weights", "bf16"), rl["batch"], rl["block"], lo["context"], chips)}
         if check:
             rc = rows_by_key(check).get(key)
             if rc is not None:

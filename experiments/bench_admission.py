@@ -5,7 +5,7 @@ Components (each synchronised with block_until_ready, median over --repeats inte
     init_rows[P]        P empty prefill rows
     prefill[P]          one [P, prefill_len] prompt chunk into P rows
     insert[P]           P rows written into the B-slot carry (donated)
-    admit_*             whole admissions of a refill as `SlotEngine._admit` does them (1, 2, 4, B requests
+    admit_*             whole admissions of a refill as `SlotEngine.admit` does them (1, 2, 4, B requests
                         cycling over the suite's prompts: their mix of prompt-chunk counts)
     chunk[r]            `run_chunk` for exactly r rounds on a full carry (r = 1, 2, 8: the intercept is the
                         per-chunk cost beyond the rounds)
@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.research import batch_eval as BE
-from dsv4_jax.research.runner import grid_settings
 from dsv4_jax.research.sweep import prepare_run
 from dsv4_jax.speculative import slots as S
 
@@ -50,7 +49,7 @@ def components(eng, prompts_n: int):
     C = eng.prefill_len
     box = [S.empty_carry(p, cfg, batch=B, max_len=eng.max_len, opts=opts, key=jax.random.PRNGKey(0))]
     # fill every slot once so the chunk runs on live rows
-    box[0], _ = eng._admit(box[0], [(i % prompts_n, i) for i in range(B)], jax.random.PRNGKey(1))
+    box[0], _ = eng.admit(box[0], [(i % prompts_n, i) for i in range(B)], jax.random.PRNGKey(1))
     jax.block_until_ready(box[0])
     big = jax.tree.map(jnp.copy, box[0])       # a separate copy: insert donates box[0]
     out = {}
@@ -86,7 +85,7 @@ def components(eng, prompts_n: int):
         def admit(n=n):
             group = [((j * 5) % prompts_n, B) for j in range(n)]      # slot B: dropped, carry unchanged
             t = time.perf_counter()
-            box[0], calls = eng._admit(box[0], group, jax.random.PRNGKey(2))
+            box[0], calls = eng.admit(box[0], group, jax.random.PRNGKey(2))
             jax.block_until_ready(box[0])
             return 1e3 * (time.perf_counter() - t)
         out[f"admit_{n}req"] = ("m", admit)

@@ -6,7 +6,7 @@
 Per format, in a fresh subprocess (so peak RSS is per format): write a synthetic source file of
 tensors of ~64 MB ("layers"), then stream it exactly as dsv4-convert does: memory-mapped read ->
 `plan.convert_leaf` (keep codes, or --dequant to bf16) -> one Orbax partial save per tensor ->
-finalize, into an atomic output directory, through the converter's own loop (`pipeline._run_job`: a reader
+finalize, into an atomic output directory, through the converter's own loop (`pipeline.run_job`: a reader
 thread repacks the next unit while Orbax writes this one). Before converting, dirty pages are flushed and the
 page cache dropped (when permitted: root), so the source is read from disk as in a real conversion
 (`cold_source` in the JSON). Reports MB/s of source bytes for the conversion (`convert`), for
@@ -22,6 +22,7 @@ import os
 import platform
 import resource
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -41,12 +42,25 @@ def _rows(fmt: str, mb: int, tensor_mb: int = TENSOR_MB) -> tuple[int, int, int]
     return max(1, mb // tensor_mb), rows, inn
 
 
+def save_safetensors(path: str, tensors: dict) -> None:
+    """Raw safetensors writer: {name: (dtype name, array)} (the safetensors package cannot write F8_E8M0)."""
+    hdr, off, blobs = {}, 0, []
+    for k in sorted(tensors):
+        dt, a = tensors[k]
+        b = np.ascontiguousarray(a).tobytes()
+        hdr[k] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        off += len(b)
+        blobs.append(b)
+    h = json.dumps(hdr).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
 def write_source(fmt: str, mb: int, d: str, tensor_mb: int = TENSOR_MB) -> str:
     n, rows, inn = _rows(fmt, mb, tensor_mb)
     rng = np.random.default_rng(0)
     if fmt in ("fp8", "fp4", "bf16"):
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-        from tests.convert_fixtures import save_safetensors
         t = {}
         for i in range(n):
             if fmt == "fp8":
@@ -132,7 +146,7 @@ def orbax_startup(d: str) -> float:
 
 
 def run_one(fmt: str, src: str, d: str, dequant: bool) -> dict:
-    """Convert `src` through `pipeline._run_job` (the converter's own streaming loop), one tensor per unit."""
+    """Convert `src` through `pipeline.run_job` (the converter's own streaming loop), one tensor per unit."""
     import ml_dtypes
     from tqdm import tqdm
     from dsv4_jax.io.convert import pipeline as PP, plan as PL
@@ -153,7 +167,7 @@ def run_one(fmt: str, src: str, d: str, dequant: bool) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     with AnonPeak() as anon, AtomicDir(out) as a, tqdm(total=total, disable=True) as bar:
-        PP._run_job(job, os.path.join(a.tmp, "target"), dtype, not dequant, bar)
+        PP.run_job(job, os.path.join(a.tmp, "target"), dtype, not dequant, bar)
         a.commit()
     convert_s = time.perf_counter() - t0
     unit_bytes = total / len(names)

@@ -58,7 +58,6 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
@@ -79,7 +78,7 @@ import numpy as np  # noqa: E402
 from dsv4_jax import backends  # noqa: E402
 from dsv4_jax.model import params as P  # noqa: E402
 from dsv4_jax.model.state import EMPTY, init_state, state_bytes  # noqa: E402
-from dsv4_jax.config import CSA, HCA, SLIDING, ModelConfig, flash  # noqa: E402
+from dsv4_jax.config import CSA, HCA, SLIDING, ModelConfig, flash, small, with_pairs  # noqa: E402
 from dsv4_jax.model.decode import process_block  # noqa: E402
 from dsv4_jax.drafters import registry  # noqa: E402
 from dsv4_jax.model.layers import hyper  # noqa: E402
@@ -106,25 +105,11 @@ DSPARK_MARKOV_RANK = 256                         # docs/drafter_math.md §2.1 (F
 
 # ---- the model ------------------------------------------------------------------------------------
 
-def reduced_flash(pairs: int = 1) -> ModelConfig:
-    """flash() with 3 + 2·pairs layers: SWA, SWA, CSA (hash-routed) then `pairs` × (HCA, CSA)."""
-    c = flash()
-    n = 3 + 2 * pairs
-    if not 0 <= pairs <= 20:
-        raise ValueError(f"pairs must be in 0..20 (Flash has 20 HCA/CSA pairs), got {pairs}")
-    return c.replace(name=f"flash-{n}L", num_layers=n, layer_types=c.layer_types[:n],
-                     compress_ratios=c.compress_ratios[:n], mlp_layer_types=c.mlp_layer_types[:n])
-
-
 def small_flash(pairs: int = 1) -> ModelConfig:
     """The same layer schedule in miniature for CPU (HCA ratio 8 so short contexts have HCA rows)."""
-    c = reduced_flash(pairs)
-    return c.replace(name=f"small-{c.num_layers}L", vocab_size=256, hidden_size=64, num_heads=4, head_dim=32,
-                     rope_head_dim=8, q_lora_rank=24, o_groups=2, o_lora_rank=16, sliding_window=8,
-                     compress_ratios=tuple({HCA: 8, CSA: 4, SLIDING: 0}[t] for t in c.layer_types),
-                     index_n_heads=8, index_head_dim=16, index_topk=4, n_routed_experts=16,
-                     num_experts_per_tok=4, moe_intermediate_size=32, max_position_embeddings=1 << 16,
-                     yarn=dataclasses.replace(c.yarn, original_max_position_embeddings=64))
+    c = small(with_pairs(flash(), pairs))
+    return c.replace(name=f"small-{c.num_layers}L", max_position_embeddings=1 << 16,
+                     compress_ratios=tuple({HCA: 8, CSA: 4, SLIDING: 0}[t] for t in c.layer_types))
 
 
 # ---- weights on the device -----------------------------------------------------------------------
@@ -959,7 +944,7 @@ def main(argv=None) -> dict:
     if a.render:
         return render(a.render)
     command = "python experiments/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    config = small_flash(a.pairs) if a.small else reduced_flash(a.pairs)
+    config = small_flash(a.pairs) if a.small else with_pairs(flash(), a.pairs)
     dev = jax.devices()[0]
     bw = measure_bandwidth((1 << 26) if a.small else (1 << 32), max(3, a.iters))
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(dev.device_kind),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import sys
 
@@ -23,9 +22,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dsv4_jax.io.convert import quant_formats as qf  # noqa: E402
+from dsv4_jax.io.convert import quant_formats as qf
 
 TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS, T.IQ2_XS, T.IQ3_XXS, T.IQ4_XS, T.Q4_0, T.Q5_0)
 

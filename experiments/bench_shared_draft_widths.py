@@ -6,7 +6,7 @@ be equal. Prints a line per setting, writes JSON.
 
     python experiments/bench_shared_draft_widths.py OUT.json
 """
-import json, statistics, sys, time
+import json, statistics, sys
 from dsv4_jax.demo import tiny_demo
 from dsv4_jax import generate
 from dsv4_jax.research import prompts as P

@@ -33,19 +33,14 @@ import os
 import platform
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import jax.numpy as jnp
 
-import jax.numpy as jnp  # noqa: E402
-
-from aot_ep_traffic import VARIANTS  # noqa: E402
-from bench_decode import reduced_flash  # noqa: E402
+from dsv4_jax import parallel
 from dsv4_jax.analysis import memplan
+from dsv4_jax.analysis.placements import variant_placement
+from dsv4_jax.analysis.traffic import bytes_bound, cache_bytes_read, per_chip_bounds
+from dsv4_jax.config import flash, with_pairs
 from dsv4_jax.model import params as P
-from dsv4_jax import parallel as S  # noqa: E402
-from dsv4_jax.config import flash  # noqa: E402
-from dsv4_jax.analysis.traffic import bytes_bound, cache_bytes_read  # noqa: E402
 
 GIB = 1024 ** 3
 FLASH_PAIRS = 20
@@ -84,37 +79,16 @@ def extrapolate(by_pairs: dict[int, dict], metric: str) -> dict | None:
     return out
 
 
-def full_bound(weights: str, batch: int, block: int, context: int, chips: int) -> dict:
-    """The bound of full Flash / chips, and bound_bal: with min(E, T·k) active experts per layer (what a
-    static dropless program must be able to read; equal to the bound at B = 1)."""
-    config = flash()
-    b = bytes_bound(config, weights, batch, context, block)
-    bal = min(config.n_routed_experts, batch * block * config.num_experts_per_tok)
-    experts = b["weight_parts"]["routed_experts"]
-    balanced = b["total"] - experts + experts * bal / b["active_experts_per_layer"]
-    return {"bound": b["total"] / chips, "bound_bal": balanced / chips, "bound_weights": b["weights"] / chips,
-            "bound_cache": b["cache"] / chips, "active_experts": b["active_experts_per_layer"], "active_experts_bal": bal}
-
-
-def variant_placement(variant: str, chips: int) -> tuple[dict, dict | None]:
-    """(mesh sizes, rules) of an aot_ep_traffic.py variant for `chips` devices."""
-    shape, rules, _ = VARIANTS[variant]
-    if isinstance(shape, str):
-        pre = S.preset(shape)
-        return dict(zip(S.MESH_AXES, pre.mesh_shape(chips))), {**pre.rules_dict, **(rules or {})}
-    return dict(zip(S.MESH_AXES, shape)), rules
-
-
 def placement_bytes(config, sizes: dict, rules, batch: int, block: int, context: int) -> float:
     """Bytes one chip must read in a bf16 step given the placement (module docstring): replicated leaves
     whole, split leaves their shard; routed experts: T·k expert slices when T·k ≤ E (one per assignment,
     the sliced local path), else every local expert (the dense path); the decode state split as the
     `batch` rule splits it."""
     T, E, k = batch * block, config.n_routed_experts, config.num_experts_per_tok
-    e_loc = E // _split(S.partition_spec((E,), ("experts",), sizes, rules), sizes)
+    e_loc = E // _split(parallel.partition_spec((E,), ("experts",), sizes, rules), sizes)
     n_read = min(T * k, e_loc)                  # local slices a static dropless program reads per device
     total = 0.0
-    for path, spec in memplan._flat_specs(P.param_specs(config)).items():
+    for path, spec in P.flatten(P.param_specs(config)).items():
         whole, per = memplan.leaf_bytes(path, spec, jnp.bfloat16, sizes, rules)
         if memplan.part_of(path, spec) == "routed experts":
             total += per * n_read / e_loc
@@ -122,7 +96,7 @@ def placement_bytes(config, sizes: dict, rules, batch: int, block: int, context:
             total += whole * min(T, spec.shape[0]) / spec.shape[0]
         else:
             total += per
-    n_state = _split(S.partition_spec((batch,), ("state_batch",), sizes, rules), sizes)
+    n_state = _split(parallel.partition_spec((batch,), ("state_batch",), sizes, rules), sizes)
     return total + batch / n_state * cache_bytes_read(config, context)["total"]
 
 
@@ -136,7 +110,7 @@ def model_table(chips: int, context: int) -> list[dict]:
     """The placement model of full Flash per EP variant and program (no compile): which preset when."""
     programs = {"decode_b1": (1, 1), "decode_b8": (8, 1), "verify6_b8": (8, 6), "decode_b64": (64, 1)}
     out = []
-    for v in ("latency", "latency-split", "latency-ep", "throughput"):
+    for v in ("latency-v1", "latency", "latency-ep", "throughput"):
         sizes, rules = variant_placement(v, chips)
         for name, (b, t) in programs.items():
             bound = bytes_bound(flash(), "bf16", b, context, t)["total"] / chips
@@ -155,11 +129,11 @@ def combine(rows: list[dict], context: int, chips: int) -> list[dict]:
         res = {"variant": variant, "weights": weights, "program": program, "batch": any_row["batch"],
                "block": any_row["block"], "mesh": any_row["mesh"], "measured_layers": sorted(
                    r["n_layers"] for r in by_pairs.values())}
-        res.update(full_bound(weights, any_row["batch"], any_row["block"], context, chips))
+        res.update(per_chip_bounds(flash(), weights, any_row["batch"], any_row["block"], context, chips))
         res["measured"] = {r["n_layers"]: {m: r.get(m) for m in METRICS + ("bound", "compile_s", "compile_nomsa_s")}
                            for r in by_pairs.values()}
         sizes, rules = variant_placement(variant, chips)
-        model = {p: placement_bytes(reduced_flash(p), sizes, rules, res["batch"], res["block"], context)
+        model = {p: placement_bytes(with_pairs(flash(), p), sizes, rules, res["batch"], res["block"], context)
                  for p in by_pairs}
         model_full = placement_bytes(flash(), sizes, rules, res["batch"], res["block"], context)
         res["placement_model"] = {"full": model_full, "measured": {by_pairs[p]["n_layers"]: v for p, v in model.items()}}

@@ -126,7 +126,7 @@ def test_bytes_bound_flash_anchors():
 
 
 def test_reduced_flash_keeps_every_layer_type():
-    c = bench.reduced_flash(1)
+    c = d.config.with_pairs(d.flash(), 1)
     f = d.flash()
     assert c.num_layers == 5 and c.layer_types == f.layer_types[:5]
     assert set(c.layer_types) == {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}

@@ -14,8 +14,8 @@ import tomllib
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# where each package's files are (pyproject's package-dir: dsv4_jax.io.convert lives in convert/)
-PACKAGE_DIRS = {"dsv4_jax": os.path.join(ROOT, "dsv4_jax"), "dsv4_jax.io.convert": os.path.join(ROOT, "convert")}
+# where each package's files are (the folders are the import paths; top-level convert/ is a script, not a package)
+PACKAGE_DIRS = {"dsv4_jax": os.path.join(ROOT, "dsv4_jax")}
 
 # Code that runs inside jit / while_loop bodies, or decides what is traced: no environment variable may
 # steer it (static choices are arguments, e.g. config.backends). Environment reads elsewhere are limited to

@@ -168,11 +168,11 @@ def test_batched_admission_equals_one_at_a_time(model, eos):
     eng = engine(model, (prompts, [5, 6, 7]), "mtp", 4, eos)       # the programs of the mtp-B4 case
     empty = lambda: S.empty_carry(params, eng.config, batch=4, max_len=MAX_LEN, opts=eng.opts,
                                   key=jax.random.PRNGKey(0))
-    group, calls = eng._admit(empty(), [(0, 3), (1, 0), (2, 1)], jax.random.PRNGKey(0))
+    group, calls = eng.admit(empty(), [(0, 3), (1, 0), (2, 1)], jax.random.PRNGKey(0))
     assert calls == 2                                   # one call per chunk for all three rows
     alone = empty()
     for i, b in [(0, 3), (1, 0), (2, 1)]:
-        alone, calls = eng._admit(alone, [(i, b)], jax.random.PRNGKey(0))
+        alone, calls = eng.admit(alone, [(i, b)], jax.random.PRNGKey(0))
         assert calls == 2
     ref = empty()
     for ax, g, a, e in zip(eng.carry_axes, *(jax.tree.leaves(c) for c in (group, alone, ref))):

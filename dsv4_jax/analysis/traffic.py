@@ -116,3 +116,16 @@ def bytes_bound(config: ModelConfig, fmt: str, batch: int, context: int, tokens:
             "active_experts_per_layer": w["active_experts_per_layer"],
             "weight_parts": {k: v for k, v in w.items() if k not in ("total", "active_experts_per_layer")},
             "cache_parts_per_sequence": c}
+
+
+def per_chip_bounds(config: ModelConfig, fmt: str, batch: int, block: int, context: int, chips: int) -> dict:
+    """The bound of a step split evenly over `chips` (the ideal placement), in bytes per chip: "bound" (uniform
+    routing, `bytes_bound`), "bound_bal" (min(E, T·k) active experts per layer, balanced routing: the most a
+    static dropless program can be asked to skip; equal to the bound at T = 1), "bound_weights",
+    "bound_cache", and the active experts per layer of each ("active_experts", "active_experts_bal")."""
+    b = bytes_bound(config, fmt, batch, context, block)
+    bal = min(config.n_routed_experts, batch * block * config.num_experts_per_tok)
+    experts = b["weight_parts"]["routed_experts"]
+    balanced = b["total"] - experts + experts * bal / b["active_experts_per_layer"]
+    return {"bound": b["total"] / chips, "bound_bal": balanced / chips, "active_experts": b["active_experts_per_layer"],
+            "active_experts_bal": bal, "bound_weights": b["weights"] / chips, "bound_cache": b["cache"] / chips}

@@ -234,7 +234,7 @@ class SlotEngine:
                              axes=self.carry_axes)
         return carry
 
-    def _admit(self, carry, group: Sequence[tuple[int, int]], key):
+    def admit(self, carry, group: Sequence[tuple[int, int]], key):
         """Prefill the requests of group [(request, slot)] and insert them into their slots: -> (carry, the
         number of prefill calls)."""
         ready, calls = self._prefill([i for i, _ in group], key)
@@ -315,7 +315,7 @@ class SlotEngine:
             carry = S.empty_carry(self.params, self.config, batch=self.batch, max_len=self.max_len, opts=self.opts,
                                   key=jax.random.PRNGKey(0))
             for w in self.widths:
-                carry, _ = self._admit(carry, [(r, r) for r in range(w)], jax.random.PRNGKey(0))
+                carry, _ = self.admit(carry, [(r, r) for r in range(w)], jax.random.PRNGKey(0))
             jax.block_until_ready(S.run_chunk(self.params, self.config, carry, self.knobs,
                                               jnp.int32(self.chunk_rounds), jnp.int32(1), opts=self.opts))
         finally:

@@ -27,7 +27,7 @@ from jax.sharding import AbstractMesh
 from ... import backends as B
 from ...model import params as P
 from ... import parallel
-from ...config import ModelConfig, preset
+from ...config import ConfigError, ModelConfig, preset, small as small_config, with_pairs
 from . import chips, compile as C, extrapolate as X, inputs as I, programs as PR
 from .kernel_hook import kernel_reports
 
@@ -36,29 +36,20 @@ from .kernel_hook import kernel_reports
 # issue 19) register here.
 MESH_PRESETS: dict[str, Callable[[int], tuple[int, int, int]]] = {"default": parallel.default_mesh_shape}
 
-# --small: the same layer schedule with tiny dimensions (compiles in seconds; checks the report, not Flash)
-SMALL_DIMS = dict(vocab_size=256, hidden_size=64, num_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=24,
-                  o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=8, index_head_dim=16, index_topk=4,
-                  n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32)
-
 
 def model_config(name: str = "flash", *, pairs: int | None = None, small: bool = False,
                  backends: str | B.Backends = "reference", platform: str = "tpu", unroll: bool = True) -> ModelConfig:
     """The preset `name`; `pairs` keeps the leading non-repeated layers and that many of the repeated
-    HCA/CSA pairs (Flash: 3 + 2·20 layers); `small` shrinks the dimensions (same schedule)."""
+    HCA/CSA pairs (`config.with_pairs`; Flash: 3 + 2·20 layers); `small` shrinks the dimensions (same
+    schedule, `config.small`)."""
     c = preset(name)
     if pairs is not None:
-        lead = 3
-        n_pairs = (c.num_layers - lead) // 2
-        if not 0 <= pairs <= n_pairs:
-            raise ValueError(f"--pairs must be in 0..{n_pairs} for {name} ({n_pairs} HCA/CSA pairs), got {pairs}")
-        n = lead + 2 * pairs
-        if n < c.num_layers:
-            c = c.replace(name=f"{c.name}-{n}L", num_layers=n, layer_types=c.layer_types[:n],
-                          compress_ratios=c.compress_ratios[:n], mlp_layer_types=c.mlp_layer_types[:n])
+        try:
+            c = with_pairs(c, pairs)
+        except ConfigError as e:
+            raise ValueError(f"--{e}") from None
     if small:
-        c = c.replace(name=f"small-{c.name}", **SMALL_DIMS,
-                      yarn=dataclasses.replace(c.yarn, original_max_position_embeddings=64) if c.yarn else None)
+        c = small_config(c)
     b = B.resolve(backends, platform)       # Pallas off GPU switches interpret mode on
     if platform == "tpu" and b.interpret:
         raise B.BackendError(f"backends {b.describe()}: the Pallas GPU (Triton) kernels do not compile for TPU; "

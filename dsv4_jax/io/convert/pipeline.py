@@ -266,7 +266,7 @@ def _read_unit(job: Job, unit, dtype, keep: bool, losses: dict | None = None) ->
     return flat, sum(job.src.nbytes(t) for t in seen)
 
 
-def _run_job(job: Job, item_dir: str, dtype, keep: bool, bar, losses: dict | None = None) -> dict:
+def run_job(job: Job, item_dir: str, dtype, keep: bool, bar, losses: dict | None = None) -> dict:
     """Stream the job's units into one Orbax item.
 
     Two-stage pipeline: a worker thread reads + repacks unit i+1 (file reads, numpy; both release the GIL)
@@ -324,7 +324,7 @@ def convert(out_dir: str, config: ModelConfig, jobs: list[Job], *, dtype="bfloat
     with AtomicDir(out_dir, overwrite, label="OUT_DIR") as d:
         with _progress(sum(j.total for j in jobs), "convert", quiet) as bar:
             for j in jobs:
-                meta["items"][j.item] = _run_job(j, os.path.join(d.tmp, j.item), dtype, keep_quantized, bar, losses)
+                meta["items"][j.item] = run_job(j, os.path.join(d.tmp, j.item), dtype, keep_quantized, bar, losses)
         meta["conversion"] = _conversion_meta(dtype, keep_quantized, losses)
         write_json_atomic(os.path.join(d.tmp, META_FILE), meta)
         d.commit()
@@ -347,7 +347,7 @@ def add_drafters(ckpt_dir: str, jobs: list[Job], *, dtype=None, keep_quantized=N
         for j in jobs:
             mine: dict = {}
             with AtomicDir(os.path.join(ckpt_dir, j.item), overwrite, create=False, label="drafter") as d:
-                item = _run_job(j, d.tmp, dtype, keep, bar, mine)   # Orbax creates the directory itself
+                item = run_job(j, d.tmp, dtype, keep, bar, mine)   # Orbax creates the directory itself
                 item["conversion"] = _conversion_meta(dtype, keep, mine)
                 d.commit()
             meta["items"][j.item] = item
