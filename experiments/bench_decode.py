@@ -86,7 +86,7 @@ from dsv4_jax.model import hyper  # noqa: E402
 from dsv4_jax.model.attention import attention_step  # noqa: E402
 from dsv4_jax.model.block import ffn_sublayer  # noqa: E402
 from dsv4_jax.model.norms import rms_norm  # noqa: E402
-from dsv4_jax.model.target import embed, head  # noqa: E402
+from dsv4_jax.model.target import embed, head, hoist_stacked_experts, with_stacked_experts  # noqa: E402
 from dsv4_jax.ops.sampling import verify_forced  # noqa: E402
 from dsv4_jax.random_init import random_experts, random_tree  # noqa: E402
 from dsv4_jax.schedule import segments  # noqa: E402
@@ -468,7 +468,8 @@ def component_fns(params: dict, cfg: ModelConfig, st, toks, X, reps: int):
 
     @functools.partial(jax.jit, static_argnames=("L",))
     def ffn(p_slot, X, L, r):
-        p = jax.tree.map(lambda a: a[r], p_slot)
+        (rest,), (stacked,) = hoist_stacked_experts([p_slot], cfg)      # as run_segments: no expert copy
+        p = with_stacked_experts(jax.tree.map(lambda a: a[r], rest), stacked, r)
         return repeat(lambda X: ffn_sublayer(X, p, cfg, cfg.layer_kind(L)[2], toks).astype(X.dtype), X)
 
     @jax.jit

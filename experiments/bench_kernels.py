@@ -245,15 +245,20 @@ def main(argv=None):
             "measured_bandwidth_GBps": bw / 1e9, "small": a.small}
     print(json.dumps(meta), flush=True)
     out = {"meta": meta, "moe": [], "indexer": []}
+
+    def save():      # after each section: a run stopped by a time limit keeps what it measured
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1)
+            with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
+                f.write(report(out) + "\n")
+
     if a.only in (None, "moe"):
         out["moe"] = moe_cases(a, bw)
+        save()
     if a.only in (None, "indexer"):
         out["indexer"] = indexer_cases(a, bw)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write(report(out) + "\n")
+        save()
     return out
 
 

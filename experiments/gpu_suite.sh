@@ -8,7 +8,8 @@
 # Each stage has its own time limit (a hang costs that stage only) and the stages run in order of
 # importance: kernel correctness, kernel goals, decode goals. Env: WHL (folder of wheels to install first,
 # default .whl or ../.whl), T_TESTS / T_KERNELS / T_DECODE (stage limits, s), DECODE_BUDGET (bench_decode's
-# --budget-s), DECODE_ARGS (extra bench_decode arguments).
+# --budget-s), TESTS_K (a pytest -k expression), KARGS / DARGS (bench_kernels / bench_decode arguments
+# replacing the defaults below), DECODE_ARGS (extra bench_decode arguments).
 set -u
 SMALL=0
 [ "${1:-}" = "--small" ] && SMALL=1
@@ -64,27 +65,28 @@ if [ "$SMALL" = 1 ]; then
 else
     TESTS="tests/test_kernels_gpu.py tests/test_kernels_lowering.py"
 fi
+[ -n "${TESTS_K:-}" ] && TESTS="tests/test_kernels_gpu.py"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "$T_TESTS" $PY -m pytest -o addopts="" -q -p no:cacheprovider \
-    -rfE --junitxml="$OUT/tests.xml" $TESTS 2>&1 | tail -40
+    -rfE -v --junitxml="$OUT/tests.xml" $TESTS ${TESTS_K:+-k "$TESTS_K"} 2>&1 | grep -v "^WARNING" | tail -80
 unset DSV4_GPU_TESTS_ON_CPU
 
 stage "bench_kernels (limit ${T_KERNELS} s)"
 if [ "$SMALL" = 1 ]; then
-    KARGS="--small --iters 2 --rows 512 --formats fp8_blk128"
+    KARGS=${KARGS:-"--small --iters 2 --rows 512 --formats fp8_blk128"}
 else
-    KARGS="--tokens 1,8 --quant-tokens 1,8 --formats fp8_blk128 --iters 20"
+    KARGS=${KARGS:-"--tokens 1,8 --quant-tokens 1,8 --formats fp8_blk128 --iters 20"}
 fi
 timeout -k 5 "$T_KERNELS" $PY experiments/bench_kernels.py $KARGS --out "$OUT/kernels.json" 2>&1 | grep -v "^WARNING"
 
 stage "bench_decode (limit ${T_DECODE} s, budget ${DECODE_BUDGET} s)"
 rm -rf /tmp/gpu_suite_trace
 if [ "$SMALL" = 1 ]; then
-    DARGS="--small --pairs 0 --dtypes bf16 --batches 1 --contexts 64 --verify-k 1,5 --draft-n 1,2 --loop-k 1 --loop-rounds 2 --loop-reps 1 --iters 2 --component-reps 2"
+    DARGS=${DARGS:-"--small --pairs 0 --dtypes bf16 --batches 1 --contexts 64 --verify-k 1,5 --draft-n 1,2 --loop-k 1 --loop-rounds 2 --loop-reps 1 --iters 2 --component-reps 2"}
 else
-    DARGS="--dtypes bf16 --batches 1,8,32 --contexts 4096,65536"
+    DARGS=${DARGS:-"--dtypes bf16 --batches 1,8,32 --contexts 4096,65536"}
 fi
 timeout -k 10 "$T_DECODE" $PY experiments/bench_decode.py $DARGS ${DECODE_ARGS:-} --budget-s "$DECODE_BUDGET" \
-    --trace-dir /tmp/gpu_suite_trace --out "$OUT/decode.json" 2>&1 | grep -v "^WARNING" | tail -80
+    --trace-dir /tmp/gpu_suite_trace --out "$OUT/decode.json" 2>&1 | grep -v "^WARNING"
 
 stage "trace"
 if [ -d /tmp/gpu_suite_trace ]; then
