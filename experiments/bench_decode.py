@@ -279,7 +279,12 @@ class Bench:
         def step(st):
             return process_block(self.params, cfg, st, toks, n)[1]
 
-        us, all_us, first, _ = timed_chain(step, st, self.a.iters)
+        us, all_us, first, st = timed_chain(step, st, self.a.iters)
+        finite = None
+        if section != "prefill":   # random weights must still give finite logits (a NaN stops every MTP chain)
+            logits = process_block(self.params, cfg, st, toks, n)[0]
+            finite = float(jnp.mean(jnp.isfinite(logits).astype(jnp.float32)))
+        del st
         bound = bytes_bound(self.config, self.fmt, batch, context, S)
         row = {"dtype": self.fmt, "kernels": impl, "backends": cfg.backends.describe(), "batch": batch, "context": context, "tokens": S,
                "us": us, "us_all": all_us, "first_call_s": first, "bound_bytes": bound["total"],
@@ -287,7 +292,7 @@ class Bench:
                "active_experts_per_layer": bound["active_experts_per_layer"],
                "achieved_GBps": bound["total"] / (us * 1e-6) / 1e9,
                "bw_fraction": bound["total"] / (us * 1e-6) / self.bw_read(),
-               "bound_us": bound["total"] / self.bw_read() * 1e6}
+               "bound_us": bound["total"] / self.bw_read() * 1e6, "logits_finite_fraction": finite}
         if section == "decode":
             row["ms_per_step"], row["ms_per_token"] = us / 1e3, us / 1e3 / batch
         if section == "prefill":
@@ -357,6 +362,10 @@ class Bench:
                 seq_rounds = int(np.asarray(c.stats.rounds).sum())          # summed over the batch
                 row["tokens_per_round"] = (accepted + seq_rounds) / max(1, seq_rounds)   # per sequence
                 row["acceptance"] = accepted / drafted if drafted else None
+                row["drafts_per_round"] = drafted / max(1, seq_rounds)
+                # forced acceptance commits k + 1 tokens a round unless the drafter stopped early (a NaN
+                # top-1 probability fails MTP's p_min rule): flag it, the round then is not the k-draft cost
+                row["forced_acceptance_full"] = row["tokens_per_round"] >= opts.k + 1 - 1e-6
             del c
         return row
 
