@@ -85,7 +85,7 @@ from dsv4_jax.model.layers import hyper  # noqa: E402
 from dsv4_jax.model.layers.attention import attention_step  # noqa: E402
 from dsv4_jax.model.layers.block import ffn_sublayer  # noqa: E402
 from dsv4_jax.model.layers.norms import rms_norm  # noqa: E402
-from dsv4_jax.model.target import embed, head  # noqa: E402
+from dsv4_jax.model.target import embed, head, hoist_stacked_experts, with_stacked_experts  # noqa: E402
 from dsv4_jax.ops.sampling import verify_forced  # noqa: E402
 from dsv4_jax.model.random_init import random_experts, random_tree  # noqa: E402
 from dsv4_jax.model.schedule import segments  # noqa: E402
@@ -264,7 +264,12 @@ class Bench:
         def step(st):
             return process_block(self.params, cfg, st, toks, n)[1]
 
-        us, all_us, first, _ = timed_chain(step, st, self.a.iters)
+        us, all_us, first, st = timed_chain(step, st, self.a.iters)
+        finite = None
+        if section != "prefill":   # random weights must still give finite logits (a NaN stops every MTP chain)
+            logits = process_block(self.params, cfg, st, toks, n)[0]
+            finite = float(jnp.mean(jnp.isfinite(logits).astype(jnp.float32)))
+        del st
         bound = bytes_bound(self.config, self.fmt, batch, context, S)
         row = {"dtype": self.fmt, "kernels": impl, "backends": cfg.backends.describe(), "batch": batch, "context": context, "tokens": S,
                "us": us, "us_all": all_us, "first_call_s": first, "bound_bytes": bound["total"],
@@ -272,7 +277,7 @@ class Bench:
                "active_experts_per_layer": bound["active_experts_per_layer"],
                "achieved_GBps": bound["total"] / (us * 1e-6) / 1e9,
                "bw_fraction": bound["total"] / (us * 1e-6) / self.bw_read(),
-               "bound_us": bound["total"] / self.bw_read() * 1e6}
+               "bound_us": bound["total"] / self.bw_read() * 1e6, "logits_finite_fraction": finite}
         if section == "decode":
             row["ms_per_step"], row["ms_per_token"] = us / 1e3, us / 1e3 / batch
         if section == "prefill":
@@ -342,6 +347,10 @@ class Bench:
                 seq_rounds = int(np.asarray(c.stats.rounds).sum())          # summed over the batch
                 row["tokens_per_round"] = (accepted + seq_rounds) / max(1, seq_rounds)   # per sequence
                 row["acceptance"] = accepted / drafted if drafted else None
+                row["drafts_per_round"] = drafted / max(1, seq_rounds)
+                # forced acceptance commits k + 1 tokens a round unless the drafter stopped early (a NaN
+                # top-1 probability fails MTP's p_min rule): flag it, the round then is not the k-draft cost
+                row["forced_acceptance_full"] = row["tokens_per_round"] >= opts.k + 1 - 1e-6
             del c
         return row
 
@@ -453,7 +462,8 @@ def component_fns(params: dict, cfg: ModelConfig, st, toks, X, reps: int):
 
     @functools.partial(jax.jit, static_argnames=("L",))
     def ffn(p_slot, X, L, r):
-        p = jax.tree.map(lambda a: a[r], p_slot)
+        (rest,), (stacked,) = hoist_stacked_experts([p_slot], cfg)      # as run_segments: no expert copy
+        p = with_stacked_experts(jax.tree.map(lambda a: a[r], rest), stacked, r)
         return repeat(lambda X: ffn_sublayer(X, p, cfg, cfg.layer_kind(L)[2], toks).astype(X.dtype), X)
 
     @jax.jit

@@ -1,6 +1,5 @@
 """Incremental decoding over the position-indexed decode state equals the full-sequence forward."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

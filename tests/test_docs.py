@@ -5,7 +5,7 @@ import re
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MD_REF = re.compile(r"(?<![\w/.-])((?:\.{1,2}/|[\w-]+/)*[\w.-]+\.md)\b")
+MD_REF = re.compile(r"(?<![\w/.$-])((?:\.{1,2}/|[\w-]+/)*[\w.-]+\.md)\b")
 # a bare file name counts as a citation where it is cited: "x.md §2", "(x.md", "see x.md", a markdown link
 CITED_BARE = re.compile(r"(\]\(|see |to `)$")
 OUTSIDE = re.compile(r"\.\./shared/|\bshared/(spec|reference|DESIGN)")

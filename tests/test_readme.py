@@ -15,7 +15,6 @@ import shlex
 import tempfile
 from pathlib import Path
 
-import pytest
 
 from dsv4_jax.research import sweep
 from dsv4_jax.speculative import generate as spec_generate

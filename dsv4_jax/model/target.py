@@ -15,6 +15,7 @@ from ..ops.linear import linear
 from .schedule import segments
 from .layers import hyper
 from .layers.block import layer_sequence
+from .layers.moe import StackedExperts
 from .layers.norms import rms_norm
 
 
@@ -43,11 +44,13 @@ def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: lis
     for s, (seg, slots) in enumerate(zip(segments(config), params["segments"])):
         cache_slots = states[s] if states is not None else [None] * seg.pattern
 
+        slots, stacked = hoist_stacked_experts(slots, config)
+
         def one_rep(carry, rep_params, rep_states, rep):
             outs = []
             for j in range(seg.pattern):
-                carry, c = layer_fn(carry, rep_params[j], rep_states[j], seg.layer_index(j, 0),
-                                    seg.start + rep * seg.pattern + j)
+                carry, c = layer_fn(carry, with_stacked_experts(rep_params[j], stacked[j], rep), rep_states[j],
+                                    seg.layer_index(j, 0), seg.start + rep * seg.pattern + j)
                 outs.append(c)
             return carry, outs
 
@@ -66,6 +69,32 @@ def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: lis
             outs = [None if o is None else {**o, **t} for o, t in zip(outs, tables)]
         new_states.append(outs)
     return carry, new_states
+
+
+def hoist_stacked_experts(slots: list, config: ModelConfig) -> tuple[list, list]:
+    """Under the GPU MoE kernels ("pallas"): each slot's stacked routed experts [reps, E, ...] taken out of
+    the per-rep parameters (None where a slot has none, or for other backends). A scan's per-rep slice of
+    them would be materialised before the kernel's custom call (a copy of every expert of the layer: 4 GiB
+    per Flash weight, measured on an H200); the kernel reads the stack itself (`moe.StackedExperts`)."""
+    if config.backends.moe != "pallas":
+        return slots, [None] * len(slots)
+    out, stacked = [], []
+    for slot in slots:
+        ffn = slot.get("ffn") if isinstance(slot, dict) else None
+        if not isinstance(ffn, dict) or "experts" not in ffn:
+            out.append(slot)
+            stacked.append(None)
+            continue
+        out.append({**slot, "ffn": {k: v for k, v in ffn.items() if k != "experts"}})
+        stacked.append(ffn["experts"])
+    return out, stacked
+
+
+def with_stacked_experts(rep_params: dict, stacked, rep) -> dict:
+    """rep_params with its routed experts as `moe.StackedExperts(stacked, rep)` (no-op when stacked is None)."""
+    if stacked is None:
+        return rep_params
+    return {**rep_params, "ffn": {**rep_params["ffn"], "experts": StackedExperts(stacked, rep)}}
 
 
 def split_tables(slot: dict | None) -> tuple[dict | None, dict | None]:

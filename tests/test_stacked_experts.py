@@ -1,0 +1,46 @@
+"""GPU MoE kernels inside a scanned segment read the segment's stacked experts in place (`moe.StackedExperts`).
+
+A scan's per-layer slice of the experts was materialised before the kernel's custom call: on an H200 that was
+a 4 GiB copy per Flash expert weight and layer (experiments/results/h200_2026-12-04.md). Checked here on the
+CPU: the "pallas" program slices no per-layer expert stack, and its logits equal the reference's (interpret
+mode; 5 tokens take the decode kernel, 12 the prefill kernel, both with ids offset into the stack).
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import forward, init_params
+from dsv4_jax.backends import Backends
+from dsv4_jax.config import tiny_flash_like
+from dsv4_jax.model.target import forward_jit
+from dsv4_jax.model.schedule import segments
+
+PALLAS = Backends(moe="pallas", interpret=True)
+
+
+def test_no_per_layer_expert_slice():
+    cfg = tiny_flash_like()
+    assert any(s.reps > 1 for s in segments(cfg))
+    params = jax.eval_shape(lambda: init_params(cfg, 0))
+    tok = jax.ShapeDtypeStruct((1, 5), jnp.int32)
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    pat = re.compile(r"stablehlo.dynamic_slice.*-> tensor<1x%dx(%dx%d|%dx%d)x" % (E, I, D, D, I))
+
+    def slices(b):
+        return len(pat.findall(jax.jit(forward_jit, static_argnums=1).lower(params, cfg.with_backends(b), tok).as_text()))
+
+    assert slices(Backends()) > 0          # the reference gathers from the per-layer slice (fused on GPU)
+    assert slices(PALLAS) == 0
+
+
+@pytest.mark.parametrize("S", [5, pytest.param(12, marks=pytest.mark.slow)])
+def test_scanned_pallas_equals_reference(S):
+    cfg = tiny_flash_like()
+    params = init_params(cfg, 0)
+    tok = jax.random.randint(jax.random.key(1), (1, S), 0, cfg.vocab_size)
+    ref = np.asarray(forward(params, cfg, tok, backends="reference"))
+    out = np.asarray(forward(params, cfg, tok, backends=PALLAS))
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
