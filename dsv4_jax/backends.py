@@ -55,6 +55,9 @@ class BackendError(ValueError):
     """An unknown op or implementation name."""
 
 
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
     """Static set-up of the expert-parallel MoE (`Backends(moe="ep", ep=...)`, see `model.moe_ep`).
@@ -100,6 +103,9 @@ class Backends:
     interpret: bool = False
     unroll_layers: bool = False
     ep: ExpertParallel | None = None
+    # the mHC Sinkhorn iterations unrolled (set by `resolve` on GPUs: rolled, each of its ~20 iterations per
+    # hyper-connection is a while-loop trip of tiny kernels there; unrolled, XLA:CPU compiles ~7x slower)
+    unroll_sinkhorn: bool = False
 
     def __post_init__(self):
         for op in OPS:
@@ -123,7 +129,7 @@ class Backends:
         parts = [f"{op}={getattr(self, op)}" for op in OPS]
         if self.moe == "ep":
             parts[0] = f"moe={self.ep.describe()}"
-        flags = [f for f in ("interpret", "unroll_layers") if getattr(self, f)]
+        flags = [f for f in ("interpret", "unroll_layers", "unroll_sinkhorn") if getattr(self, f)]
         return ", ".join(parts + flags)
 
 
@@ -164,6 +170,8 @@ def resolve(backends: str | Backends | None, platform: str | None = None) -> Bac
     impls = [getattr(b, op) for op in OPS] + ([b.ep.local] if b.moe == "ep" else [])
     if any(platform not in KERNEL_PLATFORMS.get(impl, (platform,)) for impl in impls):
         b = dataclasses.replace(b, interpret=True)
+    if platform in GPU_PLATFORMS:
+        b = dataclasses.replace(b, unroll_sinkhorn=True)
     return b
 
 

@@ -69,6 +69,7 @@ def test_auto_is_resolved_before_tracing(tiny):
     assert resolve("auto", platform="cpu") == REFERENCE
     gpu = resolve("auto", platform="gpu")
     assert (gpu.moe, gpu.routing, gpu.indexer, gpu.interpret) == ("pallas", "pallas", "pallas", False)
+    assert gpu.unroll_sinkhorn and not resolve("auto", platform="cpu").unroll_sinkhorn   # static, per platform
     assert resolve("pallas", platform="cpu").interpret                 # no Triton on CPU: interpret mode
     assert target_config(config, "auto").backends == resolve("auto")
     auto = config.with_backends(Backends(moe="auto", routing="auto", indexer="auto"))

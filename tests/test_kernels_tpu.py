@@ -252,7 +252,7 @@ def test_backends_tpu_resolution():
     assert (b.moe, b.routing, b.indexer, b.interpret) == ("pallas_tpu", "reference", "pallas_tpu", True)
     assert backends.resolve("pallas_tpu", platform="gpu").interpret
     assert not backends.resolve(Backends(moe="pallas_tpu"), platform="tpu").interpret
-    assert backends.resolve("auto", platform="gpu") == Backends("pallas", "pallas", "pallas")
+    assert backends.resolve("auto", platform="gpu") == Backends("pallas", "pallas", "pallas", unroll_sinkhorn=True)
     with pytest.raises(backends.BackendError, match="routing"):
         Backends(routing="pallas_tpu")
 

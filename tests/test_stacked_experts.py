@@ -44,3 +44,13 @@ def test_scanned_pallas_equals_reference(S):
     ref = np.asarray(forward(params, cfg, tok, backends="reference"))
     out = np.asarray(forward(params, cfg, tok, backends=PALLAS))
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_sinkhorn_unrolled_equals_rolled():
+    """The GPU choice (Backends.unroll_sinkhorn) changes the program, not the numbers (float32, 1e-6)."""
+    from dsv4_jax.model.layers.hyper import sinkhorn
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4, 4), jnp.float32)
+    rolled = sinkhorn(logits, 20, 1e-6)
+    unrolled = sinkhorn(logits, 20, 1e-6, unroll=True)
+    np.testing.assert_allclose(np.asarray(unrolled), np.asarray(rolled), rtol=0, atol=1e-6)
+    assert jnp.abs(rolled.sum(-1) - 1).max() < 1e-3 and jnp.abs(rolled.sum(-2) - 1).max() < 1e-3   # doubly stochastic

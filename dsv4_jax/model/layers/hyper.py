@@ -17,7 +17,7 @@ def _mix(X: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
     return rms_norm(flat, None, eps) @ fn.astype(jnp.float32).T
 
 
-def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
+def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool = False) -> jax.Array:
     """Row softmax + eps, a column normalisation, then (row, column) × (iters − 1). [..., n, n] f32."""
     C = jax.nn.softmax(logits, axis=-1) + eps
     C = C / (C.sum(axis=-2, keepdims=True) + eps)
@@ -26,15 +26,12 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
         C = C / (C.sum(axis=-1, keepdims=True) + eps)
         return C / (C.sum(axis=-2, keepdims=True) + eps), None
 
-    # Unrolled when compiling for a GPU: rolled, it is a while loop there, a few tiny kernels and a copy per
-    # iteration (190 iterations, ~1100 kernels per decode step of the 5-layer Flash benchmark on an H200).
-    # Rolled elsewhere: unrolled, XLA:CPU compiled a 12-call test function 7x slower (3.8 -> 26 s).
-    unroll = jax.default_backend() in _GPU_PLATFORMS
+    # unroll (a static choice, `Backends.unroll_sinkhorn`, set for GPUs): rolled, the loop is a while loop
+    # there, a few tiny kernels and a copy per iteration (190 iterations, ~1100 kernels per decode step of the
+    # 5-layer Flash benchmark on an H200); unrolled, XLA:CPU compiled a 12-call test function 7x slower.
     C, _ = jax.lax.scan(step, C, None, length=iters - 1, unroll=unroll)
     return C
 
-
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def hc_weights(X: jax.Array, p: dict, config: ModelConfig):
@@ -45,7 +42,7 @@ def hc_weights(X: jax.Array, p: dict, config: ModelConfig):
     pre = jax.nn.sigmoid(mu[..., :n] * scale[0] + base[:n]) + eps
     post = 2.0 * jax.nn.sigmoid(mu[..., n:2 * n] * scale[1] + base[n:2 * n])
     A = (mu[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(mu.shape[:-1] + (n, n))
-    return pre, post, sinkhorn(A, config.hc_sinkhorn_iters, eps)
+    return pre, post, sinkhorn(A, config.hc_sinkhorn_iters, eps, config.backends.unroll_sinkhorn)
 
 
 def collapse(X: jax.Array, pre: jax.Array) -> jax.Array:
