@@ -57,20 +57,20 @@ def components(eng, prompts_n: int):
 
     for w in eng.widths:
         def init(w=w):
-            return S.init_rows(p, cfg, batch=w, max_len=eng.max_len, opts=opts)
+            return S.init_rows(p, cfg, eng.knobs, batch=w, max_len=eng.max_len, opts=opts)
 
         def pre(w=w):
-            rows = S.init_rows(p, cfg, batch=w, max_len=eng.max_len, opts=opts)
+            rows = S.init_rows(p, cfg, eng.knobs, batch=w, max_len=eng.max_len, opts=opts)
             jax.block_until_ready(rows)
             t = time.perf_counter()
             rows = S.prefill_chunk(p, cfg, rows, toks[:w], jnp.full((w,), C, jnp.int32), toks[:w],
-                                   jnp.zeros((w,), bool), jax.random.PRNGKey(0), eng.knobs, opts=opts,
-                                   axes=eng.rows_axes)
+                                   jnp.zeros((w,), bool), 0, jax.random.PRNGKey(0), eng.knobs, opts=opts,
+                                   taps=opts.taps)
             jax.block_until_ready(rows)
             return 1e3 * (time.perf_counter() - t)
 
         def ins(w=w):
-            rows = S.init_rows(p, cfg, batch=w, max_len=eng.max_len, opts=opts)
+            rows = S.init_rows(p, cfg, eng.knobs, batch=w, max_len=eng.max_len, opts=opts)
             jax.block_until_ready(rows)
             slots = jnp.full((w,), B, jnp.int32)        # dropped: the carry stays as it is
             t = time.perf_counter()
@@ -116,9 +116,9 @@ def components(eng, prompts_n: int):
     def chunk_after_prefill():
         """One round right after a [B, C] prefill call (the admission's memory traffic in between)."""
         c = jax.tree.map(jnp.copy, big)
-        rows = S.init_rows(p, cfg, batch=B, max_len=eng.max_len, opts=opts)
-        rows = S.prefill_chunk(p, cfg, rows, toks, jnp.full((B,), C, jnp.int32), toks, jnp.zeros((B,), bool),
-                               jax.random.PRNGKey(0), eng.knobs, opts=opts, axes=eng.rows_axes)
+        rows = S.init_rows(p, cfg, eng.knobs, batch=B, max_len=eng.max_len, opts=opts)
+        rows = S.prefill_chunk(p, cfg, rows, toks, jnp.full((B,), C, jnp.int32), toks, jnp.zeros((B,), bool), 0,
+                               jax.random.PRNGKey(0), eng.knobs, opts=opts, taps=opts.taps)
         jax.block_until_ready((c, rows))
         t = time.perf_counter()
         c = S.run_chunk(p, cfg, c, eng.knobs, jnp.int32(1), jnp.int32(B + 1), opts=opts)
@@ -128,7 +128,7 @@ def components(eng, prompts_n: int):
 
     def refill_from_ready():
         """A continuous refill of one slot from a B-row ready buffer (prefill ahead): one insert."""
-        rows = S.init_rows(p, cfg, batch=B, max_len=eng.max_len, opts=opts)
+        rows = S.init_rows(p, cfg, eng.knobs, batch=B, max_len=eng.max_len, opts=opts)
         jax.block_until_ready(rows)
         slots = np.full((B,), B, np.int32)
         t = time.perf_counter()

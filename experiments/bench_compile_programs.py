@@ -27,7 +27,7 @@ import numpy as np
 
 from dsv4_jax.research import models, prompts as P, runner
 from dsv4_jax.research.runner import BASELINE, Setting
-from dsv4_jax.speculative import generate as G
+from dsv4_jax.speculative import generate as G, prefill as F
 from dsv4_jax.speculative import loop as L
 from dsv4_jax.speculative import precompile as PC
 from dsv4_jax.speculative.options import RunShape, Sampling, Speculation
@@ -121,11 +121,12 @@ def main(argv=None) -> int:
                 if prog.key() in seen:
                     continue
                 seen.add(prog.key())
-                width = prog.args[4].shape[1] if prog.fn in (G.prefill_piece, G.prime_piece) else bucket
+                width = {F.prefill_piece: 3, F.prime_piece: 6}.get(prog.fn)
+                width = prog.args[width].shape[1] if width is not None else bucket
                 drafter = 'none' if spec == BASELINE else 'pool'
-                name = {G.prime: f"prime_{drafter}_{width}", G.prime_start: f"prime_start_{drafter}",
-                        G.prime_piece: f"prime_piece_{drafter}_{width}", G.empty_prefill: "empty_prefill",
-                        G.prefill_piece: f"prefill_piece_{width}", G.prefill_target: f"prefill_{width}"}[prog.fn]
+                name = {F.prime: f"prime_{drafter}_{width}", F.start_carry: f"start_carry_{drafter}",
+                        F.prime_piece: f"prime_piece_{drafter}_{width}", F.init_rows: f"init_rows_{drafter}",
+                        F.prefill_piece: f"prefill_piece_{width}", F.prefill_target: f"prefill_{width}"}[prog.fn]
                 jobs.append((name, prog.fn, prog.args, prog.kwargs, None))
     for spec, k in (("none", 0), ("mtp", 1), ("mtp", 2), ("mtp", 3)):
         r = prepared(model, plan, long_prompt, Setting(spec, k))

@@ -297,7 +297,7 @@ class Bench:
     def carry(self, cfg, opts: loop.Options, batch: int, context: int):
         B, k = batch, opts.k
         st = self.state(batch, context)
-        dstate = registry.get(opts.drafter).init(self.params, cfg, opts.setup, B, st.max_len, jnp.bfloat16)
+        dstate = registry.get(opts.drafter).init(opts.bind(self.params, cfg), B, st.max_len, jnp.bfloat16)
         last = self.tokens(B, 1)[:, 0]
         z = lambda *s: jnp.zeros(s, jnp.int32)
         out = jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(last)
@@ -319,8 +319,7 @@ class Bench:
         round), async (the jitted round dispatched back to back, one wait at the end)."""
         cfg = variant(self.config, impl)
         opts = self.options(drafter, k)
-        knobs = loop.Knobs(temperature=jnp.float32(1e-6), top_p=jnp.float32(1.0), p_min=jnp.float32(0.0),
-                           confidence=jnp.float32(0.0))
+        knobs = registry.get(drafter).default_knobs(temperature=1e-6)
         runs = {"device": lambda c: loop.run_rounds(self.params, cfg, c, knobs, opts),
                 "host": lambda c: loop.run_rounds_python(self.params, cfg, c, knobs, opts),
                 "async": lambda c: _async_rounds(self.params, cfg, c, knobs, opts, self.a.loop_rounds)}

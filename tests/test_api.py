@@ -126,12 +126,12 @@ class RepeatLast(Drafter):
 
     name = "test-repeat-last"
 
-    def configure(self, params, config, k, meta=None):
+    def configure(self, params, config, k, options=None, bundle=None):
         return DraftSetup(k=k)
 
-    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
-        drafts = jnp.repeat(last[:, None], setup.k, axis=1)
-        return drafts, jax.nn.one_hot(drafts, config.vocab_size), jnp.full(pos.shape, setup.k, jnp.int32)
+    def propose(self, run, state, pos, last, key, knobs, greedy):
+        drafts = jnp.repeat(last[:, None], run.setup.k, axis=1)
+        return drafts, jax.nn.one_hot(drafts, run.config.vocab_size), jnp.full(pos.shape, run.setup.k, jnp.int32)
 
 
 def test_a_registered_drafter_runs_in_the_loop(tiny):

@@ -1,5 +1,5 @@
-"""The chunked prefill's priming (`generate.prime_start` + `prime_piece`): the drafters' states equal the
-whole-prompt priming's (`generate.prime`), with one program for every prompt length."""
+"""The chunked prefill's priming (`prefill.init_rows` + `prime_piece`): the drafters' states equal the
+whole-prompt priming's (`prefill.prime`), with one program for every prompt length."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 
 import dsv4_jax as d
 from dsv4_jax.model.params import init_dspark, init_mtp
-from dsv4_jax.speculative import generate as G
+from dsv4_jax.speculative import generate as G, prefill as F
 from dsv4_jax.speculative.options import RunShape, Speculation
 
 
@@ -42,7 +42,7 @@ def test_chunked_priming_equals_whole_prompt_priming(model):
     keeps its start state); one `prime_piece` program for the three chunks and both drafters."""
     rng = np.random.default_rng(5)
     prompts = [rng.integers(2, 97, n).tolist() for n in (9, 2, 5)]
-    n_pieces = G.prime_piece._cache_size()
+    n_pieces = F.prime_piece._cache_size()
     chunked = {}
     for drafter in ("mtp", "dspark"):
         whole, chunked[drafter] = _primed(model, prompts, drafter, None), _primed(model, prompts, drafter, 4)
@@ -57,4 +57,4 @@ def test_chunked_priming_equals_whole_prompt_priming(model):
                 np.testing.assert_array_equal(b, a)
     for member, drafter, other in ((0, "mtp", "dspark"), (1, "dspark", "mtp")):
         assert not _leaves_close(chunked[drafter].drafter[1][member], chunked[other].drafter[1][member])
-    assert G.prime_piece._cache_size() == n_pieces + 1
+    assert F.prime_piece._cache_size() == n_pieces + 1

@@ -5,12 +5,12 @@ from jax import monitoring
 
 import dsv4_jax as d
 from dsv4_jax.model.params import init_mtp
-from dsv4_jax.speculative import generate as G, loop
+from dsv4_jax.speculative import generate as G, loop, prefill as F
 from dsv4_jax.speculative import precompile as PC
 
 COMPILES: list = []      # (phase, function name) of every XLA compile while a phase is recorded
 PHASE = [None]
-NAMES = ("prefill_piece", "empty_prefill", "prime_start", "prime_piece", "run_rounds")
+NAMES = ("prefill_piece", "init_rows", "prime_piece", "start_carry", "run_rounds")
 
 
 def _on_event(event, duration, fun_name=None, **_):
@@ -35,7 +35,7 @@ def test_two_threads_compile_what_generate_calls():
     prompts = [rng.integers(2, 97, n).tolist() for n in (6, 11)]
     kw = dict(drafter="mtp", draft_n_max=2, eos_token_id=-1, max_len=64, prefill_chunk=4)
     progs = PC.programs(params, G.prepare(params, config, prompts, 8, **kw))
-    assert {p.fn for p in progs} == {G.prefill_piece, G.empty_prefill, G.prime_start, G.prime_piece, loop.run_rounds}
+    assert {p.fn for p in progs} == {F.prefill_piece, F.init_rows, F.prime_piece, F.start_carry, loop.run_rounds}
     try:
         PHASE[0] = "precompile"
         assert PC.compile_all(progs, threads=2)["programs"] == 5

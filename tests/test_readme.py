@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 from dsv4_jax.research import sweep
-from dsv4_jax.speculative import generate as spec_generate
+from dsv4_jax.speculative import prefill as spec_prefill
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -62,7 +62,7 @@ def test_main_job_runs_as_written(tmp_path, monkeypatch):
     assert not out.is_absolute() and len(out.parts) >= 2, out
     monkeypatch.chdir(tmp_path)
     assert not out.parent.exists()
-    chunked = (spec_generate.prefill_piece, spec_generate.prime_start, spec_generate.prime_piece)
+    chunked = (spec_prefill.prefill_piece, spec_prefill.start_carry, spec_prefill.prime_piece)
     before = [f._cache_size() for f in chunked]
     assert sweep.main(argv + TINY_SETTINGS) == 0
     # one prefill piece and one priming (start, piece) for both buckets, precompiled once, the runs hit them

@@ -16,7 +16,7 @@ from dsv4_jax.config import _tiny_base
 from dsv4_jax.model.decode import CapacityError
 from dsv4_jax.drafters.dspark import DSparkConfig
 from dsv4_jax.model.params import init_dspark, init_mtp
-from dsv4_jax.speculative import slots as S
+from dsv4_jax.speculative import prefill as F, slots as S
 from dsv4_jax.speculative.scheduler import SlotEngine, call_widths, prefill_widths
 
 PREFILL_LEN = 8
@@ -121,8 +121,8 @@ def test_one_chunk_program_across_refills(model, requests, alone, eos, none_b2):
     """Refills (a chunk per finished request) and a second engine with other prompts and budgets but the
     same (config, B, max_len, draft_n_max) compile nothing new."""
     none_b2.warm_up()
-    sizes = lambda: (S.run_chunk._cache_size(), S.prefill_chunk._cache_size(), S.insert._cache_size(),
-                     S.init_rows._cache_size())
+    sizes = lambda: (S.run_chunk._cache_size(), F.prefill_piece._cache_size(), F.prime_piece._cache_size(),
+                     S.insert._cache_size(), S.init_rows._cache_size())
     before = sizes()
     run = none_b2.run("continuous")
     assert run.chunks >= N_REQ                     # a chunk ends at each finish: at least one per request
@@ -244,7 +244,7 @@ import dsv4_jax as d
 from dsv4_jax import parallel as sharding
 from dsv4_jax.config import _tiny_base
 from dsv4_jax.model.params import init_mtp
-from dsv4_jax.speculative import slots as S
+from dsv4_jax.speculative import prefill as F, slots as S
 from dsv4_jax.speculative.scheduler import SlotEngine, prefill_widths
 cfg = _tiny_base(name="slots-mesh", ratios=[4, 8], n_hash=0, hc_mult=2, hc_sinkhorn_iters=3, n_routed_experts=4,
                  num_heads=2, o_groups=2)

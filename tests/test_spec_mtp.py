@@ -6,10 +6,10 @@ import pytest
 
 import dsv4_jax as d
 from dsv4_jax.model.decode import CapacityError
-from dsv4_jax.drafters import mtp
+from dsv4_jax.drafters import mtp, registry
 from dsv4_jax.model.target import hidden_states
 from dsv4_jax.model.params import init_mtp
-from dsv4_jax.speculative import generate as spec_generate, loop
+from dsv4_jax.speculative import generate as spec_generate, loop, prefill as spec_prefill
 
 from . import mtp_reference as ref
 
@@ -101,13 +101,13 @@ def test_chunked_prefill_equals_whole_prompt_prefill(model, prompts, plain):
     one-shot prefill (the drafter is primed from the chunks' hidden states), one piece program for all."""
     config, params = model
     kw = dict(drafter="mtp", draft_n_max=1, eos_token_id=-1, max_len=256)
-    n0 = spec_generate.prefill_piece._cache_size()
+    n0 = spec_prefill.prefill_piece._cache_size()
     whole = d.generate(params, config, prompts, N_NEW, **kw)[1]
     toks, stats = d.generate(params, config, prompts, N_NEW, prefill_chunk=4, **kw)
     assert toks == plain[3]
     for key in ("rounds", "drafted", "accepted", "per_position_accepted"):
         assert stats[key] == whole[key], key
-    assert spec_generate.prefill_piece._cache_size() == n0 + 1            # [3, 4] for 1, 2 and 3 chunks
+    assert spec_prefill.prefill_piece._cache_size() == n0 + 1            # [3, 4] for 1, 2 and 3 chunks
     with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
         d.generate(params, config, prompts, 4, prefill_chunk=0, **kw)
 
@@ -264,7 +264,7 @@ def test_loop_is_one_on_device_while(model):
     config, params = model
     from dsv4_jax.speculative.generate import start
     opts = loop.Options(drafter="mtp", k=2, greedy=True, max_new_tokens=4, eos_token_id=-1)
-    knobs = loop.Knobs(*(jnp.float32(v) for v in (1.0, 1.0, 0.0, 0.0)))
+    knobs = registry.get("mtp").default_knobs()
     carry = start(params, config, np.array([[5, 6, 7]], np.int32), np.array([3]), max_len=32, opts=opts,
                   knobs=knobs, key=jax.random.PRNGKey(0))
     jaxpr = jax.make_jaxpr(lambda c: jax.lax.while_loop(

@@ -1,29 +1,39 @@
-"""The interface every drafter implements for the speculative loop (docs/design.md property 5).
+"""The interface every drafter implements for the speculative loop (docs/design.md property 5, docs/drafters.md).
 
 A drafter is one object, registered by name in `dsv4_jax.drafters.registry`; the loop (`dsv4_jax.speculative`)
-only calls these methods, never compares names:
+only calls these methods, never compares names, and passes the drafter's options through without
+knowing their names:
 
-    configure(params, config, k, meta)   host side, before any tracing: check that the weights are
-                                         there and build the static `DraftSetup` (drafts per round,
-                                         target tap layers, hashable settings) — part of the jit key
-    init(params, config, setup, batch, max_len, dtype)                    -> state (a pytree) for
-                                         blocks of up to setup.k + 1 tokens (the run's bound)
-    begin(..., knobs)                    the state a run starts from (default: init)
-    observe(params, config, setup, state, aux, tokens, start, n_valid)   -> state
+    Options                              the drafter's options: a frozen dataclass whose fields made
+                                         with `dynamic(...)` are per-run scalars (traced: changing
+                                         them recompiles nothing), the others static (host side)
+    configure(params, config, k, options, bundle)   host side, before any tracing: check that the
+                                         weights are there and build the static `DraftSetup` (drafts
+                                         per round, target tap layers, hashable settings) — part of
+                                         the jit key; bundle: a checkpoint's drafter metadata by name
+    knobs(options)                       -> the dynamic part, a pytree of arrays the loop carries
+                                         opaquely in `Knobs.drafter` (default: the dynamic fields)
+
+The traced methods take `run = Bound(params, config, setup)`, bound once per program:
+
+    init(run, batch, max_len, dtype)     -> state (a pytree) for blocks of up to setup.k + 1 tokens
+    begin(run, batch, max_len, dtype, knobs)   the state a run starts from (default: init)
+    observe(run, state, aux, tokens, start, n_valid)   -> state
                                          feed newly committed target positions start..start+n_valid−1:
                                          aux = the target step's {"hidden" [B,S,n,D], "taps"
                                          [B,S,len(taps),D]}, tokens [B,S] = the token after each
-    propose(params, config, setup, state, pos, last, key, knobs, greedy) -> (drafts [B,k], q [B,k,V],
-                                         n_draft [B]): k = setup.k drafts after `last` (the token at
-                                         position pos, not yet processed by the target), their draft
-                                         distributions q (what rejection sampling needs) and how many
-                                         to verify; the loop caps n_draft at knobs.draft_n (when set),
-                                         and a drafter may skip the work for drafts beyond it
+    propose(run, state, pos, last, key, knobs, greedy) -> (drafts [B,k], q [B,k,V], n_draft [B]):
+                                         k = setup.k drafts after `last` (the token at position pos,
+                                         not yet processed by the target), their draft distributions q
+                                         (what rejection sampling needs) and how many to verify; the
+                                         loop caps n_draft at knobs.draft_n (when set), and a drafter
+                                         may skip the work for drafts beyond it; knobs.drafter is
+                                         this drafter's `knobs(options)`
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +44,12 @@ from ..config import ModelConfig
 
 @struct.dataclass
 class Knobs:
-    """Dynamic scalars of a run (no recompilation when they change): sampling and the drafters' stop rules."""
+    """Dynamic values of a run (no recompilation when they change): sampling, and the drafter's own
+    dynamic options (`Drafter.knobs`: a pytree only the drafter reads)."""
 
     temperature: jax.Array
     top_p: jax.Array
-    p_min: jax.Array          # MTP: stop the chain before a draft whose top-1 probability is below it
-    confidence: jax.Array     # DSpark: confidence threshold
-    drafter_index: jax.Array | None = None   # `drafters.pool`: which member drafts (int32 scalar)
+    drafter: Any = None
     # drafts per round when the loop is compiled for a wider bound (`RunShape.dynamic_draft_n`): int32
     # scalar <= DraftSetup.k, the run's verify width − 1; None: DraftSetup.k (the static case)
     draft_n: jax.Array | None = None
@@ -55,34 +64,89 @@ class DraftSetup:
     settings: Any = None                # the drafter's own static settings (e.g. a DSparkConfig)
 
 
+class Bound(NamedTuple):
+    """What every traced drafter method shares, bound once per program."""
+
+    params: dict
+    config: ModelConfig
+    setup: DraftSetup
+
+
+def dynamic(default: float):
+    """A dynamic option field: a per-run float32 scalar in `Knobs.drafter` (no recompilation)."""
+    return dataclasses.field(default=default, metadata={"dynamic": True})
+
+
+def dynamic_names(options) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(options) if f.metadata.get("dynamic"))
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a drafter that has none."""
+
+
 class Drafter:
     """Base class: the "none" drafter (no drafts; the loop then decodes one token per round)."""
 
     name = "none"
+    Options: type = NoOptions           # its options (a frozen dataclass; `dynamic` fields are per-run)
     weights: str | None = None          # params key of its weights (None: needs none)
     weights_help = ""                   # what its weights are called in messages ("MTP weights")
-    stop_knob: str | None = None        # the `Knobs` / generate option that shortens its chain, if any
+    stop_knob: str | None = None        # the dynamic option that shortens its chain, if any (research sweeps)
 
-    def configure(self, params: dict, config: ModelConfig, k: int, meta=None) -> DraftSetup:
+    # ---- options (host side) --------------------------------------------------------------------
+
+    def options(self, given=None, **keywords):
+        """The drafter's options: `given` (an instance of self.Options, or None for the defaults) with
+        `keywords` replacing fields. TypeError naming the valid options for anything else; ValueError
+        from `check_options` for bad values."""
+        if given is not None and not isinstance(given, self.Options):
+            raise TypeError(f"drafter {self.name!r} takes options={self.Options.__name__}(...), got "
+                            f"{type(given).__name__}")
+        valid = [f.name for f in dataclasses.fields(self.Options)]
+        unknown = sorted(set(keywords) - set(valid))
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown} for drafter {self.name!r}; its options are "
+                            f"{valid or 'none'}")
+        out = dataclasses.replace(given if given is not None else self.Options(), **keywords)
+        self.check_options(out)
+        return out
+
+    def check_options(self, options) -> None:
+        """ValueError naming a bad option value (default: dynamic options must lie in [0, 1])."""
+        for name in dynamic_names(options):
+            v = getattr(options, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {v}")
+
+    def knobs(self, options):
+        """The dynamic part of options: {name: float32 scalar} of its `dynamic` fields."""
+        return {n: jnp.float32(getattr(options, n)) for n in dynamic_names(options)}
+
+    def default_knobs(self, temperature: float = 1.0, top_p: float = 1.0, draft_n=None) -> Knobs:
+        """Knobs for this drafter at its default options (benchmarks, tests)."""
+        return Knobs(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p),
+                     drafter=self.knobs(self.options()), draft_n=draft_n)
+
+    def configure(self, params: dict, config: ModelConfig, k: int, options=None, bundle=None) -> DraftSetup:
         return DraftSetup(k=0)
 
-    def init(self, params: dict, config: ModelConfig, setup: DraftSetup, batch: int, max_len: int, dtype):
+    # ---- traced ---------------------------------------------------------------------------------
+
+    def init(self, run: Bound, batch: int, max_len: int, dtype):
         return ()
 
-    def begin(self, params: dict, config: ModelConfig, setup: DraftSetup, batch: int, max_len: int, dtype,
-              knobs: Knobs):
-        """The state a run starts from, given its dynamic knobs (default: `init`; `drafters.pool` keeps
-        the member index)."""
-        return self.init(params, config, setup, batch, max_len, dtype)
+    def begin(self, run: Bound, batch: int, max_len: int, dtype, knobs: Knobs):
+        """The state a run starts from, given its dynamic knobs (default: `init`)."""
+        return self.init(run, batch, max_len, dtype)
 
-    def observe(self, params: dict, config: ModelConfig, setup: DraftSetup, state, aux: dict, tokens: jax.Array,
-                start: jax.Array, n_valid: jax.Array):
+    def observe(self, run: Bound, state, aux: dict, tokens: jax.Array, start: jax.Array, n_valid: jax.Array):
         return state
 
-    def propose(self, params: dict, config: ModelConfig, setup: DraftSetup, state, pos: jax.Array,
-                last: jax.Array, key, knobs: Knobs, greedy: bool):
-        B, k = pos.shape[0], setup.k
-        return (jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, config.vocab_size), jnp.float32),
+    def propose(self, run: Bound, state, pos: jax.Array, last: jax.Array, key, knobs: Knobs, greedy: bool):
+        B, k = pos.shape[0], run.setup.k
+        return (jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, run.config.vocab_size), jnp.float32),
                 jnp.zeros((B,), jnp.int32))
 
     def require_weights(self, params: dict) -> None:

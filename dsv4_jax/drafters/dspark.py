@@ -21,6 +21,7 @@ Decisions on docs/drafter_math.md §8 (documented in docs/drafters.md):
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from ..model.layers.compressor import write_ring
 from ..model.layers.norms import rms_norm
 from ..model.layers.rope import apply_rope, inv_freq
 from ..ops.linear import embed, linear
-from .base import DraftSetup, Drafter
+from .base import DraftSetup, Drafter, dynamic
 from .common import block_config, draw
 
 RULES = ("per-position", "cumulative")
@@ -199,32 +200,43 @@ def propose(dparams: dict, target: dict, config: ModelConfig, dcfg: DSparkConfig
     return drafts, probs, n_draft if n_steps is None else jnp.minimum(n_draft, n_steps), conf
 
 
+@dataclasses.dataclass(frozen=True)
+class DSparkOptions:
+    """confidence_threshold: the confidence cut-off τ (per run, no recompilation); dspark_meta: static settings
+    (a DSparkConfig) overriding those of a checkpoint bundle (None: the bundle's, or defaults fitted to
+    the weights; `resolve`)."""
+
+    confidence_threshold: float = dynamic(0.0)
+    dspark_meta: Any = None
+
+
 class DSparkDrafter(Drafter):
     """DSpark behind the loop's drafter interface (`drafters.base`); settings: the run's DSparkConfig.
-
-    configure's meta: a DSparkConfig, the DSparkMeta of a checkpoint bundle, or None (defaults fitted to
-    the weights; `resolve`). Drafts per round are capped at the block size."""
+    Drafts per round are capped at the block size."""
 
     name = "dspark"
+    Options = DSparkOptions
     weights = "dspark"
     weights_help = "DSpark weights"
     stop_knob = "confidence_threshold"
 
-    def configure(self, params, config, k, meta=None) -> DraftSetup:
+    def configure(self, params, config, k, options=None, bundle=None) -> DraftSetup:
         self.require_weights(params)
-        dcfg = resolve(config, params["dspark"], meta)
+        meta = getattr(options, "dspark_meta", None)
+        dcfg = resolve(config, params["dspark"], meta if meta is not None else (bundle or {}).get(self.name))
         return DraftSetup(k=min(k, dcfg.block_size), taps=dcfg.target_layer_ids, settings=dcfg)
 
-    def init(self, params, config, setup, batch, max_len, dtype):
-        return init(params["dspark"], config, batch, dtype)
+    def init(self, run, batch, max_len, dtype):
+        return init(run.params["dspark"], run.config, batch, dtype)
 
-    def observe(self, params, config, setup, state, aux, tokens, start, n_valid):
-        return observe(params["dspark"], params, config, state, aux["taps"], start, n_valid)
+    def observe(self, run, state, aux, tokens, start, n_valid):
+        return observe(run.params["dspark"], run.params, run.config, state, aux["taps"], start, n_valid)
 
-    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
-        drafts, q, n_draft, _ = propose(params["dspark"], params, config, setup.settings, state, pos, last, key,
-                                        setup.k, temperature=knobs.temperature, top_p=knobs.top_p,
-                                        threshold=knobs.confidence, greedy=greedy, n_steps=knobs.draft_n)
+    def propose(self, run, state, pos, last, key, knobs, greedy):
+        drafts, q, n_draft, _ = propose(run.params["dspark"], run.params, run.config, run.setup.settings, state, pos,
+                                        last, key, run.setup.k, temperature=knobs.temperature, top_p=knobs.top_p,
+                                        threshold=knobs.drafter["confidence_threshold"], greedy=greedy,
+                                        n_steps=knobs.draft_n)
         return drafts, q, n_draft
 
 

@@ -12,6 +12,8 @@ are invisible to (and overwritten by) later rows, like rejected target rows.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -22,7 +24,7 @@ from ..model.layers import hyper
 from ..model.layers.block import layer_step
 from ..model.layers.norms import rms_norm
 from ..ops.linear import embed, linear
-from .base import DraftSetup, Drafter
+from .base import DraftSetup, Drafter, dynamic
 from .common import block_config, chain_length, draw
 
 
@@ -110,27 +112,36 @@ def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax
     return drafts, probs, n if n_steps is None else jnp.minimum(n, n_steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class MTPOptions:
+    """p_min: stop the chain before a draft whose top-1 probability is below it (per run, no recompilation)."""
+
+    p_min: float = dynamic(0.0)
+
+
 class MTPDrafter(Drafter):
     """MTP behind the loop's drafter interface (`drafters.base`); uses the first MTP block params["mtp"][0]."""
 
     name = "mtp"
+    Options = MTPOptions
     weights = "mtp"
     weights_help = "MTP weights"
     stop_knob = "p_min"
 
-    def configure(self, params, config, k, meta=None) -> DraftSetup:
+    def configure(self, params, config, k, options=None, bundle=None) -> DraftSetup:
         self.require_weights(params)
         return DraftSetup(k=k)
 
-    def init(self, params, config, setup, batch, max_len, dtype):
-        return init(config, batch, max_len, setup.k + 1, dtype)
+    def init(self, run, batch, max_len, dtype):
+        return init(run.config, batch, max_len, run.setup.k + 1, dtype)
 
-    def observe(self, params, config, setup, state, aux, tokens, start, n_valid):
-        return observe(params["mtp"][0], params, config, state, aux["hidden"], tokens, start, n_valid)
+    def observe(self, run, state, aux, tokens, start, n_valid):
+        return observe(run.params["mtp"][0], run.params, run.config, state, aux["hidden"], tokens, start, n_valid)
 
-    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
-        return propose(params["mtp"][0], params, config, state, pos, key, setup.k, temperature=knobs.temperature,
-                       top_p=knobs.top_p, p_min=knobs.p_min, greedy=greedy, n_steps=knobs.draft_n)
+    def propose(self, run, state, pos, last, key, knobs, greedy):
+        return propose(run.params["mtp"][0], run.params, run.config, state, pos, key, run.setup.k,
+                       temperature=knobs.temperature, top_p=knobs.top_p, p_min=knobs.drafter["p_min"],
+                       greedy=greedy, n_steps=knobs.draft_n)
 
 
 DRAFTER = MTPDrafter()

@@ -29,12 +29,12 @@ class OracleDrafter(Drafter):
     weights = "oracle"
     weights_help = "its reference table {'tokens': [B,T], 'wrong': [B,k]}"
 
-    def configure(self, params, config, k, meta=None) -> DraftSetup:
+    def configure(self, params, config, k, options=None, bundle=None) -> DraftSetup:
         self.require_weights(params)
         return DraftSetup(k=k)
 
-    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
-        return propose(params["oracle"], config.vocab_size, pos, setup.k)
+    def propose(self, run, state, pos, last, key, knobs, greedy):
+        return propose(run.params["oracle"], run.config.vocab_size, pos, run.setup.k)
 
 
 DRAFTER = OracleDrafter()

@@ -1,15 +1,17 @@
 """A pool of drafters compiled into one program, the member chosen at run time (research sweeps).
 
-`RunShape(drafter_pool=("mtp", "dspark"))` makes `generate` run its drafter through this one: the loop
-program of a draft width then holds every member (`lax.switch` on the dynamic `Knobs.drafter_index`), so
+`generate(..., drafter="pool", options=PoolOptions(members=("mtp", "dspark"), active="mtp"))` (or the
+shorthand `RunShape(drafter_pool=("mtp", "dspark"))` with drafter="mtp": `wrap`): the loop program of a
+draft width holds every member (`lax.switch` on the dynamic member index in the pool's knobs), so
 a sweep over drafters compiles one loop per width instead of one per (drafter, width), and the prefill
 computes the union of the members' tap layers, so every run of the sweep shares it. Only the chosen
 member's branch executes: the drafts, hence the tokens, are the member's own. The cost of sharing is
 the tap means of the other members' layers in each verify block ([B, k+1, D] means; DSpark's three
 layers) and carrying the idle members' (small) states.
 
-State: (the member index, a tuple of the members' states in member order); `begin` takes the index
-from the run's knobs.
+Options: the members, the active one and each member's own options (static parts configure the member,
+dynamic parts ride in the pool's knobs: (index, the members' knobs)). State: (the member index, a tuple
+of the members' states in member order); `begin` takes the index from the run's knobs.
 """
 from __future__ import annotations
 
@@ -18,9 +20,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .base import DraftSetup, Drafter
+from .base import Bound, DraftSetup, Drafter
 
 NAME = "pool"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolOptions:
+    """members: registered names; active: the member that drafts (dynamic: no recompilation);
+    member_options: each member's options in member order (None or missing: its defaults)."""
+
+    members: tuple[str, ...] = ()
+    active: str | None = None
+    member_options: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,61 +57,90 @@ def _member_aux(aux: dict, pool_taps: tuple[int, ...], member: Member) -> dict:
 
 
 class PoolDrafter(Drafter):
-    """Members behind one drafter; `Knobs.drafter_index` (dynamic) picks the one that drafts. State:
+    """Members behind one drafter; the member index in its knobs (dynamic) picks the one that drafts. State:
     (index int32 [], tuple of the members' states). lookup: name -> Drafter (`registry.get`)."""
 
     name = NAME
+    Options = PoolOptions
 
     def __init__(self, lookup):
         self.lookup = lookup
 
-    def configure(self, params, config, k, meta=None) -> DraftSetup:
-        """meta: {"members": names, and each member's metadata by name}; `generate` builds it from
-        RunShape.drafter_pool. ValueError when a member caps k lower than another (one verify width
-        per program) or a name is not a drafter that drafts."""
-        meta = dict(meta or {})
-        if not meta.get("members"):
-            raise ValueError("the drafter pool is chosen with RunShape(drafter_pool=(names...)), not drafter='pool'")
-        names = tuple(dict.fromkeys(meta.pop("members")))
-        members, ks = [], {}
+    def check_options(self, options: PoolOptions) -> None:
+        names = tuple(dict.fromkeys(options.members))
+        if not names:
+            raise ValueError("the drafter pool needs members: PoolOptions(members=(names...), active=name) "
+                             "or RunShape(drafter_pool=(names...))")
         for name in names:
-            drafter = self.lookup(name)
-            if drafter.name in ("none", NAME):
+            if self.lookup(name).name in ("none", NAME):
                 raise ValueError(f"drafter_pool takes drafters that draft, not {name!r}")
-            s = drafter.configure(params, config, k, meta.get(name))
-            members.append(Member(name, tuple(s.taps), s.settings))
-            ks[name] = s.k
+        if options.active not in names:
+            raise ValueError(f"drafter {options.active!r} is not in drafter_pool {names}")
+        if len(options.member_options) > len(names):
+            raise ValueError(f"{len(options.member_options)} member options for {len(names)} members")
+
+    def _members(self, options: PoolOptions):
+        """[(drafter, its options)] in member order."""
+        names = tuple(dict.fromkeys(options.members))
+        given = tuple(options.member_options) + (None,) * (len(names) - len(options.member_options))
+        return [(self.lookup(n), self.lookup(n).options(o)) for n, o in zip(names, given)]
+
+    def knobs(self, options: PoolOptions):
+        names = tuple(dict.fromkeys(options.members))
+        return (jnp.int32(names.index(options.active)), tuple(d.knobs(o) for d, o in self._members(options)))
+
+    def configure(self, params, config, k, options=None, bundle=None) -> DraftSetup:
+        """ValueError when a member caps k lower than another (one verify width per program)."""
+        if options is None or not options.members:
+            raise ValueError("the drafter pool is chosen with RunShape(drafter_pool=(names...)) or "
+                             "options=PoolOptions(members=(names...), active=name)")
+        members, ks = [], {}
+        for drafter, opts in self._members(options):
+            s = drafter.configure(params, config, k, opts, bundle)
+            members.append(Member(drafter.name, tuple(s.taps), s.settings))
+            ks[drafter.name] = s.k
         if len(set(ks.values())) > 1:
             raise ValueError(f"drafter_pool: the members propose different numbers of drafts at draft_n_max {k}: "
                              f"{ks}; pool drafters with the same cap")
         taps = tuple(sorted({t for m in members for t in m.taps}))
         return DraftSetup(k=next(iter(ks.values())), taps=taps, settings=tuple(members))
 
-    def init(self, params, config, setup, batch, max_len, dtype):
-        return (jnp.zeros((), jnp.int32), tuple(self.lookup(m.name).init(params, config, m.setup(setup.k), batch,
-                                                                            max_len, dtype) for m in setup.settings))
+    def _run(self, run: Bound, m: Member) -> Bound:
+        return Bound(run.params, run.config, m.setup(run.setup.k))
 
-    def begin(self, params, config, setup, batch, max_len, dtype, knobs):
-        _, states = self.init(params, config, setup, batch, max_len, dtype)
-        return (jnp.asarray(knobs.drafter_index, jnp.int32), states)
+    def init(self, run, batch, max_len, dtype):
+        return (jnp.zeros((), jnp.int32),
+                tuple(self.lookup(m.name).init(self._run(run, m), batch, max_len, dtype) for m in run.setup.settings))
 
-    def observe(self, params, config, setup, state, aux, tokens, start, n_valid):
+    def begin(self, run, batch, max_len, dtype, knobs):
+        _, states = self.init(run, batch, max_len, dtype)
+        return (jnp.asarray(knobs.drafter[0], jnp.int32), states)
+
+    def observe(self, run, state, aux, tokens, start, n_valid):
         index, states = state
 
         def branch(i: int, m: Member):
-            def run(states):
-                new = self.lookup(m.name).observe(params, config, m.setup(setup.k), states[i],
-                                                  _member_aux(aux, setup.taps, m), tokens, start, n_valid)
+            def go(states):
+                new = self.lookup(m.name).observe(self._run(run, m), states[i], _member_aux(aux, run.setup.taps, m),
+                                                  tokens, start, n_valid)
                 return states[:i] + (new,) + states[i + 1:]
-            return run
+            return go
 
-        return index, jax.lax.switch(index, [branch(i, m) for i, m in enumerate(setup.settings)], states)
+        return index, jax.lax.switch(index, [branch(i, m) for i, m in enumerate(run.setup.settings)], states)
 
-    def propose(self, params, config, setup, state, pos, last, key, knobs, greedy):
+    def propose(self, run, state, pos, last, key, knobs, greedy):
         index, states = state
 
         def branch(i: int, m: Member):
-            return lambda: self.lookup(m.name).propose(params, config, m.setup(setup.k), states[i], pos, last, key,
-                                                       knobs, greedy)
+            mine = knobs.replace(drafter=knobs.drafter[1][i])
+            return lambda: self.lookup(m.name).propose(self._run(run, m), states[i], pos, last, key, mine, greedy)
 
-        return jax.lax.switch(index, [branch(i, m) for i, m in enumerate(setup.settings)])
+        return jax.lax.switch(index, [branch(i, m) for i, m in enumerate(run.setup.settings)])
+
+
+def wrap(name: str, options, members: tuple[str, ...]) -> PoolOptions:
+    """`RunShape.drafter_pool`: the drafter `name` (with its options) as the active member of a pool of
+    `members`, the other members at their default options."""
+    names = tuple(dict.fromkeys(members))
+    return PoolOptions(members=names, active=name, member_options=tuple(options if n == name else None
+                                                                        for n in names))

@@ -1,14 +1,15 @@
 """Drafters by name: what `generate(..., drafter=NAME)`, the speculative loop and the CLIs look up.
 
 Adding a drafter is registering one `drafters.base.Drafter` object (`register(MyDrafter())`); the loop,
-`generate` and the research CLIs then accept its name.
+`generate` (which routes keywords it does not know to the drafter's `Options`) and the research CLIs then
+accept its name (docs/drafters.md).
 """
 from __future__ import annotations
 
-from . import dspark, mtp, oracle, pool
+from . import dspark, mtp, ngram, oracle, pool
 from .base import Drafter
 
-BUILT_IN = (Drafter(), mtp.DRAFTER, dspark.DRAFTER, oracle.DRAFTER)   # "none", "mtp", "dspark", "oracle"
+BUILT_IN = (Drafter(), mtp.DRAFTER, dspark.DRAFTER, ngram.DRAFTER, oracle.DRAFTER)   # none, mtp, dspark, ngram, oracle
 _REGISTRY: dict[str, Drafter] = {d.name: d for d in BUILT_IN}
 
 
@@ -39,4 +40,4 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-register(pool.PoolDrafter(get))   # "pool": several drafters in one program (RunShape.drafter_pool)
+register(pool.PoolDrafter(get))   # "pool": several drafters in one program (pool.PoolOptions)

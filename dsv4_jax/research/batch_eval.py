@@ -147,8 +147,8 @@ def build_engine(model, prompts: list[dict], budgets: list[int], setting: Settin
         chunk_rounds=a.chunk_rounds, prefill_len=a.prefill_len, refill_min=a.refill_min,
         prefill_ahead=a.prefill_ahead,
         sampling=Sampling(temperature=setting.temperature, top_p=a.top_p, seed=a.seed),
-        speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1), p_min=setting.p_min,
-                                confidence_threshold=setting.confidence_threshold),
+        speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
+                                options=setting.drafter_options()),
         eos_token_id=common.eos_for(a))
 
 

@@ -68,7 +68,7 @@ class LoadedModel:
     def draft_setup(self, spec: str, k: int) -> DraftSetup:
         """The drafter's static setup at draft_n_max k (its k may be capped, e.g. at DSpark's block size);
         ValueError when the model cannot run it."""
-        return registry.get(spec).configure(self.params, self.config, k, self.bundle.drafter_meta().get(spec))
+        return registry.get(spec).configure(self.params, self.config, k, None, self.bundle.drafter_meta())
 
     def with_backends(self, choice) -> "LoadedModel":
         """The same model with the backend choice (`--kernels`) in its config, resolved for this platform; a

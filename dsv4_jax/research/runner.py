@@ -36,7 +36,7 @@ from ..speculative.precompile import compile_all, programs
 from ..speculative.options import RunShape, Sampling, Speculation
 
 BASELINE = "none"                          # no speculation: what speed-ups are measured against
-SPEC_TYPES = (BASELINE, "mtp", "dspark")   # the drafters the CLIs offer (names in drafters.registry)
+SPEC_TYPES = (BASELINE, "mtp", "dspark", "ngram")   # the drafters the CLIs offer (names in drafters.registry)
 KNOB_LABELS = {"p_min": "p_min", "confidence_threshold": "conf"}   # a drafter's stop knob, as shown in tables
 
 
@@ -44,7 +44,7 @@ KNOB_LABELS = {"p_min": "p_min", "confidence_threshold": "conf"}   # a drafter's
 class Setting:
     """One point of a sweep grid."""
 
-    spec: str                       # none | mtp | dspark
+    spec: str                       # none | mtp | dspark | ngram
     draft_n_max: int = 0            # 0 for none
     p_min: float = 0.0              # MTP only
     confidence_threshold: float = 0.0   # DSpark only
@@ -59,6 +59,13 @@ class Setting:
     def knob_name(self) -> str | None:
         """The drafter's stop knob (`Drafter.stop_knob`: "p_min", "confidence_threshold") or None."""
         return registry.get(self.drafter).stop_knob
+
+    def drafter_options(self):
+        """The drafter's options at this setting: its stop knob's value (`Drafter.options`); None for none."""
+        if self.drafter is None:
+            return None
+        name = self.knob_name
+        return registry.get(self.drafter).options(**({name: getattr(self, name)} if name else {}))
 
     @property
     def knob(self) -> str:
@@ -106,7 +113,7 @@ def padded_options(setting: Setting, *, pad_to: int, max_len: int, top_p: float 
     """`generate`'s option groups for one setting, prompts right-padded to `pad_to`, the shapes fixed by the plan."""
     return {"sampling": Sampling(temperature=setting.temperature, top_p=top_p, seed=seed),
             "speculation": Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
-                                       p_min=setting.p_min, confidence_threshold=setting.confidence_threshold),
+                                       options=setting.drafter_options()),
             "run": RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to, max_block=max_block,
                             drafter_pool=drafter_pool, dynamic_draft_n=dynamic_draft_n and max_block is not None,
                             prefill_chunk=prefill_chunk)}

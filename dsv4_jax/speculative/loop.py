@@ -19,7 +19,7 @@ from ..model.state import DecodeState
 from ..config import ModelConfig
 from ..model.decode import advance, process_block
 from ..drafters import registry
-from ..drafters.base import DraftSetup, Knobs
+from ..drafters.base import Bound, DraftSetup, Knobs
 from ..ops import sampling
 
 __all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "run_rounds",
@@ -44,6 +44,10 @@ class Options:
     def setup(self) -> DraftSetup:
         """What the drafter's methods take (drafters.base)."""
         return DraftSetup(k=self.k, taps=self.taps, settings=self.settings)
+
+    def bind(self, params: dict, config: ModelConfig) -> Bound:
+        """The first argument of the drafter's traced methods."""
+        return Bound(params, config, self.setup)
 
 
 @struct.dataclass
@@ -120,8 +124,8 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
     run costs per round what a program compiled for its draft_n_max costs (only the drafting is shared)."""
     drafter = registry.get(opts.drafter)
     key, k_draft, k_acc = jax.random.split(c.key, 3)
-    drafts, q, n_draft = drafter.propose(params, config, opts.setup, c.drafter, c.target.pos, c.last, k_draft,
-                                         knobs, opts.greedy)
+    drafts, q, n_draft = drafter.propose(opts.bind(params, config), c.drafter, c.target.pos, c.last, k_draft, knobs,
+                                         opts.greedy)
     if knobs.draft_n is not None:
         n_draft = jnp.minimum(n_draft, knobs.draft_n)
     if knobs.draft_n is None or opts.k <= 1:
@@ -149,7 +153,7 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
     out, out_len, done, _ = emit(c, emitted, a + 1, opts)
     n_commit = jnp.where(active, a + 1, 0)
     tstate = advance(tstate, n_commit)
-    dstate = drafter.observe(params, config, opts.setup, c.drafter, aux, emitted, pos, jnp.maximum(n_commit, 1))
+    dstate = drafter.observe(opts.bind(params, config), c.drafter, aux, emitted, pos, jnp.maximum(n_commit, 1))
     s = c.stats
     kk = jnp.arange(s.per_position.shape[1])[None, :]   # the carry may be sized for a wider bound than w
     stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,

@@ -1,7 +1,7 @@
 """The options of `generate`, in three small frozen groups, and the published keywords that fill them.
 
     Sampling      temperature, top_p, seed                         what is drawn
-    Speculation   drafter, draft_n_max, p_min, confidence_threshold, dspark_meta    how drafts are made
+    Speculation   drafter, draft_n_max, options (the drafter's own: `Drafter.Options`)   how drafts are made
     RunShape      eos_token_id, max_len, pad_to, host_loop, max_block, drafter_pool, dynamic_draft_n,
                   prefill_chunk
                                                                      when to stop, fixed shapes, loop driver
@@ -9,11 +9,16 @@
 `generate(..., sampling=Sampling(temperature=0.8), speculation=Speculation("dspark", 5))` and
 `generate(..., temperature=0.8, drafter="dspark", draft_n_max=5)` are the same call: `group_options`
 routes every published keyword to its group; a keyword given with its group object overrides that field.
+Any other keyword is an option of the chosen drafter (`Speculation.options`, e.g. p_min=0.3 with
+drafter="mtp" is options=MTPOptions(p_min=0.3)); an option of another registered drafter is ignored
+(a sweep may pass every drafter's), a name no drafter has is a TypeError naming the valid ones.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from ..drafters import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,18 +32,17 @@ class Sampling:
 
 @dataclasses.dataclass(frozen=True)
 class Speculation:
-    """drafter: a registered name (`dsv4_jax.drafters.registry`: None/"none", "mtp", "dspark", "oracle").
+    """drafter: a registered name (`dsv4_jax.drafters.registry`: None/"none", "mtp", "dspark", "ngram",
+    "oracle", "pool", or one added with `register`).
 
-    draft_n_max: drafts per round (DSpark: at most its block size); p_min: MTP stops its chain before a
-    draft whose top-1 probability is below it; confidence_threshold: DSpark's confidence cut-off;
-    dspark_meta: DSpark settings (a DSparkConfig), overriding those of a checkpoint bundle.
+    draft_n_max: drafts per round (DSpark: at most its block size); options: the drafter's own options
+    (an instance of its `Options`, e.g. MTPOptions(p_min=0.3), DSparkOptions(confidence_threshold=0.5,
+    dspark_meta=DSparkConfig(...)), NgramOptions(n_min=1, n_max=3); None: its defaults).
     """
 
     drafter: str | None = None
     draft_n_max: int = 3
-    p_min: float = 0.0
-    confidence_threshold: float = 0.0
-    dspark_meta: Any = None
+    options: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +86,8 @@ def group_options(sampling: Sampling | None = None, speculation: Speculation | N
                   run: RunShape | None = None, **keywords) -> tuple[Sampling, Speculation, RunShape]:
     """The three groups, each the given object (or defaults) updated with its published keywords."""
     given = {"sampling": sampling, "speculation": speculation, "run": run}
-    unknown = sorted(set(keywords) - set(KEYWORDS))
-    if unknown:
-        raise TypeError(f"unknown generate option(s) {unknown}; the options are {sorted(KEYWORDS)} or the groups "
-                        f"{sorted(GROUPS)}")
+    extra = {k: v for k, v in keywords.items() if k not in KEYWORDS}
+    keywords = {k: v for k, v in keywords.items() if k in KEYWORDS}
     out = []
     for group, cls in GROUPS.items():
         obj = given[group]
@@ -93,4 +95,19 @@ def group_options(sampling: Sampling | None = None, speculation: Speculation | N
             raise TypeError(f"{group}= takes a {cls.__name__}, got {type(obj).__name__}")
         mine = {k: v for k, v in keywords.items() if KEYWORDS[k] == group}
         out.append(cls(**mine) if obj is None else dataclasses.replace(obj, **mine))
+    if extra:
+        out[1] = dataclasses.replace(out[1], options=drafter_options(out[1], extra))
     return tuple(out)
+
+
+def drafter_options(spec: Speculation, keywords: dict):
+    """spec.options updated with the keywords that are the chosen drafter's options (the others must be
+    options of other registered drafters: ignored); TypeError naming the valid options otherwise."""
+    drafter = registry.get(spec.drafter)
+    mine = {f.name for f in dataclasses.fields(drafter.Options)}
+    known = {f.name for name in registry.names() for f in dataclasses.fields(registry.get(name).Options)}
+    unknown = sorted(set(keywords) - known)
+    if unknown:
+        raise TypeError(f"unknown generate option(s) {unknown}; the options are {sorted(KEYWORDS)}, the groups "
+                        f"{sorted(GROUPS)}, and drafter {drafter.name!r}'s options {sorted(mine) or 'none'}")
+    return drafter.options(spec.options, **{k: v for k, v in keywords.items() if k in mine})

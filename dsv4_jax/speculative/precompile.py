@@ -1,8 +1,8 @@
 """Compile `generate`'s programs before a run (research sweeps: a first run's compile time, reported apart).
 
 `programs(params, r)` lists the jitted programs a prepared run (`generate.prepare`) calls — the
-target's prefill and the priming (or, chunked, the prefill piece, its empty state, the priming's start
-and piece), the decode loop — with abstract arguments where they are computed (nothing runs).
+target's prefill and the priming (or, chunked, `speculative.prefill`'s empty rows, prefill piece,
+priming piece and the rows' carry), the decode loop — with abstract arguments where they are computed (nothing runs).
 `compile_all` traces, lowers and compiles the distinct ones, `threads` at a time (XLA compiles with the
 GIL released; XLA:CPU already spreads one program's code generation over the cores, so on two cores one
 at a time is as fast). The executables land in jit's own caches and in the persistent compilation cache
@@ -18,8 +18,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from .generate import Prepared, empty_prefill, prefill_piece, prefill_target, prime, prime_piece, prime_start
+from .generate import Prepared
 from .loop import round_jit, run_rounds
+from .prefill import init_rows, prefill_piece, prefill_target, prime, prime_piece, start_carry
 
 KIND_ORDER = {"loop": 0, "prefill": 1, "prime": 2, "init": 3}     # biggest first: the pool's threads finish together
 
@@ -28,7 +29,7 @@ KIND_ORDER = {"loop": 0, "prefill": 1, "prime": 2, "init": 3}     # biggest firs
 class Program:
     """One jitted call of a run: fn(*args, **kwargs), args concrete or jax.ShapeDtypeStruct."""
 
-    kind: str                 # "prefill" | "prime" | "loop" | "init" (a chunked prefill's empty state)
+    kind: str                 # "prefill" | "prime" | "loop" | "init" (a chunked prefill's empty rows)
     fn: Callable
     args: tuple
     kwargs: dict
@@ -63,20 +64,19 @@ def programs(params: dict, r: Prepared) -> list[Program]:
                  Program("prime", prime, prime_args, prime_kw)]
     else:
         B, C = tokens.shape[0], r.prefill_chunk
-        state, last = jax.eval_shape(lambda: empty_prefill(r.config, batch=B, max_len=r.max_len,
-                                                           max_block=r.max_block, dtype=params["embed"].dtype))
+        init_kw = dict(batch=B, max_len=r.max_len, opts=opts)
+        rows = jax.eval_shape(lambda p, k: init_rows(p, r.config, k, **init_kw), params, r.knobs)
         chunk, vec = jax.ShapeDtypeStruct((B, C), jnp.int32), lambda dtype: jax.ShapeDtypeStruct((B,), dtype)
-        piece_args = (params, r.config, state, last, chunk, vec(jnp.int32), vec(jnp.bool_))
-        _, _, aux = jax.eval_shape(lambda p, *a: prefill_piece(p, r.config, *a, taps=r.prefill_taps), params,
-                                   *piece_args[2:])
-        start_kw = dict(max_len=r.max_len, opts=opts, knobs=r.knobs, key=key)
-        carry = jax.eval_shape(lambda p, s, l: prime_start(p, r.config, s, l, **start_kw), params, state, last)
+        piece_args = (params, r.config, rows.target, chunk, vec(jnp.int32))
+        _, last, aux = jax.eval_shape(lambda p, *a: prefill_piece(p, r.config, *a, taps=r.prefill_taps), params,
+                                      *piece_args[2:])
+        prime_args = (params, r.config, rows.drafter, rows.first, aux, last, chunk, vec(jnp.int32), vec(jnp.int32),
+                      vec(jnp.bool_), key, r.knobs)
+        carry = jax.eval_shape(lambda rw, k: start_carry(rw, k, opts=opts), rows, key)
         steps = [Program("prefill", prefill_piece, piece_args, {"taps": r.prefill_taps}),
-                 Program("init", empty_prefill, (r.config,), dict(batch=B, max_len=r.max_len, max_block=r.max_block,
-                                                                   dtype=params["embed"].dtype)),
-                 Program("prime", prime_start, (params, r.config, state, last), start_kw),
-                 Program("prime", prime_piece, (params, r.config, carry, aux, chunk, vec(jnp.int32), vec(jnp.int32),
-                                                vec(jnp.int32)), dict(opts=opts, prefill_taps=r.prefill_taps))]
+                 Program("init", init_rows, (params, r.config, r.knobs), init_kw),
+                 Program("prime", prime_piece, prime_args, dict(opts=opts, prefill_taps=r.prefill_taps)),
+                 Program("prime", start_carry, (rows, key), {"opts": opts})]
     return [*steps, Program("loop", loop, (params, r.config, carry, r.knobs, r.opts), {}, size=r.opts.k)]
 
 

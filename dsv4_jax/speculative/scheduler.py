@@ -44,7 +44,8 @@ import numpy as np
 from ..backends import Backends
 from ..bundle import CheckpointConfig
 from . import slots as S
-from .generate import chunk_plan, prepare
+from .generate import prepare
+from .prefill import chunk_plan
 from .options import RunShape, Sampling, Speculation
 
 SCHEDULES = ("static", "continuous")
@@ -148,7 +149,6 @@ class SlotEngine:
         self.batch, self.chunk_rounds, self.prefill_len, self.refill_min = batch, chunk_rounds, prefill_len, refill_min
         self.prefill_ahead = prefill_ahead
         self.widths = prefill_widths(batch)
-        self.rows_axes = S.rows_axes(params, self.config, self.max_len, self.opts)
         self.carry_axes = S.carry_axes(params, self.config, self.max_len, self.opts)
 
     @classmethod
@@ -211,11 +211,11 @@ class SlotEngine:
         for r, i in enumerate(piece):
             prompt = self.requests[i][0]
             toks[r, :len(prompt)], lengths[r] = prompt, len(prompt)
-        rows = S.init_rows(self.params, self.config, batch=P, max_len=self.max_len, opts=self.opts)
+        rows = S.init_rows(self.params, self.config, self.knobs, batch=P, max_len=self.max_len, opts=self.opts)
         for lo, n_valid, final in chunk_plan(lengths, C, n_chunks * C):
             rows = S.prefill_chunk(self.params, self.config, rows, jnp.asarray(toks[:, lo:lo + C]),
-                                   jnp.asarray(n_valid), jnp.asarray(toks[:, lo + 1:lo + C + 1]), jnp.asarray(final),
-                                   jax.random.fold_in(key, lo), self.knobs, opts=self.opts, axes=self.rows_axes)
+                                   jnp.asarray(n_valid), toks[:, lo + 1:lo + C + 1], jnp.asarray(final), lo,
+                                   jax.random.fold_in(key, lo), self.knobs, opts=self.opts, taps=self.opts.taps)
         return rows
 
     def _insert(self, carry, placed: Sequence[tuple["Prefilled", int]]):

@@ -1,13 +1,14 @@
-"""Decode slots for continuous batching: the device programs that the host scheduler (`spec.scheduler`) drives.
+"""Decode slots for continuous batching: the device programs that the host scheduler (`speculative.scheduler`) drives.
 
-B slots share one loop `Carry` (`spec.loop`: output buffer, budgets, done flags, target and drafter
+B slots share one loop `Carry` (`speculative.loop`: output buffer, budgets, done flags, target and drafter
 state, statistics — every leaf has its batch axis somewhere, `batch_axes`). Between decode chunks the
 host refills freed slots, in the JetStream / MaxText manner (prefill → insert → generate):
 
     init_rows     P empty prefill rows (`Rows`: a P-row target state, drafter state, first tokens)
     prefill_chunk one prompt chunk [P, C] into the rows (chunked prefill at one fixed shape; rows
                   whose prompt has ended get n_valid = 0 and keep their state); the chunk that holds
-                  a prompt's last token samples its first generated token and primes the drafter
+                  a prompt's last token samples its first generated token; the drafter is primed on
+                  every chunk — both `speculative.prefill`'s, the programs `generate` runs too
     insert        the rows' decode state written into slots [P] of the carry (donated; a slot index
                   B drops the row), with fresh outputs, statistics and per-request budgets: the slot's
                   previous target *and drafter* state are replaced, so nothing of the old request leaks
@@ -22,30 +23,18 @@ init_rows, prefill and insert compile once per prefill width P.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from ..model.state import DecodeState, init_state
+from ..model.state import init_state
 from ..config import ModelConfig
-from ..model.decode import advance, process_block
 from ..drafters import registry
-from ..ops.sampling import sample_first
 from .loop import Carry, Knobs, Options, initial_carry, round_step
+from .prefill import Rows, init_rows, prefill_chunk
 
 __all__ = ["Rows", "batch_axes", "carry_axes", "empty_carry", "init_rows", "insert", "prefill_chunk", "run_chunk",
            "rows_axes"]
-
-
-@struct.dataclass
-class Rows:
-    """P prefilled (or being prefilled) requests, not yet in a slot."""
-
-    target: DecodeState        # P-row target state
-    drafter: Any               # P-row drafter state (the drafter's `init` + `observe` of the prompt)
-    first: jax.Array           # [P] the first generated token (valid once the prompt's last chunk ran)
 
 
 def batch_axes(make) -> tuple[int | None, ...]:
@@ -67,7 +56,7 @@ def _dtype(params: dict):
 
 def _init_parts(params: dict, config: ModelConfig, batch: int, max_len: int, opts: Options):
     state = init_state(config, batch, max_len, opts.k + 1, _dtype(params))
-    dstate = registry.get(opts.drafter).init(params, config, opts.setup, batch, max_len, _dtype(params))
+    dstate = registry.get(opts.drafter).init(opts.bind(params, config), batch, max_len, _dtype(params))
     return state, dstate
 
 
@@ -90,17 +79,6 @@ def _leafwise(fn, axes: tuple, a, b):
     return jax.tree.unflatten(tree, [fn(ax, x, y) for ax, x, y in zip(axes, leaves_a, jax.tree.leaves(b))])
 
 
-def _select_rows(keep: jax.Array, new, old, axes: tuple):
-    """Per row: new where keep[P] else old, along each leaf's batch axis (leaves without one: new)."""
-    def one(ax, n, o):
-        if ax is None:
-            return n
-        shape = [1] * n.ndim
-        shape[ax] = keep.shape[0]
-        return jnp.where(keep.reshape(shape), n, o)
-    return _leafwise(one, axes, new, old)
-
-
 def _scatter_rows(big, rows, slots: jax.Array, axes: tuple):
     """big with rows[P] written at slots[P] along each leaf's batch axis; a slot index out of range
     (= B) drops its row; leaves without a batch axis keep big's value."""
@@ -117,38 +95,6 @@ def empty_carry(params: dict, config: ModelConfig, *, batch: int, max_len: int, 
     state, dstate = _init_parts(params, config, batch, max_len, opts)
     c = initial_carry(jnp.zeros((batch,), jnp.int32), state, dstate, key, opts, jnp.zeros((batch,), jnp.int32))
     return c.replace(done=jnp.ones((batch,), bool))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "opts"))
-def init_rows(params: dict, config: ModelConfig, *, batch: int, max_len: int, opts: Options) -> Rows:
-    """P empty rows (pos 0) to prefill into."""
-    state, dstate = _init_parts(params, config, batch, max_len, opts)
-    return Rows(target=state, drafter=dstate, first=jnp.zeros((batch,), jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "opts", "axes"), donate_argnames=("rows",))
-def prefill_chunk(params: dict, config: ModelConfig, rows: Rows, tokens: jax.Array, n_valid: jax.Array,
-                  nxt: jax.Array, final: jax.Array, key, knobs: Knobs, *, opts: Options, axes: tuple) -> Rows:
-    """Append one prompt chunk to every row: tokens [P,C] (n_valid[P] real, right-padded) at positions
-    rows.target.pos + [0, C).
-
-    nxt [P,C]: the token after each position (the prompt shifted left; at a prompt's last position the
-    host's value is replaced by the sampled first token); final [P]: the chunk holds the prompt's last
-    token — sample the first token there (`ops.sampling.sample_first`, like `generate.start`). Rows with
-    n_valid = 0 keep their state. axes: `rows_axes` (static).
-    """
-    drafter = registry.get(opts.drafter)
-    start = rows.target.pos
-    logits, state, aux = process_block(params, config, rows.target, tokens, n_valid, opts.taps)
-    state = advance(state, n_valid)
-    last = jnp.maximum(n_valid - 1, 0)
-    last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-    first = sample_first(key, last_logits, knobs.temperature, knobs.top_p, opts.greedy)
-    at_last = final[:, None] & (jnp.arange(tokens.shape[1])[None, :] == last[:, None])
-    nxt = jnp.where(at_last, first[:, None], nxt)
-    dstate = drafter.observe(params, config, opts.setup, rows.drafter, aux, nxt, start, jnp.maximum(n_valid, 1))
-    new = Rows(target=state, drafter=dstate, first=jnp.where(final, first, rows.first))
-    return _select_rows(n_valid > 0, new, rows, axes)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "axes"), donate_argnames=("carry",))

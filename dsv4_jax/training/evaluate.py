@@ -22,7 +22,7 @@ from ..bundle import CheckpointConfig, target_config
 from ..model.decode import prefill, process_block
 from ..demo import ByteTokenizer, tiny_demo
 from ..drafters import registry
-from ..drafters.base import Knobs
+from ..drafters.base import Bound
 from ..research.report import markdown_table
 
 from . import data
@@ -109,12 +109,12 @@ def block_costs(params, config, sizes, taps=(), prompt_len: int = 64, chain: int
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "setup"))
 def _propose(params, config, drafter: str, setup, state, pos, last, key, knobs):
-    return registry.get(drafter).propose(params, config, setup, state, pos, last, key, knobs, True)[0]
+    return registry.get(drafter).propose(Bound(params, config, setup), state, pos, last, key, knobs, True)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "setup"))
 def _observe(params, config, drafter: str, setup, state, aux, tokens, start, n_valid):
-    return registry.get(drafter).observe(params, config, setup, state, aux, tokens, start, n_valid)
+    return registry.get(drafter).observe(Bound(params, config, setup), state, aux, tokens, start, n_valid)
 
 
 def drafter_costs(params, config, name: str, meta, ks, prompt_len: int = 64, chain: int = 20,
@@ -127,17 +127,17 @@ def drafter_costs(params, config, name: str, meta, ks, prompt_len: int = 64, cha
     on-device loop does not pay. The calls get the drafter's weights and the target's embedding and head
     only (what MTP and DSpark read of the target), so that the dispatch does not carry the whole tree."""
     drafter = registry.get(name)
-    setups = {k: drafter.configure(params, config, k, meta) for k in ks}
+    setups = {k: drafter.configure(params, config, k, None, {} if meta is None else {name: meta}) for k in ks}
     widest = setups[max(ks)]
     state, aux = _primed(params, config, prompt_len, widest.k + 1, widest.taps)
     prompt = _prompt(prompt_len)
     zero, n = jnp.zeros((1,), jnp.int32), jnp.full((1,), prompt_len, jnp.int32)
     view = {key: params[key] for key in ("embed", "head", drafter.weights)}
-    knobs = Knobs(*(jnp.float32(v) for v in (1.0, 1.0, 0.0, 0.0)))
+    knobs = drafter.default_knobs()
     calls = {}
     for k, setup in setups.items():
-        dstate = drafter.init(view, config, setup, 1, prompt_len + setup.k + 2, jnp.float32)
-        dstate = drafter.observe(view, config, setup, dstate, aux, jnp.roll(prompt, -1, axis=1), zero, n)
+        dstate = drafter.init(Bound(view, config, setup), 1, prompt_len + setup.k + 2, jnp.float32)
+        dstate = drafter.observe(Bound(view, config, setup), dstate, aux, jnp.roll(prompt, -1, axis=1), zero, n)
         block = jax.tree.map(lambda a, S=setup.k + 1: a[:, :S], aux)
         tokens, n_block = prompt[:, :setup.k + 1], jnp.full((1,), setup.k + 1, jnp.int32)
         key, last = jax.random.PRNGKey(0), prompt[:, -1]

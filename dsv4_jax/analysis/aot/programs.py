@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from ...config import ModelConfig
 from ...model.decode import process_block
 from ...drafters import registry
-from ...drafters.base import Knobs
+from ...drafters.base import Bound, Knobs
 from ...speculative import loop
 from . import bounds
 from . import inputs as I
@@ -80,7 +80,7 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
         f"k = {sh.draft_n_max} > DSpark block size {setup.settings.block_size}: compiled with k = {k}"
     # drafter state: MTP [B, ...]; DSpark [stages, B, ...]
     batch_axis = 0 if drafter_name == "mtp" else 1
-    dstate = jax.eval_shape(lambda: drafter.init(params, config, setup, B, sh.max_len, dt))
+    dstate = jax.eval_shape(lambda: drafter.init(Bound(params, config, setup), B, sh.max_len, dt))
     dstate = jax.tree.map(lambda x: I.batch_array(mesh, x.shape, x.dtype, batch_axis, rules), dstate)
     opts = loop.Options(drafter=drafter_name, k=k, greedy=True, max_new_tokens=MAX_NEW_TOKENS,
                         eos_token_id=config.eos_token_id, taps=setup.taps, settings=setup.settings)
@@ -100,7 +100,8 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
                          proposed_at=ints(B, k), length_hist=ints(B, k + 1)),
         round=I.replicated(mesh, (), jnp.int32))
     scalar = lambda: I.replicated(mesh, (), jnp.float32)
-    knobs = Knobs(temperature=scalar(), top_p=scalar(), p_min=scalar(), confidence=scalar())
+    knobs = Knobs(temperature=scalar(), top_p=scalar(),
+                  drafter=jax.tree.map(lambda _: scalar(), drafter.knobs(drafter.options())))
     return Program(f"spec-{drafter_name}", loop.round_jit, (params, config, carry, knobs, opts), bound, k + 1,
                    notes)
 
