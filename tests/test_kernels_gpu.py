@@ -1,6 +1,6 @@
 """The Pallas GPU (Triton) kernels compiled and run on a GPU (interpret=False) against the jnp references.
 
-Skipped unless JAX's default backend is a GPU. conftest defaults to the CPU, so name the platform and run
+Marked `gpu`: deselected by default (pyproject addopts), skipped if selected without a GPU. conftest defaults to the CPU, so name the platform and run
 one process (each pytest-xdist worker would reserve the GPU's memory):
 
     JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -o addopts="" -q tests/test_kernels_gpu.py
@@ -30,8 +30,8 @@ from .test_kernels_moe import LIMIT, _case, _close, _gather_ref, _moe_layer_para
 from .test_kernels_routing import _gate
 
 ON_CPU = os.environ.get("DSV4_GPU_TESTS_ON_CPU") == "1"      # interpret mode: checks the tests, not Triton
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu" and not ON_CPU,
-                                reason="needs a GPU (JAX_PLATFORMS=cuda)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu" and not ON_CPU,
+                                reason="needs a GPU (JAX_PLATFORMS=cuda)")]
 
 GPU = Backends(moe="pallas", routing="pallas", indexer="pallas", interpret=ON_CPU)
 

@@ -8,6 +8,7 @@ import dsv4_jax as d
 from dsv4_jax.model.decode import process_block
 from dsv4_jax.model.state import init_state
 from dsv4_jax.drafters import dspark
+from dsv4_jax.drafters.base import Bound, DraftSetup, Knobs
 from dsv4_jax.model.params import init_dspark
 
 from . import dspark_reference as ref
@@ -53,9 +54,10 @@ def test_incremental_proposal_matches_full_recompute(model, rule):
         st = dspark.observe(params["dspark"], params, config, st, jnp.asarray(pad), jnp.array([a]), jnp.array([chunk]))
         a += chunk
         for threshold in (0.0, 0.5):
-            drafts, q, n, conf = dspark.propose(params["dspark"], params, config, dcfg, st, jnp.array([a]),
-                                                jnp.array([seq[a]]), jax.random.PRNGKey(0), 4, temperature=1.0,
-                                                top_p=1.0, threshold=threshold, greedy=True)
+            run = Bound(params, config, DraftSetup(k=4, taps=dcfg.target_layer_ids, settings=dcfg))
+            knobs = Knobs(jnp.float32(1.0), jnp.float32(1.0), {"confidence_threshold": jnp.float32(threshold)})
+            drafts, q, n, conf = dspark.propose(run, st, jnp.array([a]), jnp.array([seq[a]]), jax.random.PRNGKey(0),
+                                                knobs, greedy=True)
             want, want_logits, want_conf, kept = ref.propose(params["dspark"], params["embed"], params["head"],
                                                              config, taps[:a], int(seq[a]), 5, 96, 4, threshold, rule)
             assert np.asarray(drafts)[0].tolist() == want, (a, threshold)
@@ -64,9 +66,8 @@ def test_incremental_proposal_matches_full_recompute(model, rule):
             assert np.abs(np.asarray(q)[0] - want_q).max() <= 1e-5
             assert int(n[0]) == kept
             # a run-time bound (Knobs.draft_n): only the first 2 positions of the Markov head run
-            drafts, _, n, conf = dspark.propose(params["dspark"], params, config, dcfg, st, jnp.array([a]),
-                                                jnp.array([seq[a]]), jax.random.PRNGKey(0), 4, temperature=1.0,
-                                                top_p=1.0, threshold=threshold, greedy=True, n_steps=jnp.int32(2))
+            drafts, _, n, conf = dspark.propose(run, st, jnp.array([a]), jnp.array([seq[a]]), jax.random.PRNGKey(0),
+                                                knobs.replace(draft_n=jnp.int32(2)), greedy=True)
             assert np.asarray(drafts)[0].tolist() == want[:2] + [0, 0] and int(n[0]) == min(kept, 2)
             assert np.abs(np.asarray(conf)[0, :2] - want_conf[:2]).max() <= 1e-5
 

@@ -7,6 +7,7 @@ import pytest
 import dsv4_jax as d
 from dsv4_jax.model.decode import CapacityError
 from dsv4_jax.drafters import mtp, registry
+from dsv4_jax.drafters.base import Bound, DraftSetup, Knobs
 from dsv4_jax.model.target import hidden_states
 from dsv4_jax.model.params import init_mtp
 from dsv4_jax.speculative import generate as spec_generate, loop, prefill as spec_prefill
@@ -71,8 +72,9 @@ def test_incremental_chain_matches_full_recompute_over_rounds(model):
         st = mtp.observe(params["mtp"][0], params, config, st, jnp.asarray(hid), jnp.asarray(tok),
                          jnp.array([committed]), jnp.array([chunk]))
         committed += chunk
-        drafts, q, n = mtp.propose(params["mtp"][0], params, config, st, jnp.array([committed]),
-                                   jax.random.PRNGKey(0), k, temperature=1.0, top_p=1.0, p_min=0.0, greedy=True)
+        run = Bound(params, config, DraftSetup(k=k))
+        knobs = Knobs(jnp.float32(1.0), jnp.float32(1.0), {"p_min": jnp.float32(0.0)})
+        drafts, q, n = mtp.propose(run, st, jnp.array([committed]), jax.random.PRNGKey(0), knobs, greedy=True)
         want, want_logits = ref.greedy_chain(params["mtp"][0], params["embed"], params["head"], config,
                                              S[:committed], seq[1:committed + 1], k)
         assert np.asarray(drafts)[0].tolist() == want, committed

@@ -36,7 +36,7 @@ from ..model.layers.compressor import write_ring
 from ..model.layers.norms import rms_norm
 from ..model.layers.rope import apply_rope, inv_freq
 from ..ops.linear import embed, linear
-from .base import DraftSetup, Drafter, dynamic
+from .base import Bound, DraftSetup, Drafter, Knobs, dynamic
 from .common import block_config, draw
 
 RULES = ("per-position", "cumulative")
@@ -168,14 +168,16 @@ def kept_drafts(conf: jax.Array, threshold, rule: str) -> jax.Array:
     return jnp.sum(jnp.cumprod((score >= threshold).astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
 
-def propose(dparams: dict, target: dict, config: ModelConfig, dcfg: DSparkConfig, st: DSparkState,
-            anchor_pos: jax.Array, anchor_tok: jax.Array, key, k: int, *, temperature, top_p, threshold,
-            greedy: bool, n_steps=None):
-    """Drafts for the k positions after the anchor: (drafts [B,k], q [B,k,V], n_draft [B], confidences [B,k]).
+def propose(run: Bound, st: DSparkState, anchor_pos: jax.Array, anchor_tok: jax.Array, key, knobs: Knobs,
+            greedy: bool):
+    """Drafts for the k = run.setup.k positions after the anchor: (drafts [B,k], q [B,k,V], n_draft [B],
+    confidences [B,k]); run.setup.settings is the DSparkConfig, knobs.drafter["confidence_threshold"] τ.
 
-    n_steps: None (all k) or a traced int32 scalar <= k (`Knobs.draft_n`): the serial Markov head runs only
-    the first n_steps positions, in a loop (the rest stay 0)."""
-    y, U = block_outputs(dparams, target, config, dcfg, st, anchor_pos, anchor_tok)
+    knobs.draft_n: None (all k) or a traced int32 scalar <= k: the serial Markov head runs only the first
+    draft_n positions, in a loop (the rest stay 0)."""
+    dparams, dcfg, k, n_steps = run.params["dspark"], run.setup.settings, run.setup.k, knobs.draft_n
+    temperature, top_p, threshold = knobs.temperature, knobs.top_p, knobs.drafter["confidence_threshold"]
+    y, U = block_outputs(dparams, run.params, run.config, dcfg, st, anchor_pos, anchor_tok)
     keys = jax.random.split(key, k)
     w1, w2 = dparams["markov_w1"], dparams["markov_w2"]
 
@@ -233,10 +235,7 @@ class DSparkDrafter(Drafter):
         return observe(run.params["dspark"], run.params, run.config, state, aux["taps"], start, n_valid)
 
     def propose(self, run, state, pos, last, key, knobs, greedy):
-        drafts, q, n_draft, _ = propose(run.params["dspark"], run.params, run.config, run.setup.settings, state, pos,
-                                        last, key, run.setup.k, temperature=knobs.temperature, top_p=knobs.top_p,
-                                        threshold=knobs.drafter["confidence_threshold"], greedy=greedy,
-                                        n_steps=knobs.draft_n)
+        drafts, q, n_draft, _ = propose(run, state, pos, last, key, knobs, greedy)
         return drafts, q, n_draft
 
 

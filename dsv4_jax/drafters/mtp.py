@@ -24,7 +24,7 @@ from ..model.layers import hyper
 from ..model.layers.block import layer_step
 from ..model.layers.norms import rms_norm
 from ..ops.linear import embed, linear
-from .base import DraftSetup, Drafter, dynamic
+from .base import Bound, DraftSetup, Drafter, Knobs, dynamic
 from .common import block_config, chain_length, draw
 
 
@@ -78,14 +78,15 @@ def observe(mtp: dict, target: dict, config: ModelConfig, st: MTPState, hidden, 
                     last_logits=keep(_last(logits, n_valid), st.last_logits))
 
 
-def propose(mtp: dict, target: dict, config: ModelConfig, st: MTPState, pos: jax.Array, key, k: int, *,
-            temperature, top_p, p_min, greedy: bool, n_steps=None):
-    """Draft a chain of k tokens after committed position pos−1 (pos = target's committed count).
+def propose(run: Bound, st: MTPState, pos: jax.Array, key, knobs: Knobs, greedy: bool):
+    """Draft a chain of k = run.setup.k tokens after committed position pos−1 (pos = target's committed count).
 
-    n_steps: None (all k: a loop, written out step by step under `Backends.unroll_layers`) or a traced
-    int32 scalar <= k (`Knobs.draft_n`): only the first n_steps drafts are computed, in a loop; the rest stay 0.
-    Returns (drafts [B,k], draft probs q [B,k,V], n_draft [B] ≤ k after the p_min rule).
+    knobs.draft_n: None (all k: a loop, written out step by step under `Backends.unroll_layers`) or a traced
+    int32 scalar <= k: only the first draft_n drafts are computed, in a loop; the rest stay 0.
+    Returns (drafts [B,k], draft probs q [B,k,V], n_draft [B] ≤ k after the rule knobs.drafter["p_min"]).
     """
+    mtp, target, config, k, n_steps = run.params["mtp"][0], run.params, run.config, run.setup.k, knobs.draft_n
+    temperature, top_p, p_min = knobs.temperature, knobs.top_p, knobs.drafter["p_min"]
     keys = jax.random.split(key, k)
     tok, q, top1 = draw(keys[0], st.last_logits, temperature, top_p, greedy)
     ones = jnp.ones_like(pos)
@@ -139,9 +140,7 @@ class MTPDrafter(Drafter):
         return observe(run.params["mtp"][0], run.params, run.config, state, aux["hidden"], tokens, start, n_valid)
 
     def propose(self, run, state, pos, last, key, knobs, greedy):
-        return propose(run.params["mtp"][0], run.params, run.config, state, pos, key, run.setup.k,
-                       temperature=knobs.temperature, top_p=knobs.top_p, p_min=knobs.drafter["p_min"],
-                       greedy=greedy, n_steps=knobs.draft_n)
+        return propose(run, state, pos, key, knobs, greedy)
 
 
 DRAFTER = MTPDrafter()
