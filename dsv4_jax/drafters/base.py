@@ -62,6 +62,7 @@ class Drafter:
     weights: str | None = None          # params key of its weights (None: needs none)
     weights_help = ""                   # what its weights are called in messages ("MTP weights")
     stop_knob: str | None = None        # the `Knobs` / generate option that shortens its chain, if any
+    scored = False                      # `propose_scored` returns confidences (a confidence head)
 
     def configure(self, params: dict, config: ModelConfig, k: int, meta=None) -> DraftSetup:
         return DraftSetup(k=0)
@@ -84,6 +85,13 @@ class Drafter:
         B, k = pos.shape[0], setup.k
         return (jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, config.vocab_size), jnp.float32),
                 jnp.zeros((B,), jnp.int32))
+
+    def propose_scored(self, params: dict, config: ModelConfig, setup: DraftSetup, state, pos: jax.Array,
+                       last: jax.Array, key, knobs: Knobs, greedy: bool):
+        """`propose` plus the drafter's confidence in each draft: (drafts, q, n_draft, conf [B,k] float32 in
+        [0,1], or None for a drafter without a confidence head). The loop records conf against realised
+        acceptance (docs/verification.md §4)."""
+        return self.propose(params, config, setup, state, pos, last, key, knobs, greedy) + (None,)
 
     def require_weights(self, params: dict) -> None:
         """ValueError naming the missing weights (host side)."""

@@ -209,6 +209,7 @@ class DSparkDrafter(Drafter):
     weights = "dspark"
     weights_help = "DSpark weights"
     stop_knob = "confidence_threshold"
+    scored = True
 
     def configure(self, params, config, k, meta=None) -> DraftSetup:
         self.require_weights(params)
@@ -226,6 +227,11 @@ class DSparkDrafter(Drafter):
                                         setup.k, temperature=knobs.temperature, top_p=knobs.top_p,
                                         threshold=knobs.confidence, greedy=greedy, n_steps=knobs.draft_n)
         return drafts, q, n_draft
+
+    def propose_scored(self, params, config, setup, state, pos, last, key, knobs, greedy):
+        return propose(params["dspark"], params, config, setup.settings, state, pos, last, key, setup.k,
+                       temperature=knobs.temperature, top_p=knobs.top_p, threshold=knobs.confidence, greedy=greedy,
+                       n_steps=knobs.draft_n)
 
 
 DRAFTER = DSparkDrafter()

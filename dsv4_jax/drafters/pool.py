@@ -103,3 +103,19 @@ class PoolDrafter(Drafter):
                                                        knobs, greedy)
 
         return jax.lax.switch(index, [branch(i, m) for i, m in enumerate(setup.settings)])
+
+    def propose_scored(self, params, config, setup, state, pos, last, key, knobs, greedy):
+        """Members' `propose_scored`; a member without confidences reports −1 (not recorded), and the pool
+        None when no member has any."""
+        if not any(self.lookup(m.name).scored for m in setup.settings):
+            return self.propose(params, config, setup, state, pos, last, key, knobs, greedy) + (None,)
+        index, states = state
+
+        def branch(i: int, m: Member):
+            def run():
+                d, q, n, conf = self.lookup(m.name).propose_scored(params, config, m.setup(setup.k), states[i], pos,
+                                                                   last, key, knobs, greedy)
+                return d, q, n, jnp.full(d.shape, -1.0, jnp.float32) if conf is None else conf
+            return run
+
+        return jax.lax.switch(index, [branch(i, m) for i, m in enumerate(setup.settings)])

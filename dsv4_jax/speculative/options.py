@@ -32,6 +32,10 @@ class Speculation:
     draft_n_max: drafts per round (DSpark: at most its block size); p_min: MTP stops its chain before a
     draft whose top-1 probability is below it; confidence_threshold: DSpark's confidence cut-off;
     dspark_meta: DSpark settings (a DSparkConfig), overriding those of a checkpoint bundle.
+    verify: sampled runs' verify rule, "token" (rejection sampling) or "block" (block verification; both
+    lossless, greedy runs identical); synthetic_accept: cost studies — a rate, or one per draft position,
+    at which each draft is accepted as an independent Bernoulli draw instead of verified (not lossless;
+    statistics marked synthetic). docs/verification.md.
     """
 
     drafter: str | None = None
@@ -39,6 +43,8 @@ class Speculation:
     p_min: float = 0.0
     confidence_threshold: float = 0.0
     dspark_meta: Any = None
+    verify: str = "token"
+    synthetic_accept: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
