@@ -140,7 +140,8 @@ def aggregate_verification(batch_records: Sequence[dict]) -> dict:
     if not recs:
         return {}
     prop = _sum_lists(r["per_position_proposed"] for r in recs)
-    rate = lambda key: [x / p if p else 0.0 for x, p in zip(_sum_lists(r[key] for r in recs), prop)]
+    sums = lambda key: [float(sum(r[key][j] for r in recs if j < len(r[key]))) for j in range(len(prop))]
+    rate = lambda key: [x / p if p else 0.0 for x, p in zip(sums(key), prop)]
     calib = merge([r.get("calibration") for r in recs])
     return {"verify": recs[0]["verify"], "acceptance": recs[0]["acceptance"],
             "synthetic_accept": recs[0]["synthetic_accept"],

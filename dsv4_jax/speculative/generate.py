@@ -266,7 +266,7 @@ def verification_summary(s, opts: Options, k: int) -> dict[str, Any]:
     prop = s.proposed_at.sum(0)
     rate = lambda x: [float(a / p) if p else 0.0 for a, p in zip(x, prop)]
     rounds = int(s.rounds.sum())
-    out = {"verify": "greedy" if opts.greedy and not opts.synthetic_accept else opts.verify,
+    out = {"verify": "synthetic" if opts.synthetic_accept else ("greedy" if opts.greedy else opts.verify),
            "acceptance": "synthetic" if opts.synthetic_accept else ("forced" if opts.forced_acceptance else "real"),
            "synthetic_accept": list(opts.synthetic_accept) if opts.synthetic_accept else None,
            "per_position_expected_accept_rate": rate(s.expected_at[:, :k].sum(0)),
@@ -352,7 +352,9 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
                             f"({max_block}) needs {need} positions, more than max_len={max_len}")
     eos = config.eos_token_id if shape.eos_token_id is None else shape.eos_token_id
     opts = Options(drafter=drafter.name, k=k, greedy=sp.temperature == 0, max_new_tokens=max_new_tokens,
-                   eos_token_id=int(eos), taps=setup.taps, settings=setup.settings, verify=spec.verify,
+                   eos_token_id=int(eos), taps=setup.taps, settings=setup.settings,
+                   # greedy and synthetic runs ignore the rule: one program for both (docs/verification.md §2)
+                   verify=spec.verify if sp.temperature > 0 and spec.synthetic_accept is None else "token",
                    synthetic_accept=synthetic_rates(spec.synthetic_accept))
     knobs = Knobs(temperature=jnp.float32(max(sp.temperature, 1e-6)), top_p=jnp.float32(sp.top_p),
                   p_min=jnp.float32(spec.p_min), confidence=jnp.float32(spec.confidence_threshold),

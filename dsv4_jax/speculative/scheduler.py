@@ -95,7 +95,7 @@ def verification_evidence(st, b: int, opts) -> dict | None:
     if st.expected_at is None:
         return None
     calib = {"bins": st.calib[b].tolist(), "brier_sum": st.brier_at[b].tolist()} if st.calib[b].sum() > 0 else None
-    return {"verify": "greedy" if opts.greedy and not opts.synthetic_accept else opts.verify,
+    return {"verify": "synthetic" if opts.synthetic_accept else ("greedy" if opts.greedy else opts.verify),
             "acceptance": "synthetic" if opts.synthetic_accept else "real",
             "synthetic_accept": list(opts.synthetic_accept) if opts.synthetic_accept else None,
             "per_position_expected": st.expected_at[b].tolist(), "per_position_alpha_sum": st.alpha_at[b].tolist(),
