@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import dsv4_jax as d
+from dsv4_jax.research.calibration import markdown as calib_md, merge, metrics
 from dsv4_jax.research.prompts import load_suite, tokenize
 
 
@@ -24,13 +25,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafters", default="mtp,dspark")
     ap.add_argument("--temperatures", default="0.8,1.0")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=96, help="each suite prompt's first N tokens (default 96)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     m = d.tiny_demo()
-    prompts = [p["tokens"] for p in tokenize(load_suite("tiny")["prompts"], m.tokenizer.encode, m.config.vocab_size)]
+    prompts = [p["tokens"][:a.prompt_len]
+               for p in tokenize(load_suite("tiny")["prompts"], m.tokenizer.encode, m.config.vocab_size)]
     pad = max(len(p) for p in prompts)
     rows = []
     for drafter in a.drafters.split(","):
@@ -47,6 +50,7 @@ def main() -> None:
                                                           "per_position_expected_accept_rate", "rounds",
                                                           "acceptance_histogram")}
                     row[rule]["call_s"] = time.perf_counter() - t0
+                    row[rule]["calibration"] = st.get("calibration")      # DSpark's confidence bins
                 row["gain"] = row["block"]["mean_accepted_length"] / row["token"]["mean_accepted_length"] - 1
                 rows.append(row)
                 print(f"{drafter:6s} T={temp:g} seed={seed}: token {row['token']['mean_accepted_length']:.3f} "
@@ -72,6 +76,11 @@ def main() -> None:
               f"({s['token_expected_mean_accepted_length']:.3f}) | {s['block_mean_accepted_length']:.3f} "
               f"({s['block_expected_mean_accepted_length']:.3f}) | {100 * s['gain_measured']:+.1f}% | "
               f"{100 * s['gain_analytic']:+.1f}% |")
+    for drafter in a.drafters.split(","):
+        calib = merge([r[rule]["calibration"] for r in rows if r["drafter"] == drafter for rule in ("token", "block")])
+        if calib:
+            print(calib_md(metrics(calib), f"{drafter}: confidence calibration over every sampled run above"))
+            summary.append({"drafter": drafter, "calibration": calib, "calibration_metrics": metrics(calib)})
     with open(a.out, "w") as f:
         json.dump({"machine": platform.platform(), "k": a.k, "max_new_tokens": a.max_new, "n_prompts": len(prompts),
                    "summary": summary, "runs": rows}, f, indent=1)
