@@ -532,7 +532,8 @@ def plot_reliability(calibration: dict, out_dir: str, title: str, name: str = "r
                 label=f"position {j + 1} (n={m['n']}, ECE {m['ece']:.3f}, AUROC "
                       f"{'–' if m['auroc'] is None else format(m['auroc'], '.3f')})")
     ax.set(xlabel="confidence c_j (bin mean, probability 0–1)", ylabel="realised acceptance rate (fraction 0–1)",
-           xlim=(0, 1), ylim=(0, 1.02), title=f"DSpark confidence reliability — {title}")
+           xlim=(0, 1), ylim=(0, 1.02))
+    ax.set_title(f"DSpark confidence reliability\n{title}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     return _save(fig, out_dir, name)
