@@ -98,8 +98,10 @@ def test_outputs_have_normal_permissions(sweep_out):
 
 
 def test_sweep_writes_documented_outputs(sweep_out):
-    assert sorted(os.listdir(sweep_out)) == ["acceptance.png", "per_position.png", "results.jsonl", "summary.json",
-                                             "summary.md", "tokens_per_s.png"]
+    assert sorted(os.listdir(sweep_out)) == ["acceptance.png", "expected_vs_realised.png", "per_position.png",
+                                             "reliability_dspark_k_1_conf_0_T_0_B_1.png",
+                                             "reliability_dspark_k_2_conf_0_T_0_B_1.png",
+                                             "results.jsonl", "summary.json", "summary.md", "tokens_per_s.png"]
     for png in ("acceptance.png", "per_position.png", "tokens_per_s.png"):
         with open(os.path.join(sweep_out, png), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -133,6 +135,12 @@ def test_sweep_writes_documented_outputs(sweep_out):
     assert len(mtp2["per_position_accept_rate"]) == 2 and len(dspark2["per_position_accept_rate"]) == 2
     for r in rows[1:]:
         assert r["outputs_match_baseline"] == 1.0                   # greedy is lossless, through the pool too
+        # greedy: the analytic acceptance of a round is its indicator, so analytic == measured exactly
+        assert r["per_position_expected_accept_rate"] == pytest.approx(r["per_position_accept_rate"], abs=1e-6)
+        assert r["acceptance"] == "real" and sum(r["acceptance_histogram"]) == r["rounds"]
+        assert (r["calibration_metrics"] is not None) == (r["spec_type"] == "dspark")   # DSpark's confidence head
+    for m in dspark2["calibration_metrics"]:
+        assert m["n"] == 0 or (0 <= m["ece"] <= 1 and 0 <= m["brier"] <= 1)
     assert meta["padding"] == {"buckets": [32], "prompt_tokens": 26, "padded_tokens": 32, "prefill_chunk": None}
     lines = [json.loads(x) for x in open(os.path.join(sweep_out, "results.jsonl"))]
     assert len(lines) == 5
@@ -142,6 +150,9 @@ def test_sweep_writes_documented_outputs(sweep_out):
             assert key in rec
     md = open(os.path.join(sweep_out, "summary.md")).read()
     assert "| spec | k | knob | T | B | n_requests | total_predicted | total_draft | total_draft_accepted |" in md
+    assert "Acceptance per position: measured vs analytic" in md and "Confidence calibration — dspark k=2" in md
+    assert all("spec_decode" in rec and "num_accepted_tokens_per_pos" in rec["spec_decode"]
+               for rec in lines if rec["spec_type"] != "none")
     assert "median over 2 timed repeats" in md and "length buckets [32]" in md and "load average" in md
     assert f"{os.cpu_count()} cores" in md
 
@@ -246,6 +257,8 @@ def test_repeat_spread_and_speedup_ranges():
     (["--categories", "poetry"], "unknown category"),
     (["--prompt-template", "no placeholder"], "{prompt}"),
     (["--kernels", "triton"], "invalid choice: 'triton'"),
+    (["--synthetic-accept", "0.5,1.5"], "--synthetic-accept: values must be"),
+    (["--verify", "tree"], "invalid choice: 'tree'"),
 ])
 def test_sweep_rejects_bad_options(args, message, tmp_path, capsys):
     _assert_rejected(sweep.main, args, message, tmp_path, capsys)

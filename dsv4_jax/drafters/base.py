@@ -94,6 +94,7 @@ class Drafter:
     weights: str | None = None          # params key of its weights (None: needs none)
     weights_help = ""                   # what its weights are called in messages ("MTP weights")
     stop_knob: str | None = None        # the dynamic option that shortens its chain, if any (research sweeps)
+    scored = False                      # `propose_scored` returns confidences (a confidence head)
 
     # ---- options (host side) --------------------------------------------------------------------
 
@@ -148,6 +149,12 @@ class Drafter:
         B, k = pos.shape[0], run.setup.k
         return (jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, run.config.vocab_size), jnp.float32),
                 jnp.zeros((B,), jnp.int32))
+
+    def propose_scored(self, run: Bound, state, pos: jax.Array, last: jax.Array, key, knobs: Knobs, greedy: bool):
+        """`propose` plus the drafter's confidence in each draft: (drafts, q, n_draft, conf [B,k] float32 in
+        [0,1], or None for a drafter without a confidence head). The loop records conf against realised
+        acceptance (docs/verification.md §4)."""
+        return self.propose(run, state, pos, last, key, knobs, greedy) + (None,)
 
     def require_weights(self, params: dict) -> None:
         """ValueError naming the missing weights (host side)."""

@@ -221,6 +221,7 @@ class DSparkDrafter(Drafter):
     weights = "dspark"
     weights_help = "DSpark weights"
     stop_knob = "confidence_threshold"
+    scored = True
 
     def configure(self, params, config, k, options=None, bundle=None) -> DraftSetup:
         self.require_weights(params)
@@ -237,6 +238,9 @@ class DSparkDrafter(Drafter):
     def propose(self, run, state, pos, last, key, knobs, greedy):
         drafts, q, n_draft, _ = propose(run, state, pos, last, key, knobs, greedy)
         return drafts, q, n_draft
+
+    def propose_scored(self, run, state, pos, last, key, knobs, greedy):
+        return propose(run, state, pos, last, key, knobs, greedy)
 
 
 DRAFTER = DSparkDrafter()

@@ -137,6 +137,24 @@ class PoolDrafter(Drafter):
 
         return jax.lax.switch(index, [branch(i, m) for i, m in enumerate(run.setup.settings)])
 
+    def propose_scored(self, run, state, pos, last, key, knobs, greedy):
+        """Members' `propose_scored`; a member without confidences reports −1 (not recorded), and the pool
+        None when no member has any."""
+        if not any(self.lookup(m.name).scored for m in run.setup.settings):
+            return self.propose(run, state, pos, last, key, knobs, greedy) + (None,)
+        index, states = state
+
+        def branch(i: int, m: Member):
+            mine = knobs.replace(drafter=knobs.drafter[1][i])
+
+            def go():
+                d, q, n, conf = self.lookup(m.name).propose_scored(self._run(run, m), states[i], pos, last, key,
+                                                                   mine, greedy)
+                return d, q, n, jnp.full(d.shape, -1.0, jnp.float32) if conf is None else conf
+            return go
+
+        return jax.lax.switch(index, [branch(i, m) for i, m in enumerate(run.setup.settings)])
+
 
 def wrap(name: str, options, members: tuple[str, ...]) -> PoolOptions:
     """`RunShape.drafter_pool`: the drafter `name` (with its options) as the active member of a pool of

@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "device)")
     common.add_prompt_args(p, default_per_category=None)
     common.add_run_args(p)
+    common.add_verify_args(p)
     return p
 
 
@@ -95,6 +96,7 @@ def schedule_list(text: str) -> list[str]:
 
 
 def parse_settings(a: argparse.Namespace) -> tuple[list[Setting], list[int]]:
+    common.verify_options(a)          # --synthetic-accept's rates, checked before any model work
     specs = common.spec_list(a.spec)
     ks = common.int_list(a.draft_n_max, "--draft-n-max", 1)
     p_mins = common.float_list(a.p_min, "--p-min", 0.0, 1.0)
@@ -148,7 +150,8 @@ def build_engine(model, prompts: list[dict], budgets: list[int], setting: Settin
         prefill_ahead=a.prefill_ahead,
         sampling=Sampling(temperature=setting.temperature, top_p=a.top_p, seed=a.seed),
         speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
-                                options=setting.drafter_options()),
+                                options=setting.drafter_options(), verify=a.verify,
+                                synthetic_accept=common.verify_options(a)[1]),
         eos_token_id=common.eos_for(a))
 
 
@@ -173,7 +176,10 @@ def schedule_row(setting: Setting, run: RunResult, walls: list[float], model) ->
             "chunks": run.chunks, "loop_rounds": run.rounds, "slot_utilization": run.slot_utilization,
             "latency_mean_s": lat["mean"], "latency_p50_s": lat["p50"], "latency_p90_s": lat["p90"],
             "latency_max_s": lat["max"], "ttft_mean_s": ttft["mean"], "ttft_p50_s": ttft["p50"],
-            "ttft_p90_s": ttft["p90"]}
+            "ttft_p90_s": ttft["p90"],
+            **report.aggregate_verification([{**r.spec_decode, "rounds": r.rounds,
+                                              "per_position_proposed": r.per_position_proposed}
+                                             for r in res if r.spec_decode and setting.draft_n_max])}
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -260,7 +266,17 @@ def markdown(summary: dict) -> str:
         report.markdown_table(MD_HEADER, rows), "",
         "Admission (prefill + insert, synchronised) and the decode phase (the rest of the wall time: decode "
         "chunks and the host's look at the slots) apart; ms / round = decode phase / loop rounds.", "",
-        report.markdown_table(PHASE_HEADER, phases), ""])
+        report.markdown_table(PHASE_HEADER, phases), ""]) + _verification(summary)
+
+
+def _verification(summary: dict) -> str:
+    """Measured vs analytic acceptance per position and confidence calibration, per setting and schedule."""
+    rows = [{**s, "label": f"{s['label']} {s['schedule']}"} for s in summary["settings"]]
+    body = report.verification_markdown(rows)
+    rates = summary["meta"].get("synthetic_accept")
+    head = (f"**SYNTHETIC ACCEPTANCE {rates}**: the figures measure cost at forced acceptance rates, not the "
+            "drafters' quality." if rates else f"verify rule (sampled runs): {summary['meta'].get('verify', 'token')}")
+    return "\n" + head + "\n\n" + body if body else ""
 
 
 def _times(v) -> str:
@@ -307,13 +323,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "chunk_rounds": a.chunk_rounds, "prefill_len": a.prefill_len,
                             "refill_min": a.refill_min, "prefill_ahead": a.prefill_ahead,
                             "mesh": None if a.mesh_obj is None else dict(parallel.mesh_sizes(a.mesh_obj)),
+                            "verify": a.verify, "synthetic_accept": common.verify_options(a)[1],
                             "timing": "per schedule: wall time of SlotEngine.run (prefills, inserts and decode "
                                       "chunks, host synchronised after each), median over repeats, after one "
                                       "untimed warm-up per setting that compiles every program"},
                    "settings": rows}
         report.write_jsonl(f"{tmp}/results.jsonl", records)
         if not a.no_plots:
-            summary["meta"]["plots"] = report.plot_batch_eval(rows, tmp, model.name)
+            summary["meta"]["plots"] = report.plot_batch_eval(rows, tmp, model.name) + report.verification_plots(
+                [{**r, "label": f"{r['label']} {r['schedule']}"} for r in rows], tmp, model.name)
         report.write_json(f"{tmp}/batch_eval.json", summary)
         with open(f"{tmp}/batch_eval.md", "w", encoding="utf-8") as f:
             f.write(markdown(summary))

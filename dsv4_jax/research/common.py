@@ -102,3 +102,23 @@ def eos_for(a: argparse.Namespace) -> int | None:
 
 def progress(total: int, quiet: bool, desc: str):
     return tqdm(total=total, desc=desc, disable=True if quiet else None, dynamic_ncols=True, leave=False)
+
+
+def add_verify_args(p: argparse.ArgumentParser) -> None:
+    """--verify and --synthetic-accept (docs/verification.md), shared by dsv4-sweep and dsv4-batch-eval."""
+    g = p.add_argument_group("verification (docs/verification.md)")
+    g.add_argument("--verify", default="token", choices=("token", "block"),
+                   help="sampled runs' verify rule: token-wise rejection sampling or block verification (Sun et al. "
+                        "2024); both lossless, greedy runs identical (default token)")
+    g.add_argument("--synthetic-accept", metavar="R",
+                   help="cost study: accept each draft as an independent Bernoulli(R) draw instead of verifying it "
+                        "(one rate, or comma-separated rates per draft position, the last repeating); the real "
+                        "programs run, the acceptance is synthetic and reported as such")
+
+
+def verify_options(a: argparse.Namespace) -> tuple[str, tuple[float, ...] | None]:
+    """(verify rule, synthetic rates or None) from add_verify_args's options (raises OptionError)."""
+    rates = None
+    if getattr(a, "synthetic_accept", None):
+        rates = tuple(float_list(a.synthetic_accept, "--synthetic-accept", 0.0, 1.0))
+    return getattr(a, "verify", "token"), rates

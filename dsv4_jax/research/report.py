@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from ..io import outdir
+from .calibration import markdown as calib_md, merge, metrics, reliability_points
 from .runner import BASELINE, KNOB_LABELS
 
 AGGREGATE_FIELDS = ("n_requests", "total_predicted", "total_draft", "total_draft_accepted", "aggregate_accept_rate",
@@ -116,7 +117,67 @@ def aggregate(batch_records: Sequence[dict]) -> dict:
             "repeats": len(decodes),
             "mean_accepted_length": (acc + rounds) / rounds if rounds else 0.0, "rounds": rounds,
             "per_position_accepted": pos_acc, "per_position_proposed": pos_prop,
-            "per_position_accept_rate": [a / p if p else 0.0 for a, p in zip(pos_acc, pos_prop)]}
+            "per_position_accept_rate": [a / p if p else 0.0 for a, p in zip(pos_acc, pos_prop)],
+            **aggregate_verification(batch_records)}
+
+
+def verification_record(stats: dict) -> dict:
+    """A batch record's verification evidence from `generate`'s statistics (docs/verification.md): analytic and
+    Σ min(p, q) sums per position, the acceptance histogram, the confidence bins; {} without them."""
+    if "per_position_expected_accept_rate" not in stats:
+        return {}
+    prop = stats["per_position_proposed"]
+    return {"verify": stats["verify"], "acceptance": stats["acceptance"], "synthetic_accept": stats["synthetic_accept"],
+            "per_position_expected": [r * p for r, p in zip(stats["per_position_expected_accept_rate"], prop)],
+            "per_position_alpha_sum": [r * p for r, p in zip(stats["per_position_alpha"], prop)],
+            "acceptance_histogram": stats["acceptance_histogram"], "calibration": stats.get("calibration")}
+
+
+def aggregate_verification(batch_records: Sequence[dict]) -> dict:
+    """Per-position analytic acceptance, Σ min(p, q), the acceptance histogram and the merged confidence bins of
+    batch records carrying `verification_record` fields ({} otherwise)."""
+    recs = [r for r in batch_records if "per_position_expected" in r]
+    if not recs:
+        return {}
+    prop = _sum_lists(r["per_position_proposed"] for r in recs)
+    sums = lambda key: [float(sum(r[key][j] for r in recs if j < len(r[key]))) for j in range(len(prop))]
+    rate = lambda key: [x / p if p else 0.0 for x, p in zip(sums(key), prop)]
+    calib = merge([r.get("calibration") for r in recs])
+    return {"verify": recs[0]["verify"], "acceptance": recs[0]["acceptance"],
+            "synthetic_accept": recs[0]["synthetic_accept"],
+            "per_position_expected_accept_rate": rate("per_position_expected"),
+            "per_position_alpha": rate("per_position_alpha_sum"),
+            "expected_mean_accepted_length": 1.0 + sum(sum(r["per_position_expected"]) for r in recs)
+            / max(sum(r["rounds"] for r in recs), 1),
+            "acceptance_histogram": _sum_lists(r["acceptance_histogram"] for r in recs),
+            "calibration": calib, "calibration_metrics": metrics(calib) if calib else None}
+
+
+def verification_markdown(rows: Sequence[dict]) -> str:
+    """The sweep / batch-eval report's verification sections: measured vs analytic acceptance per position
+    and, for settings with a confidence head, per-position calibration (docs/verification.md)."""
+    rows = [r for r in rows if r.get("per_position_expected_accept_rate")]
+    if not rows:
+        return ""
+    synth = [r for r in rows if r.get("acceptance") == "synthetic"]
+    out = ["## Acceptance per position: measured vs analytic", "",
+           "measured = rounds whose draft j was accepted / rounds that proposed j; analytic = the mean over those "
+           "rounds of the verify rule's P(draft j accepted | the round's drafts) (token-wise: the chain of "
+           "Σ_v min(p, q); block: 1 − Π_{i≥j}(1 − h_i)); Σmin(p,q) = token-wise acceptance of draft j given its "
+           "prefix. docs/verification.md.", ""]
+    if synth:
+        out += [f"**Synthetic acceptance** (rates {synth[0]['synthetic_accept']}): the outcomes below are Bernoulli "
+                "draws, not the drafter's quality; analytic = Π_{i≤j} r_i.", ""]
+    out.append(acceptance_table([{**r, "label": r.get("label") or _row_label(r)} for r in rows]))
+    for r in rows:
+        if r.get("calibration_metrics"):
+            out += ["", calib_md(r["calibration_metrics"], f"### Confidence calibration — {r.get('label') or _row_label(r)}")]
+    return "\n".join(out) + "\n"
+
+
+def _row_label(r: dict) -> str:
+    k = f" k={r['draft_n_max']}" if r.get("spec_type") != BASELINE else ""
+    return f"{r.get('spec_type', '?')}{k} T={r.get('temperature', 0):g} B={r.get('batch_size', 1)}"
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
@@ -244,7 +305,18 @@ def sweep_markdown(summary: dict) -> str:
         "time of all prefills (prompt processing, the first token and the drafter's priming), reported apart; "
         "accept_rate = accepted / drafted; mean_acc_len includes the bonus token; per-position accept = rounds "
         "whose draft j was accepted / rounds that proposed a draft j.", "",
-        markdown_table(SWEEP_HEADER, rows), ""])
+        markdown_table(SWEEP_HEADER, rows), ""]) + _verification_section(m, summary["settings"])
+
+
+def _verification_section(meta: dict, rows: Sequence[dict]) -> str:
+    """The verify rule / synthetic-acceptance line and `verification_markdown` (empty for older summaries)."""
+    body = verification_markdown(rows)
+    if not body:
+        return ""
+    rates = meta.get("synthetic_accept")
+    head = (f"**SYNTHETIC ACCEPTANCE {rates}**: every figure above measures cost at forced acceptance rates, not "
+            "the drafters' quality." if rates else f"verify rule (sampled runs): {meta.get('verify', 'token')}")
+    return "\n" + head + "\n\n" + body
 
 
 # ---- plots ------------------------------------------------------------------------------------
@@ -347,6 +419,18 @@ def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
             ax.legend(fontsize=8)
     fig.suptitle(f"Per-position acceptance — {title}")
     written.append(_save(fig, out_dir, "per_position.png"))
+    return written + verification_plots(settings, out_dir, title)
+
+
+def verification_plots(rows: Sequence[dict], out_dir: str, title: str) -> list[str]:
+    """expected_vs_realised.png and, per setting with a confidence head, reliability_<label>.png."""
+    rows = [{**r, "label": r.get("label") or _row_label(r)} for r in rows]
+    written = [p for p in [plot_acceptance_positions(rows, out_dir, title)] if p]
+    for r in rows:
+        if r.get("calibration"):
+            slug = "".join(ch if ch.isalnum() else "_" for ch in r["label"]).strip("_")
+            written.append(plot_reliability(r["calibration"], out_dir, f"{r['label']} — {title}",
+                                            f"reliability_{slug}.png"))
     return written
 
 
@@ -386,6 +470,73 @@ def plot_batch_eval(rows: Sequence[dict], out_dir: str, title: str) -> list[str]
     fig.suptitle(f"Latency by schedule — {title}")
     written.append(_save(fig, out_dir, "latency.png"))
     return written
+
+
+# ---- verification and calibration (docs/verification.md) ------------------------------------------
+
+def acceptance_table(rows: Sequence[dict]) -> str:
+    """Per setting and draft position: empirical accept rate @ j beside the analytic expectation of the verify
+    rule in use and Σ min(p, q); rows carry "label", "per_position_accept_rate",
+    "per_position_expected_accept_rate", "per_position_alpha" and optionally "acceptance" ("synthetic")."""
+    rows = [r for r in rows if r.get("per_position_expected_accept_rate")]
+    if not rows:
+        return ""
+    k = max(len(r["per_position_accept_rate"]) for r in rows)
+    head = "| setting | acceptance | " + " | ".join(f"@{j + 1} measured / analytic / Σmin(p,q)" for j in range(k)) + " |"
+    out = [head, "|" + "---|" * (k + 2)]
+    for r in rows:
+        cells = []
+        for j in range(k):
+            if j < len(r["per_position_accept_rate"]):
+                cells.append(f"{r['per_position_accept_rate'][j]:.3f} / {r['per_position_expected_accept_rate'][j]:.3f}"
+                             f" / {r['per_position_alpha'][j]:.3f}")
+            else:
+                cells.append("–")
+        out.append(f"| {r['label']} | {r.get('acceptance', 'real')} ({r.get('verify', 'token')}) | "
+                   + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot_acceptance_positions(rows: Sequence[dict], out_dir: str, title: str, name: str = "expected_vs_realised.png"):
+    """Measured (solid) vs analytic (dashed) accept rate per draft position, one colour per setting."""
+    rows = [r for r in rows if r.get("per_position_expected_accept_rate")]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for i, r in enumerate(rows):
+        x = range(1, len(r["per_position_accept_rate"]) + 1)
+        color = f"C{i % 10}"
+        tag = " [synthetic]" if r.get("acceptance") == "synthetic" else ""
+        ax.plot(x, r["per_position_accept_rate"], marker="o", color=color, label=f"{r['label']}{tag} measured")
+        ax.plot(x, r["per_position_expected_accept_rate"], marker="x", linestyle="--", color=color,
+                label=f"{r['label']}{tag} analytic")
+    ax.set(xlabel="draft position j", ylabel="P(draft j accepted) (fraction of rounds proposing j)", ylim=(0, 1.02),
+           title=f"Expected vs realised acceptance per position — {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, out_dir, name)
+
+
+def plot_reliability(calibration: dict, out_dir: str, title: str, name: str = "reliability.png") -> str:
+    """Reliability diagram of a confidence head: per draft position, realised acceptance vs mean confidence of
+    each confidence bin (marker size ~ drafts in the bin), the diagonal = perfect calibration."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    ax.plot([0, 1], [0, 1], color="gray", linestyle=":", label="perfect calibration")
+    for j, (bins, m) in enumerate(zip(calibration["bins"], metrics(calibration))):
+        if not m["n"]:
+            continue
+        c, acc, n = reliability_points(bins)
+        ax.plot(c, acc, marker="o", color=f"C{j % 10}", markersize=4,
+                label=f"position {j + 1} (n={m['n']}, ECE {m['ece']:.3f}, AUROC "
+                      f"{'–' if m['auroc'] is None else format(m['auroc'], '.3f')})")
+    ax.set(xlabel="confidence c_j (bin mean, probability 0–1)", ylabel="realised acceptance rate (fraction 0–1)",
+           xlim=(0, 1), ylim=(0, 1.02))
+    ax.set_title(f"DSpark confidence reliability\n{title}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    return _save(fig, out_dir, name)
 
 
 def _save(fig, out_dir: str, name: str) -> str:

@@ -109,11 +109,13 @@ def grid_settings(specs: Sequence[str], ks: Sequence[int], knob_values: Mapping[
 def padded_options(setting: Setting, *, pad_to: int, max_len: int, top_p: float = 1.0,
                    eos_token_id: int | None = None, seed: int = 0, max_block: int | None = None,
                    drafter_pool: tuple[str, ...] | None = None, dynamic_draft_n: bool = False,
-                   prefill_chunk: int | None = None) -> dict:
+                   prefill_chunk: int | None = None, verify: str = "token",
+                   synthetic_accept: tuple[float, ...] | None = None) -> dict:
     """`generate`'s option groups for one setting, prompts right-padded to `pad_to`, the shapes fixed by the plan."""
     return {"sampling": Sampling(temperature=setting.temperature, top_p=top_p, seed=seed),
             "speculation": Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
-                                       options=setting.drafter_options()),
+                                       options=setting.drafter_options(),
+                                       verify=verify, synthetic_accept=synthetic_accept),
             "run": RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to, max_block=max_block,
                             drafter_pool=drafter_pool, dynamic_draft_n=dynamic_draft_n and max_block is not None,
                             prefill_chunk=prefill_chunk)}
@@ -136,7 +138,8 @@ def plan_options(batch: Sequence[dict], setting: Setting, plan: "RunPlan") -> di
     return padded_options(setting, pad_to=plan.pad_for([len(p["tokens"]) for p in batch]), max_len=plan.max_len,
                           top_p=plan.top_p, eos_token_id=plan.eos_token_id, seed=plan.seed,
                           max_block=plan.max_block, drafter_pool=plan.drafter_pool,
-                          dynamic_draft_n=plan.dynamic_draft_n, prefill_chunk=plan.prefill_chunk)
+                          dynamic_draft_n=plan.dynamic_draft_n, prefill_chunk=plan.prefill_chunk,
+                          verify=plan.verify, synthetic_accept=plan.synthetic_accept)
 
 
 GRANULE = 16       # padded prompt lengths are multiples of this
@@ -197,6 +200,8 @@ class RunPlan:
     top_p: float = 1.0
     eos_token_id: int | None = None     # None: the config's; -1: never stop early
     prefill_chunk: int | None = None
+    verify: str = "token"                          # Speculation.verify (docs/verification.md)
+    synthetic_accept: tuple[float, ...] | None = None   # Speculation.synthetic_accept
 
     @property
     def pad_to(self) -> int:

@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bound, the verify block of each run still draft_n_max + 1 wide (a switch over the widths; "
                         "the same tokens and per-round cost, about 30%% less compiling; default); "
                         "--no-shared-draft-widths: one loop program per draft_n_max")
+    common.add_verify_args(p)
     return p
 
 
@@ -91,6 +92,7 @@ def parse_grid(a: argparse.Namespace) -> dict:
     """The grid lists from the options (raises OptionError)."""
     if a.compile_threads < 0:
         raise OptionError(f"--compile-threads must be >= 0, got {a.compile_threads}")
+    common.verify_options(a)          # --synthetic-accept's rates, checked before any model work
     return {"specs": common.spec_list(a.spec), "ks": common.int_list(a.draft_n_max, "--draft-n-max", 1),
             "p_mins": common.float_list(a.p_min, "--p-min", 0.0, 1.0),
             "confs": common.float_list(a.confidence, "--confidence", 0.0, 1.0),
@@ -160,7 +162,8 @@ def run_setting(model, prompts: list[dict], setting: Setting, plan: RunPlan, rep
                               "prompt_tokens": sum(len(p["tokens"]) for p in group),
                               "padded_tokens": len(group) * r["pad_to"],
                               "per_position_accepted": st["per_position_accepted"],
-                              "per_position_proposed": st["per_position_proposed"]})
+                              "per_position_proposed": st["per_position_proposed"],
+                              **report.verification_record(st)})
         for b, p in enumerate(group):
             seq = per_sequence(st, b)
             log(prompt_line(p, seq, r["wall_s"], r["decode_s"]))
@@ -180,6 +183,8 @@ def prompt_record(model, p: dict, setting: Setting, seq: dict, r: dict, b: int) 
            "tok_s": seq["predicted"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
            "decode_tok_s": (seq["predicted"] - 1) / r["decode_s"] if r["decode_s"] > 0 else 0.0,
            "output_tokens": r["tokens"][b]}
+    if "per_request" in r["stats"]:        # vLLM's per-request spec-decode counters and acceptance histogram
+        rec["spec_decode"] = r["stats"]["per_request"][b]
     if model.decode is not None:
         rec["output_text"] = model.decode(r["tokens"][b])
     return rec
@@ -249,7 +254,8 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
                    max_block=None if a.no_shared_programs else max_draft + 1, drafter_pool=pool,
                    dynamic_draft_n=a.shared_draft_widths and not a.no_shared_programs,
                    seed=a.seed, top_p=a.top_p, eos_token_id=common.eos_for(a),
-                   prefill_chunk=None if a.no_shared_programs or len(buckets) < 2 else min(buckets))
+                   prefill_chunk=None if a.no_shared_programs or len(buckets) < 2 else min(buckets),
+                   verify=a.verify, synthetic_accept=common.verify_options(a)[1])
     for n in notes:
         print(n, file=sys.stderr)
     total = sum(len(shapes(prompts, s.batch_size, plan)) + a.repeats * len(batches(prompts, s.batch_size))
@@ -360,7 +366,8 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> 
             "repeats": a.repeats, "seed": plan.seed, "top_p": plan.top_p, "ignore_eos": a.ignore_eos,
             "pad_to": plan.pad_to, "max_len": plan.max_len, "max_block": plan.max_block,
             "drafter_pool": list(plan.drafter_pool) if plan.drafter_pool else None,
-            "dynamic_draft_n": plan.dynamic_draft_n,
+            "dynamic_draft_n": plan.dynamic_draft_n, "verify": plan.verify,
+            "synthetic_accept": list(plan.synthetic_accept) if plan.synthetic_accept else None,
             "verify_width": "draft_n_max + 1 (one loop program for every draft_n_max, a switch over the widths)"
             if plan.dynamic_draft_n else "draft_n_max + 1 (one loop program per width)",
             "padding": {"buckets": list(plan.buckets), "prompt_tokens": sum(len(p["tokens"]) for p in prompts),

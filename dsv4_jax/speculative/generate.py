@@ -21,6 +21,7 @@ from ..config import ModelConfig
 from ..model.decode import CapacityError
 from ..drafters import pool, registry
 from .loop import Carry, Knobs, Options, run_rounds, run_rounds_python
+from ..ops.verification import RULES, expected_accepted
 from .options import RunShape, Sampling, Speculation, group_options
 from .prefill import (chunk_plan, init_rows, next_tokens, prefill_piece, prefill_target, prime, prime_piece,  # noqa: F401
                       start, start_carry)
@@ -50,8 +51,20 @@ def _validate(config: ModelConfig, tokens: np.ndarray, max_new_tokens: int, sp: 
         raise ValueError(f"draft_n_max must be >= 1 with a drafter, got {spec.draft_n_max}")
     if sp.temperature < 0 or not 0 < sp.top_p <= 1:
         raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 (got {sp.temperature}, {sp.top_p})")
+    if spec.verify not in RULES:
+        raise ValueError(f"verify must be one of {RULES}, got {spec.verify!r}")
+    if spec.synthetic_accept is not None and (not synthetic_rates(spec.synthetic_accept)
+                                              or not all(0 <= r <= 1 for r in synthetic_rates(spec.synthetic_accept))):
+        raise ValueError(f"synthetic_accept takes rates in [0, 1] (one, or one per position), got {spec.synthetic_accept}")
     if tokens.min() < 0 or tokens.max() >= config.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {config.vocab_size})")
+
+
+def synthetic_rates(value) -> tuple[float, ...] | None:
+    """Speculation.synthetic_accept as a tuple of per-position rates (a number -> one rate); None stays None."""
+    if value is None:
+        return None
+    return tuple(float(r) for r in (value if isinstance(value, (tuple, list)) else (value,)))
 
 
 def summarize(c: Carry, opts: Options, wall_s: float, k: int | None = None) -> dict[str, Any]:
@@ -78,7 +91,37 @@ def summarize(c: Carry, opts: Options, wall_s: float, k: int | None = None) -> d
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "per_sequence": {"rounds": s.rounds.tolist(), "drafted": s.drafted.tolist(), "accepted": s.accepted.tolist()},
         "wall_s": wall_s, "tokens_per_s": float(n_out.sum()) / wall_s if wall_s > 0 else 0.0,
+        **verification_summary(s, opts, k),
     }
+
+
+def verification_summary(s, opts: Options, k: int) -> dict[str, Any]:
+    """The verify rule's statistics (docs/verification.md): analytic beside empirical per-position acceptance,
+    per-request acceptance histograms (vLLM's names), DSpark confidence bins; s: numpy Stats."""
+    if s.expected_at is None:
+        return {}
+    prop = s.proposed_at.sum(0)
+    rate = lambda x: [float(a / p) if p else 0.0 for a, p in zip(x, prop)]
+    rounds = int(s.rounds.sum())
+    out = {"verify": "synthetic" if opts.synthetic_accept else ("greedy" if opts.greedy else opts.verify),
+           "acceptance": "synthetic" if opts.synthetic_accept else ("forced" if opts.forced_acceptance else "real"),
+           "synthetic_accept": list(opts.synthetic_accept) if opts.synthetic_accept else None,
+           "per_position_expected_accept_rate": rate(s.expected_at[:, :k].sum(0)),
+           "per_position_alpha": rate(s.alpha_at[:, :k].sum(0)),
+           "expected_mean_accepted_length": (float(s.expected_at.sum()) + rounds) / rounds if rounds else 0.0,
+           "acceptance_histogram": s.accept_hist[:, :k + 1].sum(0).tolist(),
+           # vLLM's per-request spec-decode counters (num_drafts, num_draft_tokens, num_accepted_tokens,
+           # num_accepted_tokens_per_pos) plus the histogram of accepted drafts per round (0..k)
+           "per_request": [{"num_drafts": int(s.rounds[b]), "num_draft_tokens": int(s.drafted[b]),
+                            "num_accepted_tokens": int(s.accepted[b]),
+                            "num_accepted_tokens_per_pos": s.per_position[b, :k].tolist(),
+                            "acceptance_histogram": s.accept_hist[b, :k + 1].tolist()}
+                           for b in range(s.rounds.shape[0])]}
+    if opts.synthetic_accept:
+        out["synthetic_expected_mean_accepted_length"] = 1.0 + expected_accepted(opts.synthetic_accept, k)
+    if s.calib[:, :k].sum() > 0:
+        out["calibration"] = {"bins": s.calib[:, :k].sum(0).tolist(), "brier_sum": s.brier_at[:, :k].sum(0).tolist()}
+    return out
 
 
 class Prepared(NamedTuple):
@@ -139,7 +182,10 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
                             f"({max_block}) needs {need} positions, more than max_len={max_len}")
     eos = config.eos_token_id if shape.eos_token_id is None else shape.eos_token_id
     opts = Options(drafter=drafter.name, k=k, greedy=sp.temperature == 0, max_new_tokens=max_new_tokens,
-                   eos_token_id=int(eos), taps=setup.taps, settings=setup.settings)
+                   eos_token_id=int(eos), taps=setup.taps, settings=setup.settings,
+                   # greedy and synthetic runs ignore the rule: one program for both (docs/verification.md §2)
+                   verify=spec.verify if sp.temperature > 0 and spec.synthetic_accept is None else "token",
+                   synthetic_accept=synthetic_rates(spec.synthetic_accept))
     knobs = Knobs(temperature=jnp.float32(max(sp.temperature, 1e-6)), top_p=jnp.float32(sp.top_p),
                   drafter=drafter.knobs(dopts), draft_n=jnp.int32(draft_n) if dynamic else None)
     prefill_taps = setup.taps

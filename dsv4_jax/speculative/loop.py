@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..model.decode import advance, process_block
 from ..drafters import registry
 from ..drafters.base import Bound, DraftSetup, Knobs
-from ..ops import sampling
+from ..ops import verification
 
 __all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "run_rounds",
            "run_rounds_python"]
@@ -39,6 +39,11 @@ class Options:
     settings: Any = struct.field(pytree_node=False, default=None)    # the drafter's static settings
     # cost benchmarks only: accept every proposed draft (ops.sampling.verify_forced; greedy runs; not lossless)
     forced_acceptance: bool = struct.field(pytree_node=False, default=False)
+    # sampled runs' verify rule: "token" (rejection sampling) | "block" (docs/verification.md §2; greedy: same)
+    verify: str = struct.field(pytree_node=False, default="token")
+    # cost studies (docs/verification.md §5): each draft accepted with probability r_j (tuple of rates, the
+    # last repeating), independently; None: real verification
+    synthetic_accept: tuple | None = struct.field(pytree_node=False, default=None)
 
     @property
     def setup(self) -> DraftSetup:
@@ -58,6 +63,12 @@ class Stats:
     per_position: jax.Array    # [B,K] rounds whose draft j was accepted (K >= k: the run's bound, max_block - 1)
     proposed_at: jax.Array     # [B,K] rounds that proposed a draft at position j
     length_hist: jax.Array     # [B,K+1] rounds that proposed exactly L drafts (after p_min / confidence)
+    # docs/verification.md (None in carries built without them)
+    expected_at: jax.Array = None   # [B,K] Σ over rounds of the analytic P(draft j accepted) (ops.verification)
+    alpha_at: jax.Array = None      # [B,K] Σ over rounds of Σ_v min(p, q) at position j
+    accept_hist: jax.Array = None   # [B,K+1] rounds that accepted exactly n drafts
+    calib: jax.Array = None         # [B,K,NB,3] confidence bins: count, accepted, Σ confidence (scored drafters)
+    brier_at: jax.Array = None      # [B,K] Σ (confidence − accepted)²
 
 
 @struct.dataclass
@@ -101,19 +112,41 @@ def initial_carry(first: jax.Array, target: DecodeState, drafter, key, opts: Opt
     c = Carry(out=jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32), out_len=fresh(B), limit=limit,
               last=first, done=jnp.zeros((B,), bool), target=target, drafter=drafter, key=key,
               stats=Stats(rounds=fresh(B), drafted=fresh(B), accepted=fresh(B), per_position=fresh(B, k),
-                          proposed_at=fresh(B, k), length_hist=fresh(B, k + 1)), round=fresh())
+                          proposed_at=fresh(B, k), length_hist=fresh(B, k + 1), **_fresh_extra(B, k)),
+              round=fresh())
     # the first token is already generated: emit it (it may be EOS, or the whole budget)
     out, out_len, done, _ = emit(c, first[:, None], jnp.ones((B,), jnp.int32), opts)
     return c.replace(out=out, out_len=out_len, done=done)
 
 
-def _verify(key, logits, drafts, q, n_draft, knobs: Knobs, opts: Options):
-    """(n_accept [B], next token [B]) of a verify block's logits [B,k+1,V] (ops.sampling)."""
-    if opts.forced_acceptance:
-        return sampling.verify_forced(logits, drafts, n_draft)
-    if opts.greedy:
-        return sampling.verify_greedy(logits, drafts, n_draft)
-    return sampling.verify_sampled(key, logits, drafts, q, n_draft, knobs.temperature, knobs.top_p)
+def _fresh_extra(B: int, k: int) -> dict:
+    """Zeroed verification statistics (Stats.expected_at ... brier_at)."""
+    z = lambda *shape, dt=jnp.float32: jnp.zeros(shape, dt)
+    return dict(expected_at=z(B, k), alpha_at=z(B, k), accept_hist=z(B, k + 1, dt=jnp.int32),
+                calib=z(B, k, verification.CALIBRATION_BINS, 3), brier_at=z(B, k))
+
+
+def _verify(key, logits, drafts, q, n_draft, knobs: Knobs, opts: Options) -> verification.Outcome:
+    """The verify decision of a block's logits [B,k+1,V] and its analytic acceptance (ops.verification)."""
+    return verification.verify(key, logits, drafts, q, n_draft, knobs.temperature, knobs.top_p, greedy=opts.greedy,
+                               rule=opts.verify, synthetic=opts.synthetic_accept, forced=opts.forced_acceptance)
+
+
+def _extra_stats(s: Stats, o: verification.Outcome, conf, n_draft, active) -> dict:
+    """The verification statistics of a round (docs/verification.md), for carries that hold them."""
+    if s.expected_at is None:
+        return {}
+    K, w = s.expected_at.shape[1], o.expected.shape[1]
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, K - w)) + ((0, 0),) * (x.ndim - 2))   # width w -> the carry's K
+    on = active[:, None]
+    out = dict(expected_at=s.expected_at + widen(jnp.where(on, o.expected, 0.0)),
+               alpha_at=s.alpha_at + widen(jnp.where(on, o.alpha, 0.0)),
+               accept_hist=s.accept_hist + ((jnp.arange(K + 1)[None, :] == o.n_accept[:, None]) & on),
+               calib=s.calib, brier_at=s.brier_at)
+    if conf is not None:
+        bins, brier = verification.calibration_counts(conf, o.n_accept, n_draft, active, s.calib.shape[2])
+        out.update(calib=s.calib + widen(bins), brier_at=s.brier_at + widen(brier))
+    return out
 
 
 def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
@@ -124,20 +157,22 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
     run costs per round what a program compiled for its draft_n_max costs (only the drafting is shared)."""
     drafter = registry.get(opts.drafter)
     key, k_draft, k_acc = jax.random.split(c.key, 3)
-    drafts, q, n_draft = drafter.propose(opts.bind(params, config), c.drafter, c.target.pos, c.last, k_draft, knobs,
-                                         opts.greedy)
+    drafts, q, n_draft, conf = drafter.propose_scored(opts.bind(params, config), c.drafter, c.target.pos, c.last,
+                                                      k_draft, knobs, opts.greedy)
     if knobs.draft_n is not None:
         n_draft = jnp.minimum(n_draft, knobs.draft_n)
     if knobs.draft_n is None or opts.k <= 1:
-        return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, drafts, q, n_draft)
+        return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, drafts, q, n_draft, conf)
     widths = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
-                                drafts[:, :w], q[:, :w]) for w in range(1, opts.k + 1)]
+                                drafts[:, :w], q[:, :w], conf=None if conf is None else conf[:, :w])
+              for w in range(1, opts.k + 1)]
     return jax.lax.switch(jnp.clip(knobs.draft_n, 1, opts.k) - 1, widths, n_draft)
 
 
 def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options, key, k_acc,
-                       drafts: jax.Array, q: jax.Array, n_draft: jax.Array) -> Carry:
-    """Verify [last, drafts] (drafts [B,w], q [B,w,V], n_draft [B] <= w), accept, emit, commit, observe."""
+                       drafts: jax.Array, q: jax.Array, n_draft: jax.Array, conf: jax.Array | None = None) -> Carry:
+    """Verify [last, drafts] (drafts [B,w], q [B,w,V], n_draft [B] <= w; conf [B,w] the drafter's confidences
+    or None), accept, emit, commit, observe."""
     drafter = registry.get(opts.drafter)
     pos = c.target.pos
     B, w = drafts.shape
@@ -145,7 +180,8 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
     block = jnp.concatenate([c.last[:, None], drafts], axis=1)                       # [B,w+1]
     logits, tstate, aux = process_block(params, config, c.target, block, jnp.full((B,), w + 1, jnp.int32),
                                         opts.taps)
-    a, nxt = _verify(k_acc, logits, drafts, q, n_draft, knobs, opts)
+    outcome = _verify(k_acc, logits, drafts, q, n_draft, knobs, opts)
+    a, nxt = outcome.n_accept, outcome.next
     # emitted this round: the a accepted drafts, then the correction / bonus token
     j = jnp.arange(w + 1)[None, :]
     emitted = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
@@ -161,7 +197,8 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
                   per_position=s.per_position + ((kk < a[:, None]) & active[:, None]),
                   proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]),
                   length_hist=s.length_hist + ((jnp.arange(s.length_hist.shape[1])[None, :] == n_draft[:, None])
-                                               & active[:, None]))
+                                               & active[:, None]),
+                  **_extra_stats(s, outcome, conf, n_draft, active))
     return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
                  target=tstate,
                  drafter=dstate, key=key, stats=stats, round=c.round + 1)

@@ -38,11 +38,17 @@ class Speculation:
     draft_n_max: drafts per round (DSpark: at most its block size); options: the drafter's own options
     (an instance of its `Options`, e.g. MTPOptions(p_min=0.3), DSparkOptions(confidence_threshold=0.5,
     dspark_meta=DSparkConfig(...)), NgramOptions(n_min=1, n_max=3); None: its defaults).
+    verify: sampled runs' verify rule, "token" (rejection sampling) or "block" (block verification; both
+    lossless, greedy runs identical); synthetic_accept: cost studies — a rate, or one per draft position,
+    at which each draft is accepted as an independent Bernoulli draw instead of verified (not lossless;
+    statistics marked synthetic). docs/verification.md.
     """
 
     drafter: str | None = None
     draft_n_max: int = 3
     options: Any = None
+    verify: str = "token"
+    synthetic_accept: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

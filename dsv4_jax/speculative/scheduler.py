@@ -68,6 +68,7 @@ class RequestResult:
     accepted: int
     per_position_accepted: list[int]
     per_position_proposed: list[int]
+    spec_decode: dict | None = None   # the verify rule's per-request evidence (`verification_evidence`)
 
     @property
     def generated(self) -> int:
@@ -87,6 +88,19 @@ class RequestResult:
                 "ttft_s": self.first_token_s, "queue_s": self.admitted_s,
                 "mean_accepted_length": self.mean_accepted_length,
                 "per_position_accept_rate": self.per_position_accept_rate}
+
+
+def verification_evidence(st, b: int, opts) -> dict | None:
+    """Request b's verification statistics (docs/verification.md) from numpy Stats: analytic and Σ min(p, q)
+    sums per position, the histogram of accepted drafts per round (vLLM's per-request layout), confidence bins."""
+    if st.expected_at is None:
+        return None
+    calib = {"bins": st.calib[b].tolist(), "brier_sum": st.brier_at[b].tolist()} if st.calib[b].sum() > 0 else None
+    return {"verify": "synthetic" if opts.synthetic_accept else ("greedy" if opts.greedy else opts.verify),
+            "acceptance": "synthetic" if opts.synthetic_accept else "real",
+            "synthetic_accept": list(opts.synthetic_accept) if opts.synthetic_accept else None,
+            "per_position_expected": st.expected_at[b].tolist(), "per_position_alpha_sum": st.alpha_at[b].tolist(),
+            "acceptance_histogram": st.accept_hist[b].tolist(), "calibration": calib}
 
 
 @dataclasses.dataclass
@@ -298,7 +312,8 @@ class SlotEngine:
                         admitted_chunk=admitted_chunk[i], admitted_s=admitted[i], first_token_s=first_at[i],
                         finished_s=t, rounds=int(st.rounds[b]), drafted=int(st.drafted[b]),
                         accepted=int(st.accepted[b]), per_position_accepted=st.per_position[b].tolist(),
-                        per_position_proposed=st.proposed_at[b].tolist())
+                        per_position_proposed=st.proposed_at[b].tolist(),
+                        spec_decode=verification_evidence(st, b, self.opts))
                     in_slot[b] = None
         rounds = int(carry.round)
         return RunResult(schedule=schedule, results=[results[i] for i in range(len(self.requests))], wall_s=now(),

@@ -35,6 +35,7 @@ from ..demo import ByteTokenizer
 from ..drafters.dspark import DSparkConfig
 from . import drafter_export as X, drafter_tasks as T, drafter_train as DT, target_cache as TC
 from . import target_source as TS, text_data as TD
+from ..research.report import plot_reliability
 from .plots import plot_run
 from .speculative_eval import SpeculativeEval
 
@@ -497,8 +498,19 @@ def run(plan: Plan, argv) -> dict:
     if not a.no_plots:
         summary["plots"] = plot_run(os.path.join(a.out, "plots"), _read_jsonl(metrics_path), _read_jsonl(eval_path),
                                     baseline, title=f"{task.kind} drafter for {plan.src.spec}")
+        summary["plots"] += reliability_plots(os.path.join(a.out, "plots"), {"initial": initial, "final": final,
+                                                                             "model_drafter": baseline},
+                                              f"{task.kind} drafter for {plan.src.spec}")
     _write_json(os.path.join(a.out, "summary.json"), summary)
     return summary
+
+
+def reliability_plots(out_dir: str, evals: dict, title: str) -> list[str]:
+    """reliability_<name>.png per evaluation with confidence calibration (DSpark; docs/verification.md §4)."""
+    os.makedirs(out_dir, exist_ok=True)
+    return [os.path.join(out_dir, plot_reliability(ev["spec"]["calibration"], out_dir, f"{name} — {title}",
+                                                   f"reliability_{name}.png"))
+            for name, ev in evals.items() if ev and ev.get("spec", {}).get("calibration")]
 
 
 def export_drafter(plan: Plan, params, target, own) -> dict:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
+from ..research.calibration import metrics as calibration_metrics
 from ..speculative.generate import generate
 from . import drafter_tasks as T
 
@@ -58,4 +59,7 @@ class SpeculativeEval:
                 "drafted": st["drafted"], "accepted": st["accepted"],
                 "lossless": toks == plain, "sequences_differing": sum(a != b for a, b in zip(toks, plain)),
                 "n_prompts": len(plain), "prompt_len": int(self.prompts.shape[1]), "max_new_tokens": self.max_new,
-                "dtype": self.dtype.name, "wall_s": wall}
+                "dtype": self.dtype.name, "wall_s": wall,
+                # the confidence head against realised acceptance, per position (docs/verification.md §4)
+                **({"calibration": st["calibration"], "calibration_metrics": calibration_metrics(st["calibration"])}
+                   if st.get("calibration") else {})}
