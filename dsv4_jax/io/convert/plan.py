@@ -144,7 +144,10 @@ def validate(src, units: list[Unit], n_experts: int, ignore_prefixes: tuple[str,
                 if not leaf.optional:
                     missing.extend(absent)
                 continue
-            shape = _source_shape(src, leaf, n_experts)
+            try:
+                shape = _source_shape(src, leaf, n_experts)
+            except ConvertError as e:
+                raise ConvertError(f"{what}: {e}") from None
             if tuple(shape) != tuple(leaf.spec.shape):
                 raise ConvertError(f"{what}: {unit.label}.{leaf.path}: tensor {tensors[0]!r} gives shape "
                                    f"{tuple(shape)}, expected {tuple(leaf.spec.shape)}")
