@@ -384,6 +384,7 @@ def test_non_regular_sources_refused(sources, tmp_path, capsys):
     no blocking (the FIFO has no writer: opening it would hang)."""
     fifo = tmp_path / "pipe.gguf"
     os.mkfifo(fifo)
+    (tmp_path / "adir").mkdir()
     hf_fifo = tmp_path / "hf"
     shutil.copytree(sources / "hf", hf_fifo)
     os.remove(hf_fifo / "config.json")
@@ -391,7 +392,7 @@ def test_non_regular_sources_refused(sources, tmp_path, capsys):
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(ALARM)
     try:
-        for argv, needle in ((["gguf", str(fifo)], "FIFO"), (["gguf", str(tmp_path)], "not a regular file"),
+        for argv, needle in ((["gguf", str(fifo)], "FIFO"), (["gguf", str(tmp_path / "adir")], "not a regular file"),
                              (["hf", str(sources / "m.gguf")], "not a directory"),
                              (["hf", str(hf_fifo)], "not a regular file")):
             assert main(argv + [str(tmp_path / "out"), "-q"]) == 2

@@ -53,6 +53,8 @@ _EXAMPLES = {
                 "dsv4-convert drafter ckpt/flash --dspark /ckpt/DSpark-V4-Flash    # official safetensors directory",
                 "dsv4-convert drafter ckpt/flash --dspark dflash.gguf --overwrite  # replace the DSpark drafter "
                 "there"],
+    "verify": ["dsv4-convert verify ckpt/flash                                  # every stored array against "
+               "its checksum"],
 }
 _DRAFTER_NOTE = """
 CKPT_DIR/dsv4.json gains the drafter items; each drafter is written atomically (a failed run leaves
@@ -93,7 +95,7 @@ def _sub(sub, name: str, help: str, description: str, epilog: str) -> argparse.A
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsv4-convert", description="Convert DeepSeek-V4 (Flash) checkpoints "
                                  "to Orbax checkpoints for dsv4_jax.\n`dsv4-convert SUBCOMMAND --help` shows a "
-                                 "subcommand's options.", epilog=_examples("hf", "gguf", "drafter") + _OUTPUT,
+                                 "subcommand's options.", epilog=_examples("hf", "gguf", "drafter", "verify") + _OUTPUT,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{hf,gguf,drafter,verify}")
 
@@ -142,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve = _sub(sub, "verify", "check a converted checkpoint against its recorded checksums",
               "Cross-check CKPT_DIR/dsv4.json against the stored leaves (names, shapes, dtypes, layer count) and "
               "every stored array against the checksum written with it, one layer at a time on one device. "
-              "Exit status 0 when intact, 2 naming the file and leaf otherwise.", "")
+              "Exit status 0 when intact, 2 naming the file and leaf otherwise.", _examples("verify"))
     ve.add_argument("ckpt", metavar="CKPT_DIR", help="a checkpoint written by dsv4-convert or save_checkpoint")
     return ap
 
@@ -175,19 +177,19 @@ def run(args) -> dict:
     if args.cmd == "drafter":
         if not (args.mtp or args.dspark):
             raise ConvertError("nothing to add: give --mtp and/or --dspark")
-        _check_sources([args.ckpt, args.mtp, args.dspark])
+        config = pipeline.config_of(args.ckpt)
+        _check_sources([args.mtp, args.dspark])
         for kind in ("mtp", "dspark"):
             if getattr(args, kind):
                 check_apart(os.path.join(args.ckpt, kind), [getattr(args, kind)], f"CKPT_DIR/{kind}")
-        config = pipeline.config_of(args.ckpt)
         jobs = [_drafter_job(p, k, config) for k, p in (("mtp", args.mtp), ("dspark", args.dspark)) if p]
         keep = args.keep_quantized or (False if args.dtype else None)    # --dtype alone: dequantize
         return pipeline.add_drafters(args.ckpt, jobs, dtype=args.dtype, keep_quantized=keep,
                                      overwrite=args.overwrite, quiet=args.quiet, allow_nonfinite=nonfinite)
     sources = [args.src, getattr(args, "mtp", None), getattr(args, "dspark", None)]
-    _check_sources(sources)
     check_apart(args.out, sources, "OUT_DIR")            # even with --overwrite: never replace a source
     check_target(args.out, args.overwrite, "OUT_DIR")     # before reading any source
+    _check_sources(sources)
     if args.cmd == "hf":
         config, jobs = pipeline.plan_hf(args.src)
     else:
