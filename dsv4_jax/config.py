@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import warnings
 from typing import Any, Mapping
 
 from .backends import REFERENCE, Backends
@@ -273,10 +275,70 @@ def small(c: ModelConfig) -> ModelConfig:
 
 # ---- Hugging Face / DeepSeek config.json ---------------------------------------------------
 
-def _yarn_from(rp: Mapping[str, Any] | None) -> YarnScaling | None:
+class ConfigDefaultWarning(UserWarning):
+    """A model-defining key was absent from a config file and its documented default was used."""
+
+
+_REQ = object()
+
+
+def _type_error(key: str, value, expected: str) -> ConfigError:
+    return ConfigError(f"field {key!r} = {value!r}: expected {expected}")
+
+
+def _as(kind: str, key: str, v):
+    """`v` checked and converted to `kind` (int | float | bool | str | ints | map); ConfigError naming
+    the field, the value and the expectation otherwise. Integral floats count as ints (JSON writers)."""
+    if kind == "int":
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+            raise _type_error(key, v, "an integer")
+        return int(v)
+    if kind == "float":
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise _type_error(key, v, "a finite number")
+        return float(v)
+    if kind == "bool":
+        if not isinstance(v, bool) and v not in (0, 1):
+            raise _type_error(key, v, "true or false")
+        return bool(v)
+    if kind == "str":
+        if not isinstance(v, str):
+            raise _type_error(key, v, "a string")
+        return v
+    if kind == "ints":
+        if not isinstance(v, (list, tuple)):
+            raise _type_error(key, v, "a list of integers")
+        return [_as("int", f"{key}[{i}]", x) for i, x in enumerate(v)]
+    if kind == "strs":
+        if not isinstance(v, (list, tuple)):
+            raise _type_error(key, v, "a list of strings")
+        return [_as("str", f"{key}[{i}]", x) for i, x in enumerate(v)]
+    if kind == "map":
+        if not isinstance(v, Mapping):
+            raise _type_error(key, v, "an object ({...})")
+        return v
+    raise AssertionError(kind)
+
+
+def _get(d: Mapping[str, Any], key: str, kind: str, default=_REQ, warn: bool = True):
+    """Typed value of `key` (None counts as absent). Absent: ConfigError when required, else `default`,
+    with a ConfigDefaultWarning naming the key and the default when `warn` (model-defining keys)."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQ:
+            raise ConfigError(f"required field {key!r} is missing")
+        if warn:
+            warnings.warn(f"config has no {key!r}; using the default {default!r}", ConfigDefaultWarning,
+                          stacklevel=3)
+        return default
+    return _as(kind, key, v)
+
+
+def _yarn_from(rp: Mapping[str, Any] | None, key: str = "rope_scaling") -> YarnScaling | None:
     if not rp:
         return None
-    kind = rp.get("rope_type", rp.get("type", "default"))
+    rp = _as("map", key, rp)
+    kind = _as("str", f"{key}.type", rp.get("rope_type", rp.get("type", "default")))
     if kind == "default":
         return None
     if kind != "yarn":
@@ -286,10 +348,12 @@ def _yarn_from(rp: Mapping[str, Any] | None) -> YarnScaling | None:
         raise ConfigError("DeepSeek-V4 YaRN has no mscale: attention_factor must be 1")
     if "factor" not in rp or "original_max_position_embeddings" not in rp:
         raise ConfigError("YaRN rope scaling needs 'factor' and 'original_max_position_embeddings'")
-    return YarnScaling(factor=float(rp["factor"]),
-                       original_max_position_embeddings=int(rp["original_max_position_embeddings"]),
-                       beta_fast=float(rp.get("beta_fast", 32)), beta_slow=float(rp.get("beta_slow", 1)),
-                       truncate=bool(rp.get("truncate", True)))
+    sub = {k: v for k, v in rp.items()}
+    g = lambda k, kind, dflt=_REQ: _get(sub, k, kind, dflt) if k not in sub else _as(kind, f"{key}.{k}", sub[k])  # noqa: E731
+    return YarnScaling(factor=g("factor", "float"),
+                       original_max_position_embeddings=g("original_max_position_embeddings", "int"),
+                       beta_fast=g("beta_fast", "float", 32.0), beta_slow=g("beta_slow", "float", 1.0),
+                       truncate=g("truncate", "bool", True) if "truncate" in sub else True)
 
 
 # keys from_hf_config has no default for
@@ -300,6 +364,10 @@ _HF_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "q_lora_rank
 def from_hf_config(d: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a transformers or DeepSeek-legacy `config.json` dict.
 
+    Every field is type-checked (ConfigError naming the field, its value and what was expected). The keys
+    of `_HF_REQUIRED` and `num_hidden_layers` are required; a missing model-defining key with a default in
+    transformers' DeepseekV4Config gets that default and a `ConfigDefaultWarning` naming key and default.
+
     Layer schedule, in order of precedence:
       * `layer_types` (transformers): ratios from `compress_rates` (default CSA 4, HCA 128);
       * `compress_ratios` with `compress_rates` and only the codes 0/4/128: transformers semantics
@@ -307,28 +375,32 @@ def from_hf_config(d: Mapping[str, Any]) -> ModelConfig:
       * `compress_ratios` otherwise: DeepSeek semantics (official inference/model.py: overlap and
         indexer iff ratio == 4), any positive ratio accepted. Trailing MTP entries are dropped.
     """
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"config is a {type(d).__name__}, expected a JSON object")
     d = dict(d)
-    try:
-        n = int(d["num_hidden_layers"])
-    except KeyError:
-        raise ConfigError("config has no num_hidden_layers") from None
+    if d.get("num_hidden_layers") is None:
+        raise ConfigError("config has no num_hidden_layers")
+    n = _get(d, "num_hidden_layers", "int")
     missing = [k for k in _HF_REQUIRED if d.get(k) is None]
     if missing:
         raise ConfigError(f"config is missing required keys {missing}")
     rates = {CSA: 4, HCA: 128}
-    rates.update(d.get("compress_rates") or {})
+    for k, v in _as("map", "compress_rates", d.get("compress_rates") or {}).items():
+        if k not in (CSA, HCA):
+            raise ConfigError(f"field 'compress_rates' has unknown key {k!r}; expected {CSA!r} or {HCA!r}")
+        rates[k] = _as("int", f"compress_rates.{k}", v)
     if d.get("compress_rate_csa") is not None:
-        rates[CSA] = int(d["compress_rate_csa"])
+        rates[CSA] = _get(d, "compress_rate_csa", "int")
     if d.get("compress_rate_hca") is not None:
-        rates[HCA] = int(d["compress_rate_hca"])
+        rates[HCA] = _get(d, "compress_rate_hca", "int")
     if d.get("layer_types") is not None:
-        types = tuple(d["layer_types"])[:n]
+        types = tuple(_get(d, "layer_types", "strs"))[:n]
         bad = [t for t in types if t not in LAYER_TYPES]
         if bad:
             raise ConfigError(f"unknown layer_types {bad}")
         ratios = tuple(0 if t == SLIDING else int(rates[t]) for t in types)
     elif d.get("compress_ratios") is not None:
-        raw = [int(r) for r in d["compress_ratios"]][:n]
+        raw = _get(d, "compress_ratios", "ints")[:n]
         if d.get("compress_rates") is not None and set(raw) <= set(_HF_RATIO_CODE):
             types = tuple(_HF_RATIO_CODE[r] for r in raw)
             ratios = tuple(0 if t == SLIDING else int(rates[t]) for t in types)
@@ -342,64 +414,78 @@ def from_hf_config(d: Mapping[str, Any]) -> ModelConfig:
         raise ConfigError(f"layer schedule has {len(types)} entries for {n} layers")
 
     if d.get("mlp_layer_types") is not None:
-        mlp = tuple(d["mlp_layer_types"])[:n]
+        mlp = tuple(_get(d, "mlp_layer_types", "strs"))[:n]
     else:
-        n_hash = int(d.get("num_hash_layers", 3))
+        n_hash = _get(d, "num_hash_layers", "int", 3)
         mlp = (HASH_MOE,) * min(n, n_hash) + (MOE,) * max(0, n - n_hash)
 
-    head_dim = int(d.get("head_dim", 512))
+    head_dim = _get(d, "head_dim", "int", 512)
     if d.get("qk_rope_head_dim") is not None:
-        rope_dim = int(d["qk_rope_head_dim"])
+        rope_dim = _get(d, "qk_rope_head_dim", "int")
     elif d.get("partial_rotary_factor") is not None:
-        rope_dim = int(round(head_dim * float(d["partial_rotary_factor"])))
+        rope_dim = int(round(head_dim * _get(d, "partial_rotary_factor", "float")))
     else:
-        rope_dim = 64
+        rope_dim = _get(d, "qk_rope_head_dim", "int", 64)
 
-    rp = d.get("rope_parameters") or {}
+    rp = _as("map", "rope_parameters", d.get("rope_parameters") or {})
     if isinstance(rp.get("compress"), Mapping):
         comp = rp["compress"]
-        main = rp.get("main") or {}
-        rope_theta = float(main.get("rope_theta", d.get("rope_theta", 10000.0)))
-        compress_theta = float(comp.get("rope_theta", d.get("compress_rope_theta", 160000.0)))
+        main = _as("map", "rope_parameters.main", rp.get("main") or {})
+        rope_theta = (_as("float", "rope_parameters.main.rope_theta", main["rope_theta"])
+                      if main.get("rope_theta") is not None else _get(d, "rope_theta", "float", 10000.0))
+        compress_theta = (_as("float", "rope_parameters.compress.rope_theta", comp["rope_theta"])
+                          if comp.get("rope_theta") is not None else
+                          _get(d, "compress_rope_theta", "float", 160000.0))
         if main.get("rope_type", "default") != "default":
             raise ConfigError("the main RoPE of DeepSeek-V4 has no scaling; got " + str(main.get("rope_type")))
-        yarn = _yarn_from(comp)
+        yarn = _yarn_from(comp, "rope_parameters.compress")
     else:
-        scaling = d.get("rope_scaling") or (rp if rp else None)
-        rope_theta = float(d.get("rope_theta", rp.get("rope_theta", 10000.0) if rp else 10000.0))
-        compress_theta = float(d.get("compress_rope_theta", 160000.0))
-        yarn = _yarn_from(scaling)
+        if d.get("rope_scaling") is not None:
+            scaling, key = _as("map", "rope_scaling", d["rope_scaling"]), "rope_scaling"
+        else:
+            scaling, key = (rp if rp else None), "rope_parameters"
+            if scaling is None:
+                warnings.warn("config has no 'rope_scaling' (nor 'rope_parameters'); using the default None "
+                              "(compress RoPE without YaRN)", ConfigDefaultWarning, stacklevel=2)
+        rope_theta = (_get(d, "rope_theta", "float") if d.get("rope_theta") is not None else
+                      _as("float", "rope_parameters.rope_theta", rp["rope_theta"]) if rp.get("rope_theta") is not None
+                      else _get(d, "rope_theta", "float", 10000.0))
+        compress_theta = _get(d, "compress_rope_theta", "float", 160000.0)
+        yarn = _yarn_from(scaling, key)
 
-    if d.get("tie_word_embeddings", False):
+    if _get(d, "tie_word_embeddings", "bool", False, warn=False):
         raise ConfigError("tie_word_embeddings=True is not DeepSeek-V4 (the head is untied)")
-    if d.get("num_key_value_heads", 1) != 1:
+    if _get(d, "num_key_value_heads", "int", 1, warn=False) != 1:
         raise ConfigError(f"DeepSeek-V4 has one shared K=V head; num_key_value_heads={d['num_key_value_heads']}")
-    if d.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+    if _get(d, "scoring_func", "str", "sqrtsoftplus", warn=False) != "sqrtsoftplus":
         raise ConfigError(f"unsupported scoring_func {d['scoring_func']!r} (only sqrtsoftplus)")
-    if d.get("hidden_act", "silu") != "silu":
+    if _get(d, "hidden_act", "str", "silu", warn=False) != "silu":
         raise ConfigError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
     eos = d.get("eos_token_id", 1)
     if isinstance(eos, (list, tuple)):
-        eos = eos[0]
+        eos = _as("ints", "eos_token_id", eos)[0] if eos else None
+    eos = 1 if eos is None else _as("int", "eos_token_id", eos)
+    name = d.get("_name_or_path") or d.get("model_type") or "hf"
+    i = lambda k, dflt=_REQ, warn=True: _get(d, k, "int", dflt, warn)  # noqa: E731
+    f = lambda k, dflt=_REQ, warn=True: _get(d, k, "float", dflt, warn)  # noqa: E731
     return ModelConfig(
-        name=str(d.get("_name_or_path") or d.get("model_type") or "hf"),
-        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]), num_layers=n,
-        num_heads=int(d["num_attention_heads"]), head_dim=head_dim, rope_head_dim=rope_dim,
-        q_lora_rank=int(d["q_lora_rank"]), o_groups=int(d["o_groups"]), o_lora_rank=int(d["o_lora_rank"]),
-        sliding_window=int(d.get("sliding_window", 128)), layer_types=types, compress_ratios=ratios,
-        mlp_layer_types=mlp, index_n_heads=int(d.get("index_n_heads", 64)),
-        index_head_dim=int(d.get("index_head_dim", 128)), index_topk=int(d.get("index_topk", 512)),
-        hc_mult=int(d.get("hc_mult", 4)), hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(d.get("hc_eps", 1e-6)), n_routed_experts=int(d["n_routed_experts"]),
-        num_experts_per_tok=int(d["num_experts_per_tok"]), n_shared_experts=int(d.get("n_shared_experts", 1)),
-        moe_intermediate_size=int(d["moe_intermediate_size"]),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
-        swiglu_limit=float(d.get("swiglu_limit", 10.0)), rope_theta=rope_theta, compress_rope_theta=compress_theta,
-        yarn=yarn, max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        bos_token_id=int(d.get("bos_token_id") if d.get("bos_token_id") is not None else 0),
-        eos_token_id=int(eos if eos is not None else 1),
-        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 0)))
+        name=str(name),
+        vocab_size=i("vocab_size"), hidden_size=i("hidden_size"), num_layers=n,
+        num_heads=i("num_attention_heads"), head_dim=head_dim, rope_head_dim=rope_dim,
+        q_lora_rank=i("q_lora_rank"), o_groups=i("o_groups"), o_lora_rank=i("o_lora_rank"),
+        sliding_window=i("sliding_window", 128), layer_types=types, compress_ratios=ratios,
+        mlp_layer_types=mlp, index_n_heads=i("index_n_heads", 64, CSA in types),
+        index_head_dim=i("index_head_dim", 128, CSA in types), index_topk=i("index_topk", 512, CSA in types),
+        hc_mult=i("hc_mult", 4), hc_sinkhorn_iters=i("hc_sinkhorn_iters", 20),
+        hc_eps=f("hc_eps", 1e-6), n_routed_experts=i("n_routed_experts"),
+        num_experts_per_tok=i("num_experts_per_tok"), n_shared_experts=i("n_shared_experts", 1),
+        moe_intermediate_size=i("moe_intermediate_size"),
+        routed_scaling_factor=f("routed_scaling_factor", 1.5),
+        swiglu_limit=f("swiglu_limit", 10.0), rope_theta=rope_theta, compress_rope_theta=compress_theta,
+        yarn=yarn, max_position_embeddings=i("max_position_embeddings", 1048576),
+        rms_norm_eps=f("rms_norm_eps", 1e-6), norm_topk_prob=_get(d, "norm_topk_prob", "bool", True),
+        bos_token_id=i("bos_token_id", 0, False), eos_token_id=eos,
+        num_nextn_predict_layers=i("num_nextn_predict_layers", 0, False))
 
 
 def load_hf_config(path: str | os.PathLike) -> ModelConfig:
@@ -409,8 +495,16 @@ def load_hf_config(path: str | os.PathLike) -> ModelConfig:
         p = os.path.join(p, "config.json")
     if not os.path.exists(p):
         raise ConfigError(f"no config.json at {p}")
-    with open(p) as f:
-        try:
-            return from_hf_config(json.load(f))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+    if not os.path.isfile(p):
+        raise ConfigError(f"{p}: not a regular file")
+    try:
+        with open(p, "rb") as f:
+            d = json.loads(f.read().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read it: {e}") from None
+    try:
+        return from_hf_config(d)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None

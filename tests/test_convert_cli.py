@@ -6,7 +6,7 @@ import pytest
 
 from dsv4_jax.io.convert.cli import build_parser, main
 
-SUBCOMMANDS = ("hf", "gguf", "drafter")
+SUBCOMMANDS = ("hf", "gguf", "drafter", "verify")
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:

@@ -28,10 +28,11 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ..model import params as P
 from ..bundle import CheckpointConfig, DSparkMeta
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..ops import quant
 from ..model.schedule import segments
 from ..parallel import preset as sharding_preset, spec_sharding
+from .integrity import ChecksumError, checksums
 
 META_FILE = "dsv4.json"
 FORMAT_VERSIONS = (1, 2)
@@ -42,18 +43,117 @@ class CheckpointFormatError(ValueError):
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
+    """dsv4.json of a checkpoint, its structure checked (CheckpointFormatError naming the file and field)."""
     p = os.path.join(os.fspath(path), META_FILE)
     if not os.path.exists(p):
         raise FileNotFoundError(f"{path}: not a dsv4 checkpoint (no {META_FILE}); convert one with dsv4-convert")
-    with open(p) as f:
-        return json.load(f)
+    if not os.path.isfile(p):
+        raise CheckpointFormatError(f"{p}: not a regular file")
+    try:
+        with open(p, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise CheckpointFormatError(f"{p}: corrupt JSON ({type(e).__name__}: {e})") from None
+    _check_meta(meta, p)
+    return meta
+
+
+def _check_meta(meta, p: str) -> None:
+    """The fields load_checkpoint reads, with their types."""
+    def need(cond, what):
+        if not cond:
+            raise CheckpointFormatError(f"{p}: malformed: {what}")
+    need(isinstance(meta, dict), f"the top level is a {type(meta).__name__}, expected an object")
+    need(isinstance(meta.get("config"), dict), "'config' missing or not an object")
+    items = meta.get("items")
+    need(isinstance(items, dict) and isinstance(items.get("target"), dict), "'items.target' missing or not an object")
+    need(isinstance(meta.get("conversion", {}), dict), "'conversion' is not an object")
+    for name, item in items.items():
+        need(name in ("target", "mtp", "dspark"), f"unknown item {name!r} (expected target, mtp, dspark)")
+        need(isinstance(item, dict) and isinstance(item.get("leaves"), dict), f"'items.{name}.leaves' missing")
+        for leaf, rec in item["leaves"].items():
+            need(isinstance(rec, dict) and isinstance(rec.get("format"), str) and isinstance(rec.get("shape"), list)
+                 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in rec["shape"]),
+                 f"leaf record {name}.{leaf} lacks a valid 'format' / 'shape'")
+            arrays = {"": rec} if rec["format"] == "dense" else rec.get("arrays")
+            need(isinstance(arrays, dict) and arrays, f"leaf record {name}.{leaf} lacks its 'arrays'")
+            for k, a in arrays.items():
+                need(isinstance(a, dict) and isinstance(a.get("dtype"), str) and isinstance(a.get("shape"), list)
+                     and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in a["shape"])
+                     and isinstance(a.get("checksum", ""), str),
+                     f"leaf record {name}.{leaf} {k or 'array'}: bad 'dtype' / 'shape' / 'checksum'")
+                try:
+                    np.dtype(a["dtype"])
+                except TypeError:
+                    need(False, f"leaf record {name}.{leaf}: unknown dtype {a['dtype']!r}")
+    if "mtp" in items:
+        n = items["mtp"].get("num_layers")
+        need(isinstance(n, int) and not isinstance(n, bool) and n >= 0, "'items.mtp.num_layers' is not an int")
+    if "dspark" in items:
+        c = items["dspark"].get("config")
+        need(isinstance(c, dict) and all(isinstance(c.get(k), int) for k in ("n_stages", "n_taps", "markov_rank"))
+             and isinstance(c.get("conf_bias"), bool), "'items.dspark.config' lacks n_stages / n_taps / "
+             "markov_rank / conf_bias")
+
+
+def _arrays_of(rec: dict, path: str) -> dict[str, tuple[tuple[int, ...], np.dtype, str | None]]:
+    """{stored array path: (shape, dtype, checksum or None)} of one leaf record."""
+    if rec["format"] == "dense":
+        return {path: (tuple(rec["shape"]), np.dtype(rec["dtype"]), rec.get("checksum"))}
+    return {f"{path}.{k}": (tuple(a["shape"]), np.dtype(a["dtype"]), a.get("checksum"))
+            for k, a in rec["arrays"].items()}
+
+
+def _orbax_arrays(item_path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{array path: (shape, dtype)} as Orbax recorded them (its own metadata of the item)."""
+    try:
+        tree = ocp1.metadata(item_path).metadata
+    except Exception as e:  # noqa: BLE001 - Orbax / TensorStore raise many kinds on corrupt metadata
+        raise CheckpointFormatError(f"{item_path}: cannot read the Orbax metadata ({type(e).__name__}: "
+                                    f"{str(e)[:300]})") from None
+    if not isinstance(tree, dict):
+        raise CheckpointFormatError(f"{item_path}: the Orbax metadata is not a tree of arrays")
+    out = {}
+    for k, v in traverse_util.flatten_dict(tree, sep=".").items():
+        shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
+        if shape is None or dtype is None:
+            raise CheckpointFormatError(f"{item_path}: stored entry {k} is not an array")
+        out[k] = (tuple(shape), np.dtype(dtype))
+    return out
+
+
+def cross_check(item_path: str, leaves: dict, expected: set[str]) -> None:
+    """dsv4.json's leaf records against the leaves the config needs (`expected`) and against what Orbax
+    stored (names, shapes, dtypes): any disagreement is a CheckpointFormatError naming item and leaf."""
+    extra = sorted(set(leaves) - expected)
+    missing = sorted(expected - set(leaves))
+    meta = os.path.join(os.path.dirname(item_path), META_FILE)
+    if missing:
+        raise CheckpointFormatError(f"{meta}: {os.path.basename(item_path)} leaves {missing[:6]} are not in the "
+                                    "checkpoint")
+    if extra:
+        raise CheckpointFormatError(f"{meta}: lists {os.path.basename(item_path)} leaves the config does not use: "
+                                    f"{extra[:6]} (config and stored leaves disagree)")
+    want = {}
+    for p, rec in leaves.items():
+        want.update({k: v[:2] for k, v in _arrays_of(rec, p).items()})
+    have = _orbax_arrays(item_path)
+    for k in sorted(set(want) | set(have)):
+        if want.get(k) != have.get(k):
+            w, h = want.get(k), have.get(k)
+            raise CheckpointFormatError(
+                f"{item_path}: leaf {k}: {META_FILE} says {_fmt(w)}, the stored array is {_fmt(h)}")
+
+
+def _fmt(v) -> str:
+    return "absent" if v is None else f"{v[1].name}{list(v[0])}"
 
 
 class _Placement:
     """Sharding of each restored leaf: one device, or rule-derived per leaf (a QArray of two for a quantized one)."""
 
-    def __init__(self, mesh=None, rules=None):
-        self.mesh, self.rules = mesh, rules
+    def __init__(self, mesh=None, rules=None, verify: bool = True):
+        self.mesh, self.rules, self.verify = mesh, rules, verify
         self.single = SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else None
 
     def __call__(self, path: str, spec: P.ParamSpec):
@@ -93,8 +193,8 @@ def _target(rec: dict, spec: P.ParamSpec, dtype, place: _Placement, path: str, v
         raise CheckpointFormatError(f"leaf {path}: stored shape {tuple(rec['shape'])}, the config needs "
                                     f"{tuple(spec.shape)}")
     leaf = P.abstract_leaf(spec, dtype, place(path, spec))
-    if fmt is None:
-        return leaf
+    if fmt is None:          # restored as stored (checksummed), cast to the compute dtype on the device
+        return jax.ShapeDtypeStruct(leaf.shape, np.dtype(rec["dtype"]), sharding=leaf.sharding)
     stored = {k: (tuple(a["shape"]), np.dtype(a["dtype"])) for k, a in rec["arrays"].items()}
     want = {"codes": (leaf.codes.shape, leaf.codes.dtype), "scale": (leaf.scale.shape, leaf.scale.dtype)}
     if version == 1 and fmt == quant.FP8 and stored.get("codes", (None,))[1] == np.uint8:
@@ -126,7 +226,8 @@ def _to_model(rec: dict, stored, spec: P.ParamSpec, dtype, place: _Placement, pa
         dense_sh = place(path, dataclasses.replace(spec, quant=None))
         return _restore_ggml(rec, stored, spec, dtype, dense_sh, path, keep)
     if not isinstance(stored, quant.QArray):
-        return stored
+        want = jnp.dtype(spec.dtype(dtype))
+        return stored if stored.dtype == want else stored.astype(want)
     if stored.codes.dtype != quant.CODES[stored.fmt.codes]:            # version 1 FP8: uint8 bits
         stored = quant.QArray(_bitcast(stored.codes, quant.CODES[stored.fmt.codes]), stored.scale, stored.fmt,
                               stored.dtype)
@@ -142,22 +243,49 @@ def _bitcast(x, dtype):
 
 def _restore(item_path: str, leaves: dict[str, dict], specs: dict[str, P.ParamSpec], dtype, place: _Placement,
              version: int, keep: bool) -> dict:
-    """Restore the given flat leaves of one item; returns {path: model leaf}."""
+    """Restore the given flat leaves of one item, checksums verified; returns {path: model leaf}."""
     missing = sorted(p for p in specs if p not in leaves)
     if missing:
         raise CheckpointFormatError(f"{item_path}: leaves {missing[:6]} are not in the checkpoint")
     abstract = {p: _target(leaves[p], specs[p], dtype, place, p, version) for p in specs}
     ctx = ocp1.Context()
     ctx.pytree.loading.partial_load = True
-    with ctx:
-        got = ocp1.load(item_path, traverse_util.unflatten_dict(abstract, sep="."))
-    out = {}
+    try:
+        with ctx:
+            got = ocp1.load(item_path, traverse_util.unflatten_dict(abstract, sep="."))
+    except Exception as e:  # noqa: BLE001 - Orbax / TensorStore raise many kinds on corrupt data
+        names = sorted(specs)
+        raise CheckpointFormatError(f"{item_path}: cannot restore leaves {names[0]} .. {names[-1]} "
+                                    f"({len(names)} leaves): {type(e).__name__}: {str(e)[:400]}") from None
+    nodes = {}
     for p in specs:
         node = got
         for k in p.split("."):
             node = node[k]
-        out[p] = _to_model(leaves[p], node, specs[p], dtype, place, p, keep)
-    return out
+        nodes[p] = node
+    if place.verify:
+        _verify(item_path, leaves, nodes)
+    return {p: _to_model(leaves[p], nodes[p], specs[p], dtype, place, p, keep) for p in specs}
+
+
+def _verify(item_path: str, leaves: dict, nodes: dict) -> None:
+    """Compare every restored array with the checksum dsv4.json recorded for it (arrays without one, as
+    in checkpoints written before checksums existed, are skipped); ChecksumError naming item and leaf."""
+    arrays, want = {}, {}
+    for p, node in nodes.items():
+        for k, (_, _, ck) in _arrays_of(leaves[p], p).items():
+            if ck is None:
+                continue
+            sub = k[len(p) + 1:]
+            arrays[k] = node if not sub else getattr(node, sub, None) if not isinstance(node, dict) else node[sub]
+            want[k] = ck
+    if not arrays:
+        return
+    got = checksums(arrays)
+    bad = sorted(k for k in arrays if got[k] != want[k])
+    if bad:
+        raise ChecksumError(f"{item_path}: stored array(s) {bad[:6]} do not match the checksums in {META_FILE} "
+                            f"(corrupt data: e.g. {bad[0]} sums to {got[bad[0]]}, recorded {want[bad[0]]})")
 
 
 def _flat_specs(tree) -> dict[str, P.ParamSpec]:
@@ -227,7 +355,7 @@ def _load_dspark(path: str, config: ModelConfig, item: dict, dtype, sharding, ve
 
 
 def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=None, keep_quantized: bool = False,
-                    sharding=None):
+                    sharding=None, verify: bool = True):
     """(config, params) of a checkpoint written by `dsv4-convert`.
 
     dtype: compute dtype of the weight leaves (default: the dtype chosen at conversion; bfloat16 for kept
@@ -243,25 +371,30 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
     its rules and, unless `mesh` is given, its mesh over all devices; the returned config carries the
     preset's backends (the expert-parallel MoE on that mesh).
 
+    verify (default): dsv4.json is cross-checked against the stored leaves (names, shapes, dtypes, the
+    layer count of the config) and every restored array against the checksum recorded when it was written
+    (`dsv4_jax.io.integrity`; on the device, one fused pass per unit; cost in docs/converting.md). A
+    mismatch raises CheckpointFormatError / ChecksumError naming the file and the leaf.
+
     Returns (ModelConfig, params) for a target-only checkpoint. When the checkpoint holds drafters
     the config is a `CheckpointConfig(target, mtp_layers, dspark)` and params gain `params["mtp"]`
     (list of MTP block trees) and/or `params["dspark"]` ({main_proj, ..., stages: [...]}).
     """
     path = os.path.abspath(os.fspath(path))
-    meta = read_metadata(path)
-    version = meta.get("format_version")
-    if version not in FORMAT_VERSIONS:
-        raise CheckpointFormatError(f"{path}: checkpoint format_version {version!r}; this dsv4_jax reads "
-                                    f"{FORMAT_VERSIONS} (re-convert the source with this dsv4-convert)")
-    config = ModelConfig.from_dict(meta["config"])
-    dtype = jnp.dtype(dtype if dtype is not None else meta["conversion"].get("dtype", "bfloat16"))
+    meta, config, version = _open(path)
+    conv = meta.get("conversion") or {}
+    try:
+        dtype = jnp.dtype(dtype if dtype is not None else conv.get("dtype", "bfloat16"))
+    except TypeError:
+        raise CheckpointFormatError(f"{path}/{META_FILE}: conversion.dtype {conv.get('dtype')!r} is not a dtype") \
+            from None
     if sharding is not None:
         preset = sharding_preset(sharding)
         if rules is not None:
             raise ValueError("give rules or a sharding preset, not both (the preset brings its rules)")
         mesh, rules = mesh if mesh is not None else preset.make_mesh(), preset.rules_dict
         config = preset.apply(config, mesh)
-    sharding = _Placement(mesh, rules)
+    sharding = _Placement(mesh, rules, verify)
     items = meta["items"]
     keep = bool(keep_quantized)
     params = _load_target(path, config, items["target"]["leaves"], dtype, sharding, version, keep)
@@ -274,3 +407,76 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
     if mtp_layers or dspark is not None:
         return CheckpointConfig(config, mtp_layers, dspark), params
     return config, params
+
+
+def _expected_leaves(config: ModelConfig, name: str, item: dict) -> set[str]:
+    """Flat leaf paths the config (and the item's own drafter metadata) needs in item `name`."""
+    return set(_leaf_specs(config, name, item))
+
+
+def _open(path: str) -> tuple[dict, ModelConfig, int]:
+    """(dsv4.json, config, format_version) of a checkpoint, cross-checked against its stored leaves."""
+    meta = read_metadata(path)
+    version = meta.get("format_version")
+    if version not in FORMAT_VERSIONS:
+        raise CheckpointFormatError(f"{path}: checkpoint format_version {version!r}; this dsv4_jax reads "
+                                    f"{FORMAT_VERSIONS} (re-convert the source with this dsv4-convert)")
+    try:
+        config = ModelConfig.from_dict(meta["config"])
+    except (ConfigError, TypeError, ValueError, KeyError) as e:
+        raise CheckpointFormatError(f"{os.path.join(path, META_FILE)}: invalid 'config': {type(e).__name__}: "
+                                    f"{e}") from None
+    for name, item in meta["items"].items():
+        item_path = os.path.join(path, name)
+        if not os.path.isdir(item_path):
+            raise CheckpointFormatError(f"{item_path}: missing (dsv4.json lists item {name!r})")
+        try:
+            expected = _expected_leaves(config, name, item)
+        except (ConfigError, TypeError, ValueError) as e:
+            raise CheckpointFormatError(f"{os.path.join(path, META_FILE)}: invalid items.{name}: {e}") from None
+        cross_check(item_path, item["leaves"], expected)
+    return meta, config, version
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Check a checkpoint without keeping it: dsv4.json against the stored leaves, then every array against
+    its checksum, one unit (layer, block, stage) at a time on the first local device. Returns
+    {item: number of arrays verified}; raises CheckpointFormatError / ChecksumError naming file and leaf."""
+    path = os.path.abspath(os.fspath(path))
+    meta, config, version = _open(path)
+    place = _Placement(None, None, True)
+    counts = {}
+    for name, item in meta["items"].items():
+        leaves = item["leaves"]
+        n_arrays = sum(1 for p, r in leaves.items() for k, v in _arrays_of(r, p).items() if v[2] is not None)
+        if not n_arrays:
+            raise CheckpointFormatError(f"{path}/{META_FILE}: item {name!r} records no checksums (written before "
+                                        "checksums existed); re-save or re-convert it to verify")
+        groups: dict[str, list[str]] = {}
+        for p in leaves:
+            parts = p.split(".")
+            unit = ".".join(parts[:2]) if parts[0] in ("layers", "stages") else parts[0] if name == "mtp" else ""
+            groups.setdefault(unit, []).append(p)
+        specs = _leaf_specs(config, name, item)
+        for unit, paths in groups.items():
+            _restore(os.path.join(path, name), leaves, {p: specs[p] for p in paths}, jnp.float32, place, version,
+                     True)
+        counts[name] = n_arrays
+    return counts
+
+
+def _leaf_specs(config: ModelConfig, name: str, item: dict) -> dict[str, P.ParamSpec]:
+    """{flat leaf path: ParamSpec} of one item (unstacked, as stored)."""
+    if name == "target":
+        out = _flat_specs({k: v for k, v in P.param_specs(config).items() if k != "segments"})
+        for i in range(config.num_layers):
+            out.update({f"layers.{i:02d}.{p}": sp for p, sp in _flat_specs(P.layer_specs(config, i)).items()})
+        return out
+    if name == "mtp":
+        return {f"{i}.{p}": sp for i in range(item["num_layers"]) for p, sp in _flat_specs(P.mtp_specs(config)).items()}
+    m = item["config"]
+    specs = P.dspark_specs(config, m["n_stages"], m["n_taps"], m["markov_rank"], m["conf_bias"])
+    out = _flat_specs({k: v for k, v in specs.items() if k != "stages"})
+    for s, st in enumerate(specs["stages"]):
+        out.update({f"stages.{s}.{p}": sp for p, sp in _flat_specs(st).items()})
+    return out

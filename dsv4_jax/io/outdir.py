@@ -27,6 +27,21 @@ def _first_existing(path: str) -> str:
     return path
 
 
+def check_apart(path: str | os.PathLike, sources, label: str = "output directory") -> None:
+    """Raise when `path` is one of `sources`, lies inside one, or contains one (symlinks resolved): writing
+    or replacing it would destroy the input. Holds with --overwrite too."""
+    out = os.path.realpath(os.fspath(path))
+    for src in sources:
+        if src is None:
+            continue
+        s = os.path.realpath(os.fspath(src))
+        rel = ("is" if out == s else "lies inside" if out.startswith(s.rstrip(os.sep) + os.sep)
+               else "contains" if s.startswith(out.rstrip(os.sep) + os.sep) else None)
+        if rel:
+            raise OutDirError(f"{label} {os.fspath(path)!r} {rel} the source {os.fspath(src)!r}; choose an output "
+                              "directory apart from the sources (refused even with --overwrite)")
+
+
 def check_target(path: str | os.PathLike, overwrite: bool = False, label: str = "output directory") -> None:
     """Raise unless `path` may be written: missing or empty (or non-empty with overwrite), and its
     nearest existing ancestor a writable directory. Checked before any work starts."""
@@ -91,6 +106,10 @@ class AtomicDir:
     def __exit__(self, *exc) -> bool:
         if not self.committed:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            parent, base = os.path.split(self.tmp)
+            for name in os.listdir(parent) if os.path.isdir(parent) else ():
+                if name.startswith(base + "."):         # writers' own siblings, e.g. Orbax's `.partial_save`
+                    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
             for d in self._made:              # deepest first; only if still empty
                 try:
                     os.rmdir(d)

@@ -36,7 +36,7 @@ from ..ops.partitioning import (DEFAULT_RULES, constrain, constrain_logical, con
                                 leaf_partition_spec, logical_rules, mesh_sizes, partition_spec, state_batch_entry,
                                 state_split_beyond_tokens)
 from .meshes import MESH_AXES, default_mesh_shape, make_mesh, parse_mesh_shape
-from .multihost import initialize_distributed
+from .multihost import initialize_distributed, to_host
 from .presets import LATENCY_SPLIT, PRESETS, ShardingPreset, preset
 from .rules import (DEFAULT_REPLICATED, describe, drafter_shardings, init_sharded_state, param_partition_specs,
                     param_shardings, shard_batch, shard_params, shard_state, shardings_like, spec_sharding,
@@ -48,4 +48,4 @@ __all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "LATENCY_SPLIT", "MESH_AXES", 
            "describe", "drafter_shardings", "init_sharded_state", "initialize_distributed", "leaf_partition_spec", "make_mesh", "mesh_sizes",
            "param_partition_specs", "param_shardings", "partition_spec", "preset", "shard_batch", "shard_params",
            "shard_state", "shardings_like", "spec_sharding", "spec_tree_partition_specs", "state_partition_specs",
-           "state_shardings"]
+           "state_shardings", "to_host"]

@@ -3,6 +3,7 @@
     dsv4-convert hf SRC_DIR OUT_DIR [--dspark DSPARK_DIR] [--dtype bf16|f32|f16] [--keep-quantized]
     dsv4-convert gguf SRC.gguf OUT_DIR [--mtp FILE] [--dspark FILE] [--dtype ...] [--keep-quantized]
     dsv4-convert drafter CKPT_DIR [--mtp PATH] [--dspark PATH]
+    dsv4-convert verify CKPT_DIR
 
 Exit status 0 on success, 2 on bad input (message on stderr; no output directory is left behind).
 """
@@ -12,20 +13,23 @@ import argparse
 import os
 import sys
 import textwrap
+import warnings
 
 from ... import cli
 from ...config import ConfigError
-from ..outdir import OutDirError, check_target
+from ..checkpoint import CheckpointFormatError, verify_checkpoint
+from ..integrity import ChecksumError
+from ..outdir import OutDirError, check_apart, check_target
 
 from . import pipeline
 from .gguf_io import GGUFError
 from .plan import ConvertError
 from .quant_formats import FormatError
 from .safetensors_io import SafetensorsError
-from .truncation import TruncatedFileError
+from .truncation import TruncatedFileError, file_kind
 
 ERRORS = (ConvertError, GGUFError, SafetensorsError, TruncatedFileError, FormatError, ConfigError, OutDirError,
-          FileNotFoundError)
+          FileNotFoundError, CheckpointFormatError, ChecksumError)
 
 DTYPES = ("bf16", "f32", "f16")
 _OUTPUT = """
@@ -51,6 +55,8 @@ _EXAMPLES = {
                 "dsv4-convert drafter ckpt/flash --dspark /ckpt/DSpark-V4-Flash    # official safetensors directory",
                 "dsv4-convert drafter ckpt/flash --dspark dflash.gguf --overwrite  # replace the DSpark drafter "
                 "there"],
+    "verify": ["dsv4-convert verify ckpt/flash                                  # every stored array against "
+               "its checksum"],
 }
 _DRAFTER_NOTE = """
 CKPT_DIR/dsv4.json gains the drafter items; each drafter is written atomically (a failed run leaves
@@ -72,8 +78,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "IQ-quants requantized to Q8_0 (lossy, warned) -- the default; with --dtype, DTYPE is "
                         "then only load_checkpoint's default compute dtype. load_checkpoint(..., "
                         "keep_quantized=True) keeps them quantized on the device.")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty "
+                   "(never when OUT_DIR is, contains or lies inside a source)")
+    _add_nonfinite(p)
     cli.add_quiet(p, "no progress bar", short=True)
+
+
+def _add_nonfinite(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert tensors that decode to NaN / inf (default: an error naming the tensor)")
 
 
 def _sub(sub, name: str, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
@@ -84,9 +97,9 @@ def _sub(sub, name: str, help: str, description: str, epilog: str) -> argparse.A
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsv4-convert", description="Convert DeepSeek-V4 (Flash) checkpoints "
                                  "to Orbax checkpoints for dsv4_jax.\n`dsv4-convert SUBCOMMAND --help` shows a "
-                                 "subcommand's options.", epilog=_examples("hf", "gguf", "drafter") + _OUTPUT,
+                                 "subcommand's options.", epilog=_examples("hf", "gguf", "drafter", "verify") + _OUTPUT,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{hf,gguf,drafter}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{hf,gguf,drafter,verify}")
 
     hf = _sub(sub, "hf", "a Hugging Face safetensors directory (official or transformers format)",
               "Convert a safetensors checkpoint directory (config.json + *.safetensors). The naming is "
@@ -127,7 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="store quantized drafter tensors as codes + scales (default: as the checkpoint was "
                          "converted)")
     dr.add_argument("--overwrite", action="store_true", help="replace drafters already in CKPT_DIR")
+    _add_nonfinite(dr)
     cli.add_quiet(dr, "no progress bar", short=True)
+
+    ve = _sub(sub, "verify", "check a converted checkpoint against its recorded checksums",
+              "Cross-check CKPT_DIR/dsv4.json against the stored leaves (names, shapes, dtypes, layer count) and "
+              "every stored array against the checksum written with it, one layer at a time on one device. "
+              "Exit status 0 when intact, 2 naming the file and leaf otherwise.", _examples("verify"))
+    ve.add_argument("ckpt", metavar="CKPT_DIR", help="a checkpoint written by dsv4-convert or save_checkpoint")
     return ap
 
 
@@ -139,16 +159,39 @@ def _drafter_job(path: str, kind: str, config):
     return pipeline.plan_gguf_dspark(path, config)
 
 
+def _check_sources(paths) -> None:
+    """Every given source exists and is a directory or a regular file (a FIFO or device would block or
+    stream): refused up front, before anything is opened."""
+    for p in paths:
+        if p is None:
+            continue
+        if not os.path.exists(p):
+            raise ConvertError(f"{p}: no such file or directory")
+        if not (os.path.isdir(p) or os.path.isfile(p)):
+            raise ConvertError(f"{p}: not a regular file or directory ({file_kind(p)})")
+
+
 def run(args) -> dict:
+    if args.cmd == "verify":
+        _check_sources([args.ckpt])
+        return {"verified": verify_checkpoint(args.ckpt)}
+    nonfinite = bool(getattr(args, "allow_nonfinite", False))
     if args.cmd == "drafter":
         if not (args.mtp or args.dspark):
             raise ConvertError("nothing to add: give --mtp and/or --dspark")
         config = pipeline.config_of(args.ckpt)
+        _check_sources([args.mtp, args.dspark])
+        for kind in ("mtp", "dspark"):
+            if getattr(args, kind):
+                check_apart(os.path.join(args.ckpt, kind), [getattr(args, kind)], f"CKPT_DIR/{kind}")
         jobs = [_drafter_job(p, k, config) for k, p in (("mtp", args.mtp), ("dspark", args.dspark)) if p]
         keep = args.keep_quantized or (False if args.dtype else None)    # --dtype alone: dequantize
         return pipeline.add_drafters(args.ckpt, jobs, dtype=args.dtype, keep_quantized=keep,
-                                     overwrite=args.overwrite, quiet=args.quiet)
+                                     overwrite=args.overwrite, quiet=args.quiet, allow_nonfinite=nonfinite)
+    sources = [args.src, getattr(args, "mtp", None), getattr(args, "dspark", None)]
+    check_apart(args.out, sources, "OUT_DIR")            # even with --overwrite: never replace a source
     check_target(args.out, args.overwrite, "OUT_DIR")     # before reading any source
+    _check_sources(sources)
     if args.cmd == "hf":
         config, jobs = pipeline.plan_hf(args.src)
     else:
@@ -158,19 +201,33 @@ def run(args) -> dict:
         if p:
             jobs = [j for j in jobs if j.item != kind] + [_drafter_job(p, kind, config)]
     keep = args.keep_quantized or args.dtype is None                    # --dtype alone: dequantize to it
-    return pipeline.convert(args.out, config, jobs, dtype=args.dtype or "bf16", keep_quantized=keep,
-                            overwrite=args.overwrite, quiet=args.quiet)
+    return pipeline.convert(args.out, config, jobs, dtype=args.dtype or "bfloat16", keep_quantized=keep,
+                            overwrite=args.overwrite, quiet=args.quiet, allow_nonfinite=nonfinite)
+
+
+def _inputs(args) -> str:
+    paths = [getattr(args, k, None) for k in ("src", "ckpt", "mtp", "dspark")]
+    return ", ".join(p for p in paths if p)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        meta = run(args)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=RuntimeWarning, module="numpy")   # NaN/inf: our own check
+            meta = run(args)
     except ERRORS as e:
         return cli.fail("dsv4-convert", e)
     except KeyboardInterrupt:
         print("dsv4-convert: interrupted; nothing written", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - no traceback reaches a user: one message naming the inputs
+        print(f"dsv4-convert: error: {_inputs(args)}: unexpected {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "verify":
+        counts = ", ".join(f"{k} ({n} arrays)" for k, n in meta["verified"].items())
+        print(f"dsv4-convert: {args.ckpt}: intact: {counts}", file=sys.stderr)
+        return 0
     items = ", ".join(f"{k} ({len(v['leaves'])} leaves)" for k, v in meta["items"].items())
     dest = args.ckpt if args.cmd == "drafter" else args.out
     if not args.quiet:

@@ -8,8 +8,10 @@ into (codes, scale), MXFP4 repacked into the official FP4 layout, other quant ty
 """
 from __future__ import annotations
 
+import math
 import os
 import re
+import warnings
 
 import gguf
 import ml_dtypes
@@ -17,9 +19,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from . import quant_formats as qf
-from .gguf_layout import diagnose
+from .gguf_layout import check_offsets, diagnose
 from .safetensors_io import read_range
-from .truncation import cut_message
+from .truncation import cut_message, file_kind
 
 _SPLIT = re.compile(r"^(?P<base>.*)-(?P<k>\d{5})-of-(?P<n>\d{5})\.gguf$")
 _DENSE = {T.F32: np.float32, T.F16: np.float16, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
@@ -49,6 +51,8 @@ def _open(path: str) -> gguf.GGUFReader:
     (the section, key or tensor that is missing, with the bytes expected and present)."""
     if not os.path.exists(path):
         raise GGUFError(f"{path}: no such file")
+    if not os.path.isfile(path):
+        raise GGUFError(f"{path}: not a regular file ({file_kind(path)}); give the path of a .gguf file")
     try:
         r = gguf.GGUFReader(path, "r")
     except ValueError as e:
@@ -63,6 +67,9 @@ def _open(path: str) -> gguf.GGUFReader:
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
             raise GGUFError(diagnose(path) or cut_message(path, "tensor data", f"tensor {t.name!r}",
                                                           int(t.data_offset), int(t.n_bytes), size))
+    bad = check_offsets(path, r.tensors, int(r.data_offset), int(r.alignment), size)
+    if bad:
+        raise GGUFError(bad)
     return r
 
 
@@ -135,67 +142,117 @@ class GGUFSource:
                         "support (gguf-py has no dequantizer for it)")
 
 
-def _need(src: GGUFSource, key: str):
+class GGUFDefaultWarning(UserWarning):
+    """An optional GGUF metadata key was absent and its default was used (the message names both)."""
+
+
+_REQ = object()
+
+
+def _meta(src: GGUFSource, key: str, kind: str, default=_REQ, warn: bool = True):
+    """Typed metadata value (kind: int | float | bool | str | ints | floats). Missing: GGUFError when
+    required, else `default` with a GGUFDefaultWarning naming key and default (when `warn`). A value of the
+    wrong type: GGUFError naming the file, the key, the value and what was expected."""
     v = src.field(key)
     if v is None:
-        raise GGUFError(f"{src.path}: missing metadata key {key!r}")
-    return v
+        if default is _REQ:
+            raise GGUFError(f"{src.path}: missing metadata key {key!r}")
+        if warn:
+            warnings.warn(f"{src.path}: metadata key {key!r} is absent; using the default {default!r}",
+                          GGUFDefaultWarning, stacklevel=3)
+        return default
+    base = kind[:-1] if kind in ("ints", "floats") else kind
+    items = v if kind in ("ints", "floats") else [v]
+    if kind in ("ints", "floats") and not isinstance(v, list):
+        raise GGUFError(f"{src.path}: metadata key {key!r} = {v!r}: expected an array of {base}s")
+    out = []
+    for x in items:
+        ok = {"int": isinstance(x, int) and not isinstance(x, bool),
+              "float": isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x),
+              "bool": isinstance(x, bool) or x in (0, 1) and isinstance(x, int),
+              "str": isinstance(x, str)}[base]
+        if not ok:
+            raise GGUFError(f"{src.path}: metadata key {key!r} = {v!r}: expected "
+                            f"{'an array of ' + base + 's' if base != kind else 'a ' + base}")
+        out.append({"int": int, "float": float, "bool": bool, "str": str}[base](x))
+    return out if kind in ("ints", "floats") else out[0]
 
 
+# Required keys: every key llama.cpp's DeepseekV4 converter always writes (docs/weight_formats.md §1.1),
+# swiglu_clamp_exp and rope.scaling.type included (V4 always has the clamp and YaRN; a silent default
+# would change the model). Optional ones (defaults warned): head_count_kv (must be 1), expert_shared_count,
+# expert_weights_norm, expert_gating_func, the YaRN betas, tokenizer bos / eos ids; nextn_predict_layers
+# (only MTP files) and vocab_size (token_embd's rows) default silently.
 def config_dict(src: GGUFSource, arch: str = "deepseek4") -> dict:
     """config.json-style dict (DeepSeek legacy keys) from the `{arch}.*` metadata (docs/weight_formats.md §1.1)."""
     a = arch + "."
-    g = lambda k, d=None: src.field(a + k, d)  # noqa: E731
-    nextn = int(g("nextn_predict_layers", 0))
-    n = int(_need(src, a + "block_count")) - nextn
-    gating = g("expert_gating_func")
-    if gating is not None and int(gating) != 4:
+    m = lambda k, kind, d=_REQ, warn=True: _meta(src, a + k, kind, d, warn)  # noqa: E731
+    nextn = m("nextn_predict_layers", "int", 0, warn=False)
+    n = m("block_count", "int") - nextn
+    gating = m("expert_gating_func", "int", 4)
+    if gating != 4:
         raise GGUFError(f"{src.path}: {a}expert_gating_func = {gating}, DeepSeek-V4 uses 4 (sqrtsoftplus)")
-    swiglu = g("swiglu_clamp_exp", 10.0)
+    if src.field(a + "swiglu_clamp_exp") is not None and isinstance(src.field(a + "swiglu_clamp_exp"), list):
+        clamps = m("swiglu_clamp_exp", "floats")
+        if not clamps or len(set(clamps)) != 1:
+            raise GGUFError(f"{src.path}: metadata key {a + 'swiglu_clamp_exp'!r} = {clamps!r}: expected one "
+                            "value repeated per layer (dsv4_jax has one swiglu_limit)")
+        swiglu = clamps[0]
+    else:
+        swiglu = m("swiglu_clamp_exp", "float")
+    ratios = m("attention.compress_ratios", "ints")
+    if len(ratios) < n:
+        raise GGUFError(f"{src.path}: metadata key {a + 'attention.compress_ratios'!r} has {len(ratios)} entries "
+                        f"for {n} layers")
     d = {
-        "num_hidden_layers": n, "hidden_size": int(_need(src, a + "embedding_length")),
-        "num_attention_heads": int(_need(src, a + "attention.head_count")),
-        "num_key_value_heads": int(g("attention.head_count_kv", 1)),
-        "head_dim": int(_need(src, a + "attention.key_length")),
-        "qk_rope_head_dim": int(_need(src, a + "rope.dimension_count")),
-        "q_lora_rank": int(_need(src, a + "attention.q_lora_rank")),
-        "o_groups": int(_need(src, a + "attention.output_group_count")),
-        "o_lora_rank": int(_need(src, a + "attention.output_lora_rank")),
-        "sliding_window": int(_need(src, a + "attention.sliding_window")),
-        "compress_ratios": [int(x) for x in _need(src, a + "attention.compress_ratios")][:n],
-        "index_n_heads": int(g("attention.indexer.head_count", 0)),
-        "index_head_dim": int(g("attention.indexer.key_length", 0)),
-        "index_topk": int(g("attention.indexer.top_k", 0)),
-        "hc_mult": int(_need(src, a + "hyper_connection.count")),
-        "hc_sinkhorn_iters": int(_need(src, a + "hyper_connection.sinkhorn_iterations")),
-        "hc_eps": float(_need(src, a + "hyper_connection.epsilon")),
-        "n_routed_experts": int(_need(src, a + "expert_count")),
-        "num_experts_per_tok": int(_need(src, a + "expert_used_count")),
-        "n_shared_experts": int(g("expert_shared_count", 1)),
-        "moe_intermediate_size": int(_need(src, a + "expert_feed_forward_length")),
-        "routed_scaling_factor": float(_need(src, a + "expert_weights_scale")),
-        "norm_topk_prob": bool(g("expert_weights_norm", True)),
-        "swiglu_limit": float(swiglu[0] if isinstance(swiglu, list) else swiglu),
-        "rope_theta": float(_need(src, a + "rope.freq_base")),
-        "compress_rope_theta": float(_need(src, a + "attention.compress_rope_freq_base")),
-        "max_position_embeddings": int(_need(src, a + "context_length")),
-        "rms_norm_eps": float(_need(src, a + "attention.layer_norm_rms_epsilon")),
-        "num_hash_layers": int(_need(src, a + "hash_layer_count")),
+        "num_hidden_layers": n, "hidden_size": m("embedding_length", "int"),
+        "num_attention_heads": m("attention.head_count", "int"),
+        "num_key_value_heads": m("attention.head_count_kv", "int", 1),
+        "head_dim": m("attention.key_length", "int"),
+        "qk_rope_head_dim": m("rope.dimension_count", "int"),
+        "q_lora_rank": m("attention.q_lora_rank", "int"),
+        "o_groups": m("attention.output_group_count", "int"),
+        "o_lora_rank": m("attention.output_lora_rank", "int"),
+        "sliding_window": m("attention.sliding_window", "int"),
+        "compress_ratios": ratios[:n],
+        "index_n_heads": m("attention.indexer.head_count", "int"),
+        "index_head_dim": m("attention.indexer.key_length", "int"),
+        "index_topk": m("attention.indexer.top_k", "int"),
+        "hc_mult": m("hyper_connection.count", "int"),
+        "hc_sinkhorn_iters": m("hyper_connection.sinkhorn_iterations", "int"),
+        "hc_eps": m("hyper_connection.epsilon", "float"),
+        "n_routed_experts": m("expert_count", "int"),
+        "num_experts_per_tok": m("expert_used_count", "int"),
+        "n_shared_experts": m("expert_shared_count", "int", 1),
+        "moe_intermediate_size": m("expert_feed_forward_length", "int"),
+        "routed_scaling_factor": m("expert_weights_scale", "float"),
+        "norm_topk_prob": m("expert_weights_norm", "bool", True),
+        "swiglu_limit": swiglu,
+        "rope_theta": m("rope.freq_base", "float"),
+        "compress_rope_theta": m("attention.compress_rope_freq_base", "float"),
+        "max_position_embeddings": m("context_length", "int"),
+        "rms_norm_eps": m("attention.layer_norm_rms_epsilon", "float"),
+        "num_hash_layers": m("hash_layer_count", "int"),
         "num_nextn_predict_layers": nextn,
-        "bos_token_id": src.field("tokenizer.ggml.bos_token_id", 0),
-        "eos_token_id": src.field("tokenizer.ggml.eos_token_id", 1),
+        "bos_token_id": _meta(src, "tokenizer.ggml.bos_token_id", "int", 0),
+        "eos_token_id": _meta(src, "tokenizer.ggml.eos_token_id", "int", 1),
         "model_type": "deepseek_v4",
     }
-    vocab = g("vocab_size")
+    vocab = m("vocab_size", "int", None, warn=False)
     if vocab is None and "token_embd.weight" in src.names():
         vocab = src.shape("token_embd.weight")[0]
     if vocab is None:
         raise GGUFError(f"{src.path}: missing metadata key {a + 'vocab_size'!r} (and no token_embd.weight)")
     d["vocab_size"] = int(vocab)
-    kind = g("rope.scaling.type")
-    if kind not in (None, "none"):
-        d["rope_scaling"] = {"type": kind, "factor": float(_need(src, a + "rope.scaling.factor")),
-                             "original_max_position_embeddings": int(_need(src, a + "rope.scaling.original_context_length")),
-                             "beta_fast": float(g("rope.scaling.yarn_beta_fast", 32.0)),
-                             "beta_slow": float(g("rope.scaling.yarn_beta_slow", 1.0))}
+    kind = m("rope.scaling.type", "str")
+    if kind == "yarn":
+        d["rope_scaling"] = {"type": kind, "factor": m("rope.scaling.factor", "float"),
+                             "original_max_position_embeddings": m("rope.scaling.original_context_length", "int"),
+                             "beta_fast": m("rope.scaling.yarn_beta_fast", "float", 32.0),
+                             "beta_slow": m("rope.scaling.yarn_beta_slow", "float", 1.0)}
+    elif kind != "none":
+        raise GGUFError(f"{src.path}: metadata key {a + 'rope.scaling.type'!r} = {kind!r}: expected 'yarn' or "
+                        "'none'")
+    else:
+        d["rope_scaling"] = {"type": "default"}
     return d

@@ -143,3 +143,36 @@ def diagnose(path: str) -> str | None:
     name, tname, shape, start, nbytes = min(beyond, key=lambda t: t[3])
     msg = cut_message(path, "tensor data", f"tensor {name!r} ({tname} {list(shape)})", start, nbytes, size)
     return msg + (f"; {len(beyond) - 1} more tensor(s) lie beyond the end" if len(beyond) > 1 else "")
+
+
+def check_offsets(path: str, tensors, data_start: int, alignment: int, size: int) -> str | None:
+    """ggml's own rule for the tensor data (gguf.cpp): in tensor-info order, each tensor's offset (from the
+    aligned data start) is exactly the running sum of the previous tensors' sizes, each padded to the
+    alignment; a size is the type's block bytes × the element count / block size, and the first dimension
+    holds whole blocks; every tensor lies inside the file. So no tensor is misaligned, overlaps or aliases
+    another, or has a size changed by an edited type id. tensors: gguf-py ReaderTensors.
+    Returns a message naming the file and the first offending tensor, or None."""
+    if alignment <= 0 or alignment & (alignment - 1):
+        return f"{path}: general.alignment = {alignment}, expected a positive power of two"
+    expect = 0
+    for t in tensors:
+        qt = gguf.GGMLQuantizationType(int(t.tensor_type))
+        block, tsize = gguf.GGML_QUANT_SIZES[qt]
+        ne = [int(x) for x in t.shape.tolist()]
+        if any(x < 0 for x in ne) or (ne and ne[0] % block):
+            return (f"{path}: tensor {t.name!r} ({qt.name}, ne {ne}): the first dimension is not a whole number "
+                    f"of {block}-element blocks")
+        nbytes = math.prod(ne) // block * tsize
+        rel = int(t.data_offset) - data_start
+        if rel != expect:
+            why = ("not aligned to %d bytes" % alignment if rel % alignment else
+                   "overlapping the previous tensor" if rel < expect else "leaving a gap after the previous tensor")
+            return (f"{path}: tensor {t.name!r} ({qt.name}, ne {ne}, {nbytes} bytes) has data offset {rel}, but the "
+                    f"tensors before it end at {expect} (offsets must be the running padded sizes): {why}")
+        if int(t.n_bytes) != nbytes:
+            return f"{path}: tensor {t.name!r} declares {int(t.n_bytes)} bytes, its type and shape need {nbytes}"
+        if data_start + rel + nbytes > size:
+            return cut_message(path, "tensor data", f"tensor {t.name!r} ({qt.name} {ne})", data_start + rel, nbytes,
+                               size)
+        expect = rel + -(-nbytes // alignment) * alignment
+    return None

@@ -44,6 +44,7 @@ class Job:
     allow_unused: tuple[str, ...] = ()
     scope: str = ""                        # only names with this prefix may be reported as unexpected
     total: int = 0
+    allow_nonfinite: bool = False          # convert tensors holding NaN / inf (default: an error naming them)
 
     def check(self) -> "Job":
         self.total = PL.validate(self.src, self.units, self.n_experts, self.ignore_prefixes, self.allow_unused,
@@ -76,6 +77,9 @@ def detect_hf_scheme(names_: list[str]) -> str:
 
 def plan_hf(src_dir: str) -> tuple[ModelConfig, list[Job]]:
     """Target job (+ MTP or DSpark job for an official checkpoint holding `mtp.*`) of a safetensors directory."""
+    if not os.path.isdir(src_dir):
+        raise PL.ConvertError(f"{src_dir}: not a directory (SRC_DIR holds config.json and *.safetensors)"
+                              if os.path.exists(src_dir) else f"{src_dir}: no such directory")
     config = load_hf_config(src_dir)
     src = SafetensorsSource(src_dir)
     scheme = detect_hf_scheme(src.names())
@@ -161,7 +165,10 @@ def _gguf_arch(src: gguf_io.GGUFSource, want: str) -> None:
 def plan_gguf(path: str) -> tuple[ModelConfig, list[Job]]:
     src = gguf_io.GGUFSource(path)
     _gguf_arch(src, "deepseek4")
-    config = from_hf_config(gguf_io.config_dict(src))
+    try:
+        config = from_hf_config(gguf_io.config_dict(src))
+    except ConfigError as e:
+        raise ConfigError(f"{src.path}: {e}") from None
     n_mtp = config.num_nextn_predict_layers if f"blk.{config.num_layers}.nextn.eh_proj.weight" in src.names() else 0
     scheme = "ds4" if any(n.startswith(("mtp.", "dspark.")) for n in src.names()) else "llamacpp"
     source = {"kind": f"gguf-{scheme}", "path": os.path.abspath(path), "files": src.paths}
@@ -260,8 +267,15 @@ def _read_unit(job: Job, unit, dtype, keep: bool, losses: dict | None = None) ->
         tensors = PL.leaf_tensors(leaf, job.n_experts)
         if leaf.optional and any(t not in job.src.names() for t in tensors):
             continue
-        flat[leaf.path] = PL.convert_leaf(PL.read_leaf(job.src, leaf, job.n_experts), leaf.spec, dtype, keep,
-                                          losses)
+        what = f"{getattr(job.src, 'path', '?')}: tensor {tensors[0]!r}" + (" (and its experts)" if len(tensors) > 1
+                                                                            else "")
+        try:
+            flat[leaf.path] = PL.convert_leaf(PL.read_leaf(job.src, leaf, job.n_experts), leaf.spec, dtype, keep,
+                                              losses)
+        except PL.ConvertError as e:
+            raise PL.ConvertError(f"{what}: {e}") from None
+        if not job.allow_nonfinite:
+            PL.check_finite(flat[leaf.path], what)
         seen.update(tensors)
     return flat, sum(job.src.nbytes(t) for t in seen)
 
@@ -306,7 +320,7 @@ def _warn_losses(losses: dict) -> None:
 
 
 def convert(out_dir: str, config: ModelConfig, jobs: list[Job], *, dtype="bfloat16", keep_quantized=True,
-            overwrite=False, quiet=False) -> dict:
+            overwrite=False, quiet=False, allow_nonfinite=False) -> dict:
     """Check every job, then write a new checkpoint at `out_dir` atomically. Returns the metadata written.
 
     keep_quantized (default): quantized tensors keep their codes (K- / IQ-quants become Q8_0, with a
@@ -315,6 +329,7 @@ def convert(out_dir: str, config: ModelConfig, jobs: list[Job], *, dtype="bfloat
     dtype = DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
     for j in jobs:
         j.check()
+        j.allow_nonfinite = j.allow_nonfinite or allow_nonfinite
     items = [j.item for j in jobs]
     if len(set(items)) != len(items):
         raise PL.ConvertError(f"two sources for the same item: {items}")
@@ -333,7 +348,7 @@ def convert(out_dir: str, config: ModelConfig, jobs: list[Job], *, dtype="bfloat
 
 
 def add_drafters(ckpt_dir: str, jobs: list[Job], *, dtype=None, keep_quantized=None, overwrite=False,
-                 quiet=False) -> dict:
+                 quiet=False, allow_nonfinite=False) -> dict:
     """Convert drafter jobs into `ckpt_dir/{mtp,dspark}` of an existing checkpoint (each item atomic)."""
     meta = read_meta(ckpt_dir)
     conv = meta["conversion"]
@@ -342,6 +357,7 @@ def add_drafters(ckpt_dir: str, jobs: list[Job], *, dtype=None, keep_quantized=N
     keep = conv["keep_quantized"] if keep_quantized is None else keep_quantized
     for j in jobs:
         j.check()
+        j.allow_nonfinite = j.allow_nonfinite or allow_nonfinite
     losses: dict = {}
     with _progress(sum(j.total for j in jobs), "drafters", quiet) as bar:
         for j in jobs:

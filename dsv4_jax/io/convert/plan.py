@@ -144,7 +144,10 @@ def validate(src, units: list[Unit], n_experts: int, ignore_prefixes: tuple[str,
                 if not leaf.optional:
                     missing.extend(absent)
                 continue
-            shape = _source_shape(src, leaf, n_experts)
+            try:
+                shape = _source_shape(src, leaf, n_experts)
+            except ConvertError as e:
+                raise ConvertError(f"{what}: {e}") from None
             if tuple(shape) != tuple(leaf.spec.shape):
                 raise ConvertError(f"{what}: {unit.label}.{leaf.path}: tensor {tensors[0]!r} gives shape "
                                    f"{tuple(shape)}, expected {tuple(leaf.spec.shape)}")
@@ -212,6 +215,9 @@ def convert_leaf(x, spec: P.ParamSpec, dtype, keep_quantized: bool, losses: dict
     Returns a numpy array or a QArray.
     """
     src = _source_name(x)
+    if spec.kind != "index" and isinstance(x, np.ndarray) and not np.issubdtype(x.dtype, np.floating) \
+            and x.dtype.kind != "V" and not str(x.dtype).startswith(("bfloat16", "float8")):
+        raise ConvertError(f"a {spec.kind} tensor stored as {src}, expected a floating-point or quantized type")
     if spec.kind == "index":
         if isinstance(x, (QArray, qf.GGMLBlocks)) or not np.issubdtype(x.dtype, np.integer):
             raise ConvertError(f"index tensor stored as {src}, expected integers")
@@ -231,3 +237,33 @@ def convert_leaf(x, spec: P.ParamSpec, dtype, keep_quantized: bool, losses: dict
     if np.dtype(x.dtype) == np.dtype(dtype):
         return np.array(x)
     return _cast(np.asarray(x, np.float32), dtype, losses, src)
+
+
+# ---- non-finite values ----------------------------------------------------------------------------
+
+_SCALE_NAN = {"e8m0": lambda s: s.view(np.uint8) == 0xFF}      # e8m0: 0xFF is NaN, no infinities
+
+
+def nonfinite_count(x) -> int:
+    """Number of non-finite values a stored leaf decodes to (dense array or QArray with numpy children):
+    dense floats directly; quantized ones through their parts (e4m3 codes NaN = 0x7F / 0xFF; e8m0 scale 0xFF;
+    f16 / f32 scales non-finite), without materializing the dequantized tensor."""
+    if isinstance(x, QArray):
+        n = 0
+        codes, scale = np.asarray(x.codes), np.asarray(x.scale)
+        if x.fmt.codes == "e4m3":
+            n += int(np.count_nonzero((codes.view(np.uint8) & 0x7F) == 0x7F))
+        bad_scale = _SCALE_NAN.get(x.fmt.scale, lambda s: ~np.isfinite(s.astype(np.float32)))(scale)
+        return n + int(np.count_nonzero(bad_scale))
+    x = np.asarray(x)
+    if x.dtype.kind in "iub":
+        return 0
+    return int(x.size - np.count_nonzero(np.isfinite(x.astype(np.float32) if x.dtype.itemsize < 4 else x)))
+
+
+def check_finite(x, what: str) -> None:
+    """ConvertError naming the tensor when `x` holds NaN / inf (see `nonfinite_count`)."""
+    n = nonfinite_count(x)
+    if n:
+        raise ConvertError(f"{what}: {n} non-finite value(s) (NaN / inf) after decoding; a corrupt or "
+                           "mis-typed tensor (pass --allow-nonfinite to convert it anyway)")

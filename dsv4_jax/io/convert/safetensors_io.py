@@ -6,6 +6,7 @@ this reader parses the header itself and views the mapped bytes with ml_dtypes t
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -14,7 +15,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from .truncation import TruncatedFileError, cut_message
+from .truncation import TruncatedFileError, cut_message, file_kind
 
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -71,36 +72,86 @@ def _read_header(path: str, size: int) -> tuple[dict, int]:
                                + (f"; the cut falls in or after the entry of tensor {where!r}" if where else ""))
     try:
         return json.loads(text), 8 + n
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:        # JSONDecodeError, UnicodeDecodeError, nesting
         raise SafetensorsError(f"{path}: corrupt JSON header ({n} bytes at offset 8): {e}") from None
 
 
+def _check_entry(path: str, name, e) -> tuple[str, list[int], int, int]:
+    """(dtype, shape, lo, hi) of one header entry, its types checked as the reference loader does."""
+    if not isinstance(name, str) or not isinstance(e, dict):
+        raise SafetensorsError(f"{path}: corrupt header: entry {name!r} is a {type(e).__name__}, expected an object "
+                               "with dtype, shape and data_offsets")
+    keys = set(e)
+    if keys != {"dtype", "shape", "data_offsets"}:
+        raise SafetensorsError(f"{path}: corrupt header: tensor {name!r} has fields {sorted(keys)}, expected "
+                               "['data_offsets', 'dtype', 'shape']")
+    dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+    if not isinstance(dt, str) or dt not in DTYPES:
+        raise SafetensorsError(f"{path}: tensor {name!r} has unknown dtype {dt!r}; known: {sorted(DTYPES)}")
+
+    def nat(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    if not isinstance(shape, list) or not all(nat(x) for x in shape):
+        raise SafetensorsError(f"{path}: corrupt header: tensor {name!r} has shape {shape!r}, expected a list of "
+                               "non-negative integers")
+    if not isinstance(offs, list) or len(offs) != 2 or not all(nat(x) for x in offs) or offs[0] > offs[1]:
+        raise SafetensorsError(f"{path}: corrupt header: tensor {name!r} has data_offsets {offs!r}, expected "
+                               "[begin, end] with 0 <= begin <= end")
+    return dt, shape, offs[0], offs[1]
+
+
 class SafetensorsFile:
-    """Lazy view of one .safetensors file: `names()`, `header(name)`, `get(name) -> np.ndarray` (read on demand)."""
+    """Lazy view of one .safetensors file: `names()`, `header(name)`, `get(name) -> np.ndarray` (read on demand).
+
+    The header is checked as the reference loader (safetensors' `Metadata::validate`) does: a JSON object of
+    entries {dtype, shape, data_offsets} (+ an optional `__metadata__` of strings), the entries' byte ranges
+    contiguous from 0 in offset order, each of dtype size × shape bytes, the last ending exactly at the end of
+    the file. A header length off by a few bytes, shared or shifted offsets, or a wrong shape all fail here,
+    before any tensor is read."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise SafetensorsError(f"{self.path}: not a regular file ({file_kind(self.path)})")
         size = os.path.getsize(self.path)
         header, self._data_start = _read_header(self.path, size)
-        self.metadata = header.pop("__metadata__", {}) or {}
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{self.path}: corrupt header: the JSON header is a {type(header).__name__}, "
+                                   "expected an object")
+        meta = header.pop("__metadata__", None)
+        if meta is not None and (not isinstance(meta, dict)
+                                 or not all(isinstance(v, str) for v in meta.values())):
+            raise SafetensorsError(f"{self.path}: corrupt header: __metadata__ must be an object of strings, got "
+                                   f"{meta!r:.80}")
+        self.metadata = meta or {}
         self._entries = header
-        beyond = []
+        ranges = []
         for name, e in header.items():
-            if e.get("dtype") not in DTYPES:
-                raise SafetensorsError(f"{self.path}: tensor {name!r} has unknown dtype {e.get('dtype')!r}")
-            lo, hi = e["data_offsets"]
-            want = int(np.prod(e["shape"], dtype=np.int64)) * DTYPES[e["dtype"]].itemsize
-            if hi - lo != want or lo < 0:
-                raise SafetensorsError(f"{self.path}: corrupt header: tensor {name!r} ({e['dtype']} {e['shape']}) "
+            dt, shape, lo, hi = _check_entry(self.path, name, e)
+            want = math.prod(shape) * DTYPES[dt].itemsize
+            if hi - lo != want:
+                raise SafetensorsError(f"{self.path}: corrupt header: tensor {name!r} ({dt} {shape}) "
                                        f"needs {want} bytes but its data_offsets {[lo, hi]} span {hi - lo}")
-            if self._data_start + hi > size:
-                beyond.append((lo, name, e))
+            ranges.append((lo, hi, name, e))
+        ranges.sort(key=lambda r: (r[0], r[1]))
+        beyond = [r for r in ranges if self._data_start + r[1] > size]
         if beyond:
-            lo, name, e = min(beyond)
+            lo, hi, name, e = beyond[0]
             msg = cut_message(self.path, "tensor data", f"tensor {name!r} ({e['dtype']} {e['shape']})",
-                              self._data_start + lo, e["data_offsets"][1] - lo, size)
+                              self._data_start + lo, hi - lo, size)
             raise SafetensorsError(msg + (f"; {len(beyond) - 1} more tensor(s) lie beyond the end"
                                           if len(beyond) > 1 else ""))
+        end = 0
+        for lo, hi, name, _ in ranges:
+            if lo != end:
+                raise SafetensorsError(f"{self.path}: corrupt header: tensor {name!r} has data_offsets {[lo, hi]}, "
+                                       f"but the tensors before it end at {end} (offsets must be contiguous from "
+                                       f"0: {'overlapping or shared' if lo < end else 'a gap'})")
+            end = hi
+        if self._data_start + end != size:
+            raise SafetensorsError(f"{self.path}: corrupt header: the tensors end at byte {self._data_start + end} "
+                                   f"(header length {self._data_start - 8} + data {end}), but the file has {size} "
+                                   "bytes (a wrong header length or trailing bytes)")
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -118,6 +169,9 @@ class SafetensorsFile:
 def open_dir(path: str | os.PathLike) -> dict[str, SafetensorsFile]:
     """Every tensor of a checkpoint directory -> the file holding it (uses the index json when present)."""
     path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise SafetensorsError(f"{path}: not a directory" + (f" ({file_kind(path)})" if os.path.exists(path)
+                                                               else " (no such path)"))
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise SafetensorsError(f"{path}: no .safetensors files")
