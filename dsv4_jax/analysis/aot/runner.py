@@ -28,7 +28,7 @@ from ... import backends as B
 from ...model import params as P
 from ... import parallel as S
 from ...config import ModelConfig, preset
-from . import chips, compile as C, extrapolate as X, inputs as I, programs as PR
+from . import chips, compile as C, ep as EP, extrapolate as X, inputs as I, programs as PR
 from .kernel_hook import kernel_reports
 
 # --mesh-preset: name -> (data, expert, model) sizes for n devices. "default" is sharding.default_mesh_shape
@@ -152,7 +152,7 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
         rules=None, hbm_gib: float | None = None, top: int = 15, force: bool = False, kernels: bool = True,
         hlo_dir: str | None = None, command: str = "", log=sys.stdout, checkpoint: Callable | None = None,
         prefill_min: int = 8, fit_as_run: bool = True, count: str = "extrapolate",
-        base: int = X.DEFAULT_BASE, fit_from: Sequence[tuple[str, dict]] = ()) -> dict:
+        base: int = X.DEFAULT_BASE, fit_from: Sequence[tuple[str, dict]] = (), sharding: str | None = None) -> dict:
     """Compile `programs` for every topology × weight format; returns the report dict. A prefill chunk that
     does not fit is halved until it does (`compile_prefill`, not below `prefill_min` tokens per sequence).
     count: how every layer is counted (`counting`; the config's own unroll_layers is not used); base: the
@@ -175,20 +175,29 @@ def run(topologies: Sequence[str], weights: Sequence[str], shapes: I.Shapes, con
         topo = chips.parse(tname)
         devs = chips.devices(topo)
         hbm, source = (hbm_gib * chips.GIB, "--hbm-gib") if hbm_gib else chips.hbm_bytes(topo, devs)
-        shape = mesh_shape(len(devs), mesh, mesh_preset)
-        target = Target(topo, devs, S.make_mesh(shape, devs), hbm,
+        how_t, rules_t, preset_name = how, rules, None
+        if sharding:
+            preset_name, ep_config, ep_mesh, rules_t = EP.setup(sharding, config, devs, shapes.batch)
+            how_t = counting(ep_config, count, fit_as_run, base)
+            shape = tuple(ep_mesh.devices.shape)
+            report["backends"] = how_t.program.backends.describe()
+        else:
+            ep_mesh, shape = None, mesh_shape(len(devs), mesh, mesh_preset)
+        target = Target(topo, devs, ep_mesh if ep_mesh is not None else S.make_mesh(shape, devs), hbm,
                         chips.TPU_COMPILE_OPTIONS if topo.is_tpu else None)
         for w in weights:
             run_ = {"topology": topo.name, "chips": len(devs), "hosts": chips.host_count(devs),
                     "chip": dataclasses.asdict(topo.chip), "device_kind": devs[0].device_kind,
                     "hbm_bytes": hbm, "hbm_source": source, "mesh": dict(zip(S.MESH_AXES, shape)),
                     "mesh_text": "×".join(map(str, shape)), "weights": w, "programs": []}
+            if preset_name:
+                run_["sharding"] = preset_name
             report["runs"].append(run_)
             for name in programs:
                 dump = os.path.join(hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if hlo_dir else None
                 saved = functools.partial(reusable_row, fit_from, config, shapes, topo.name, w, run_["mesh_text"],
                                           name)
-                one = functools.partial(compile_one, target, name, how, w, rules=rules, top=top,
+                one = functools.partial(compile_one, target, name, how_t, w, rules=rules_t, top=top,
                                         force=force, hlo_dump=dump, say=say, saved=saved)
                 run_["programs"].append(compile_prefill(one, shapes, prefill_min) if name == "prefill"
                                         else one(shapes))
