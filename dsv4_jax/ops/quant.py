@@ -284,8 +284,10 @@ def matmul_codes(x: jax.Array, q: QArray) -> jax.Array:
         return x @ dequantize(q, x.dtype).T
     n, kp = q.codes.shape
     s = decode_scale(q.scale, q.fmt)
+    if q.fmt.scale == "e8m0" and x.dtype in (jnp.bfloat16, jnp.float32):   # powers of two: exact in both
+        s = s.astype(x.dtype)
     s = jnp.repeat(s, bc // 2, axis=-1)[..., :kp] if bc > 2 else s            # one per code byte [N, K/2]
-    plane = lambda nib: (decode_e2m1_float(nib) * s).astype(x.dtype)
+    plane = lambda nib: (decode_e2m1_float(nib) * s.astype(jnp.float32)).astype(x.dtype)
     return x[..., 0::2] @ plane(q.codes & 0xF).T + x[..., 1::2] @ plane(q.codes >> 4).T
 
 
