@@ -478,3 +478,25 @@ def test_sharding_setup_picks_the_preset_and_ep_backends():
     assert rules["experts"] == () and c.backends.unroll_layers == cfg.backends.unroll_layers
     kcfg = runner.model_config("flash", pairs=0, small=True, platform="cpu", backends="pallas_tpu")
     assert EP.setup("throughput", kcfg, devs, 8)[1].backends.ep.local == "pallas_tpu"
+
+
+def test_routed_expert_codes_placed_contraction_major():
+    """`inputs.experts_k_major`: only the routed experts' QArray codes and scales get the swapped-minor-dims
+    layout (shape, dtype and sharding kept); shared experts and dense leaves are untouched."""
+    cfg = runner.model_config("flash", pairs=0, small=True, platform="cpu")
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
+    params = I.target_params(cfg, mesh, "release")
+    moved = I.experts_k_major(params)
+    flat = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]
+    n_moved = 0
+    for (path, a), (_, b) in zip(flat(params), flat(moved)):
+        key = jax.tree_util.keystr(path)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        if "['experts']" in key:
+            nd = len(a.shape)
+            assert b.format.layout.major_to_minor == (*range(nd - 2), nd - 1, nd - 2), key
+            assert b.sharding == a.sharding
+            n_moved += 1
+        else:
+            assert b is a, key
+    assert n_moved > 0 and n_moved % 6 == 0           # codes + scale of w1, w2, w3 per routed layer stack
