@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -12,7 +13,7 @@ from dsv4_jax import config as C, parallel
 from dsv4_jax.analysis import libtpu, traffic
 from dsv4_jax.model import params as P
 from dsv4_jax.ops import quant
-from dsv4_jax.analysis.aot import chips, cli, compile as AC, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
+from dsv4_jax.analysis.aot import chips, cli, compile as AC, ep as EP, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -462,3 +463,40 @@ def test_kernels_section_from_the_kernels_helper():
     assert {r["case"] for r in release["rows"]} >= {"moe_decode"} and calls[-6][0].fmt == "fp4_e2m1_b32"
     from dsv4_jax.kernels import tpu_common
     assert set(K.KERNEL_FORMAT.values()) <= set(tpu_common.FORMATS)
+
+
+def test_sharding_setup_picks_the_preset_and_ep_backends():
+    """`--sharding`: auto picks latency for few sequences per chip, throughput for many; the config gets the
+    preset's expert-parallel MoE on the preset's mesh, and --kernels pallas_tpu becomes the EP local matmul."""
+    assert EP.resolve_name("auto", 8, 8) == "latency" and EP.resolve_name("auto", 16, 8) == "throughput"
+    with pytest.raises(ValueError, match="unknown sharding"):
+        EP.resolve_name("gspmd", 8, 8)
+    devs = jax.devices()[:1]
+    cfg = runner.model_config("flash", pairs=0, small=True, platform="cpu")
+    name, c, mesh, rules = EP.setup("latency", cfg, devs, 8)
+    assert name == "latency" and c.backends.moe == "ep" and c.backends.ep.mesh is mesh
+    assert rules["experts"] == () and c.backends.unroll_layers == cfg.backends.unroll_layers
+    kcfg = runner.model_config("flash", pairs=0, small=True, platform="cpu", backends="pallas_tpu")
+    assert EP.setup("throughput", kcfg, devs, 8)[1].backends.ep.local == "pallas_tpu"
+
+
+def test_routed_expert_codes_placed_contraction_major():
+    """`inputs.experts_k_major`: only the routed experts' QArray codes and scales get the swapped-minor-dims
+    layout (shape, dtype and sharding kept); shared experts and dense leaves are untouched."""
+    cfg = runner.model_config("flash", pairs=0, small=True, platform="cpu")
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
+    params = I.target_params(cfg, mesh, "release")
+    moved = I.experts_k_major(params)
+    flat = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]
+    n_moved = 0
+    for (path, a), (_, b) in zip(flat(params), flat(moved)):
+        key = jax.tree_util.keystr(path)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        if "['experts']" in key:
+            nd = len(a.shape)
+            assert b.format.layout.major_to_minor == (*range(nd - 2), nd - 1, nd - 2), key
+            assert b.sharding == a.sharding
+            n_moved += 1
+        else:
+            assert b is a, key
+    assert n_moved > 0 and n_moved % 6 == 0           # codes + scale of w1, w2, w3 per routed layer stack

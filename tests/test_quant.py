@@ -52,6 +52,22 @@ def test_decoders_exact_on_every_code():
     assert np.signbit(np.asarray(Q.decode_e2m1(jnp.uint8(8))))               # -0
 
 
+def test_float_e2m1_decoder_and_matmul_codes():
+    """The uint8-only e2m1 decoder matches the ml_dtypes table bit for bit (-0 included); x Wᵀ read as codes
+    (even / odd columns against the nibble planes) equals x times the numpy-dequantized W in float32."""
+    n = jnp.arange(16, dtype=jnp.uint8)
+    want = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    got = np.asarray(Q.decode_e2m1_float(n))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    for fmt in (Q.FP4, Q.FP8, GENERIC):
+        w = jnp.asarray(rng.standard_normal((24, 64)), jnp.float32)
+        q = Q.quantize(w, fmt)
+        x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+        np.testing.assert_allclose(np.asarray(Q.matmul_codes(x, q)), np.asarray(x) @ _np_dequant(q).T,
+                                   rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
 def test_quantize_dequantize_formats(fmt):
     w = jnp.asarray(rng.standard_normal((2, 136, 64)).astype(np.float32))      # partial 128-blocks both ways

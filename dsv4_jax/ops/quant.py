@@ -258,6 +258,39 @@ def dense(w, dtype=None) -> jax.Array:
     return w if dtype is None else w.astype(dtype)
 
 
+# ---- a matmul reading the codes (no dequantized copy of the weight) ------------------------------------
+
+def decode_e2m1_float(n: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """4-bit codes (uint8, 0..15) -> e2m1 values in `dtype` with uint8 ops and one convert (no 32-bit
+    integer or bitcast step, so XLA:TPU fuses it into the consumer of the codes): magnitude m = n & 7 ->
+    0, .5, 1, 1.5 (m/2), 2, 3 (m − 2), 4, 6 (2m − 8); bit 3 the sign (8 -> −0, as `decode_e2m1`)."""
+    m = (n & 7).astype(dtype)
+    mag = jnp.where(m < 4, m * 0.5, jnp.where(m < 6, m - 2, m * 2 - 8))
+    return jnp.where(n >= 8, -mag, mag)
+
+
+def matmul_codes(x: jax.Array, q: QArray) -> jax.Array:
+    """x Wᵀ for a [N, K] QArray W without a dequantized W: x [..., K] -> [..., N] in x.dtype.
+
+    Packed e2m1 (two columns per byte) contracts the even and odd columns of x separately against the low
+    and high nibbles, x[..., 0::2] LOᵀ + x[..., 1::2] HIᵀ, each nibble plane decoded elementwise from the
+    codes (`decode_e2m1_float`) and scaled per block: no interleave, so XLA fuses the decode into the
+    matmul and reads the codes once (docs/aot.md, "release decode"). Other formats: x · dequantize(q)ᵀ.
+    Same values as the dense path; only the float32 summation order differs."""
+    if q.ndim != 2:
+        raise ValueError(f"matmul_codes needs a [N, K] weight, got shape {q.shape}")
+    br, bc = resolved_block(q.fmt, q.shape)
+    if q.fmt.codes != "e2m1" or br != 1 or bc % 2:
+        return x @ dequantize(q, x.dtype).T
+    n, kp = q.codes.shape
+    s = decode_scale(q.scale, q.fmt)
+    if q.fmt.scale == "e8m0" and x.dtype in (jnp.bfloat16, jnp.float32):   # powers of two: exact in both
+        s = s.astype(x.dtype)
+    s = jnp.repeat(s, bc // 2, axis=-1)[..., :kp] if bc > 2 else s            # one per code byte [N, K/2]
+    plane = lambda nib: (decode_e2m1_float(nib) * s.astype(jnp.float32)).astype(x.dtype)
+    return x[..., 0::2] @ plane(q.codes & 0xF).T + x[..., 1::2] @ plane(q.codes >> 4).T
+
+
 # ---- indexing without dequantizing the whole weight ----------------------------------------------------
 
 def take(q: QArray, idx) -> QArray:

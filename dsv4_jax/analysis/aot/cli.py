@@ -19,7 +19,7 @@ import jax
 
 from ... import backends as B, cli
 from .. import libtpu
-from . import chips, extrapolate as X, inputs as I, programs as PR, report as R, runner
+from . import chips, ep as EP, extrapolate as X, inputs as I, programs as PR, report as R, runner
 
 EXAMPLES = """examples:
   dsv4-aot --topology v5p:2x2x2 --weights bf16 --batch 8 --context 32768 --out aot_v5p8.json
@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh-preset", default="default", choices=sorted(runner.MESH_PRESETS),
                    help="named mesh for n devices (default: 1 x n x 1, experts split n ways, attention "
                         "data-parallel)")
+    p.add_argument("--sharding", default=None, choices=EP.SHARDINGS,
+                   help="compile the expert-parallel programs a user runs: a sharding preset's mesh, rules and "
+                        "EP MoE (latency: tensor-parallel attention + expert-tensor-parallel experts; throughput: "
+                        "data-parallel attention + expert parallelism; auto: by batch). Replaces --mesh / "
+                        "--mesh-preset; --kernels pallas_tpu makes the Mosaic kernels the per-device local "
+                        "matmul. Default: the GSPMD mesh of --mesh-preset")
     cli.add_preset(p)
     p.add_argument("--pairs", type=int, default=None,
                    help="keep only this many of the repeated HCA/CSA pairs (flash has 20; default all)")
@@ -185,7 +191,8 @@ def parse_request(a: argparse.Namespace, argv: list[str] | None) -> runner.AotRe
         programs=tuple(a.programs), mesh=a.mesh, mesh_preset=a.mesh_preset, hbm_gib=a.hbm_gib, top=a.top,
         force=a.force, kernels=not a.no_kernels, hlo_dir=a.hlo_dir,
         command="dsv4-aot " + " ".join(sys.argv[1:] if argv is None else argv), prefill_min=a.prefill_min,
-        fit_as_run=not a.fit_from_unrolled, count=count, base=a.count_base, fit_from=tuple(fit_from))
+        fit_as_run=not a.fit_from_unrolled, count=count, base=a.count_base, fit_from=tuple(fit_from),
+        sharding=a.sharding)
 
 
 def main(argv: Iterable[str] | None = None) -> int:

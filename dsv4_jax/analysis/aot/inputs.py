@@ -21,6 +21,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ...model import params as P
@@ -86,6 +87,29 @@ def target_params(config: ModelConfig, mesh, weights: str, rules=None) -> dict:
     rule = lambda path, spec: leaf_format(weights, path, spec)
     return abstract_tree(quantized_specs(P.param_specs(config), weights),
                          parallel.param_shardings(config, mesh, rules, formats=rule))
+
+
+def k_major(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """The same array laid out with its last two dims swapped in memory (major_to_minor ..., −1, −2), the
+    tiling left to XLA. (Asking for the uint8 tiling T(8,128)(4,1) that XLA:TPU converts uint8 in removes
+    the in-fusion re-tile on one chip, `experiments/aot_fp4_matvec_probe.py`, but the sharded programs
+    reject it: "Unexpected XLA layout override" to T(32,128)(4,1).)"""
+    nd = len(x.shape)
+    order = (*range(nd - 2), nd - 1, nd - 2)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=Format(Layout(major_to_minor=order), x.sharding))
+
+
+def experts_k_major(params: dict) -> dict:
+    """Routed-expert QArrays with codes and scales stored contraction-dim major (`k_major`): the layout in
+    which XLA:TPU fuses the per-expert slice + nibble decode into the decode matmul (`quant.matmul_codes`);
+    in the row-major layout it re-tiles the sliced codes in a separate fusion first (docs/aot.md). A run
+    places these leaves with the same `Format` (`jax.device_put(codes, fmt)`)."""
+    def one(path, x):
+        flat = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        if isinstance(x, quant.QArray) and _ROUTED_EXPERTS.search(flat):
+            return quant.QArray(k_major(x.codes), k_major(x.scale), x.fmt, x.dtype)
+        return x
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, quant.QArray))
 
 
 def mtp_params(config: ModelConfig, mesh, weights: str, rules=None) -> list:

@@ -54,8 +54,17 @@ def _is_abstract(x) -> bool:
     return all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(x)) and bool(jax.tree.leaves(x))
 
 
-def _block(name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, S: int, rules) -> Program:
+def _target(config: ModelConfig, mesh, weights: str, rules) -> dict:
+    """Target parameters; on TPU under expert parallelism (`moe="ep"`) the routed experts' codes stored
+    contraction-dim major (`inputs.experts_k_major`)."""
     params = I.target_params(config, mesh, weights, rules)
+    if config.backends.moe == "ep" and mesh.devices.flat[0].platform == "tpu":
+        params = I.experts_k_major(params)
+    return params
+
+
+def _block(name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, S: int, rules) -> Program:
+    params = _target(config, mesh, weights, rules)
     state = I.decode_state(config, mesh, sh.batch, sh.max_len, sh.max_block, rules)
     tokens = I.batch_array(mesh, (sh.batch, S), jnp.int32, rules=rules)
     n_valid = I.replicated(mesh, (sh.batch,), jnp.int32)
@@ -68,7 +77,7 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
     (configured, initialised and run through the `drafters.registry` interface): the only place that builds
     the loop's Options and Carry."""
     B, dt = sh.batch, I.COMPUTE_DTYPE
-    params = I.target_params(config, mesh, weights, rules)
+    params = _target(config, mesh, weights, rules)
     if drafter_name == "mtp":
         params["mtp"] = I.mtp_params(config, mesh, weights, rules)
     else:

@@ -28,7 +28,7 @@ from ... import backends as B
 from ...model import params as P
 from ... import parallel
 from ...config import ConfigError, ModelConfig, preset, small as small_config, with_pairs
-from . import chips, compile as C, extrapolate as X, inputs as I, programs as PR
+from . import chips, compile as C, ep as EP, extrapolate as X, inputs as I, programs as PR
 from .kernel_hook import kernel_reports
 
 # --mesh-preset: name -> (data, expert, model) sizes for n devices. "default" is sharding.default_mesh_shape
@@ -152,7 +152,9 @@ class AotRequest:
     repetition count of "extrapolate"; fit_from: saved (path, report)s whose rows of the same program as
     run (same model, shapes, topology, weights, mesh, chunk; compiled with the layer scans) give the fit
     and HLO analysis instead of a new full compile ("extrapolate" only; `reusable_row`); fit_as_run
-    ("unroll" only): also compile each program with its layer scans (as a run executes it) for the fit.
+    ("unroll" only): also compile each program with its layer scans (as a run executes it) for the fit;
+    sharding: a sharding preset ("latency", "throughput", "auto": by batch, `ep.setup`) whose mesh, rules and
+    expert-parallel MoE replace mesh / mesh_preset / rules (the programs a user runs).
     """
 
     topologies: tuple[str, ...]
@@ -194,20 +196,29 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
         topo = chips.parse(tname)
         devs = chips.devices(topo)
         hbm, source = (r.hbm_gib * chips.GIB, "--hbm-gib") if r.hbm_gib else chips.hbm_bytes(topo, devs)
-        shape = mesh_shape(len(devs), r.mesh, r.mesh_preset)
-        target = Target(topo, devs, parallel.make_mesh(shape, devs), hbm,
+        how_t, rules_t, preset_name = how, r.rules, None
+        if r.sharding:
+            preset_name, ep_config, ep_mesh, rules_t = EP.setup(r.sharding, config, devs, shapes.batch)
+            how_t = counting(ep_config, r.count, r.fit_as_run, r.base)
+            shape = tuple(ep_mesh.devices.shape)
+            report["backends"] = how_t.program.backends.describe()
+        else:
+            ep_mesh, shape = None, mesh_shape(len(devs), r.mesh, r.mesh_preset)
+        target = Target(topo, devs, ep_mesh if ep_mesh is not None else parallel.make_mesh(shape, devs), hbm,
                         chips.TPU_COMPILE_OPTIONS if topo.is_tpu else None)
         for w in r.weights:
             run_ = {"topology": topo.name, "chips": len(devs), "hosts": chips.host_count(devs),
                     "chip": dataclasses.asdict(topo.chip), "device_kind": devs[0].device_kind,
                     "hbm_bytes": hbm, "hbm_source": source, "mesh": dict(zip(parallel.MESH_AXES, shape)),
                     "mesh_text": "×".join(map(str, shape)), "weights": w, "programs": []}
+            if preset_name:
+                run_["sharding"] = preset_name
             report["runs"].append(run_)
             for name in r.programs:
                 dump = os.path.join(r.hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if r.hlo_dir else None
                 saved = functools.partial(reusable_row, r.fit_from, config, shapes, topo.name, w, run_["mesh_text"],
                                           name)
-                one = functools.partial(compile_one, target, name, how, w, rules=r.rules, top=r.top,
+                one = functools.partial(compile_one, target, name, how_t, w, rules=rules_t, top=r.top,
                                         force=r.force, hlo_dump=dump, say=say, saved=saved)
                 run_["programs"].append(compile_prefill(one, shapes, r.prefill_min) if name == "prefill"
                                         else one(shapes))

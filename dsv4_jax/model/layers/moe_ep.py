@@ -186,19 +186,19 @@ def local_leaves(tree: dict, specs: dict, sizes: dict) -> dict:
 
 # ---- the local grouped matmul --------------------------------------------------------------------------
 
-def _one_expert(m, e: jax.Array, dtype) -> jax.Array:
-    """Expert e of a local stack [E_loc, N, K] as a dense [N, K]: a dynamic slice of the dense stack, or of a
-    QArray's codes and scales, dequantized (one expert tile)."""
+def _expert_matmul(x: jax.Array, m, e: jax.Array) -> jax.Array:
+    """x · W[e]ᵀ for expert e of a local stack [E_loc, N, K]: a dynamic slice of the dense stack, or of a
+    QArray's codes and scales contracted as codes (`quant.matmul_codes`: no dequantized copy). x [1, K]."""
     pick = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)
     if isinstance(m, QArray):
-        return quant.dequantize(QArray(pick(m.codes), pick(m.scale), m.fmt, m.dtype), dtype)
-    return pick(m)
+        return quant.matmul_codes(x, QArray(pick(m.codes), pick(m.scale), m.fmt, m.dtype))
+    return x @ pick(m).T
 
 
 def experts_sliced(x: jax.Array, idx: jax.Array, w: jax.Array, w1, w2, w3, limit: float) -> jax.Array:
     """Few assignments: one expert slice per assignment (read as a dynamic slice feeding its matmul, so
     XLA reads exactly the assigned experts; `w1[idx]` gathers lower to copies of the whole stack on TPU;
-    a QArray expert is dequantized alone). x [T,D], idx/w [T,k] (idx in range), w1/w3 [E,I,D],
+    a QArray expert is read as codes, `quant.matmul_codes`). x [T,D], idx/w [T,k] (idx in range), w1/w3 [E,I,D],
     w2 [E,D,I] dense or QArray -> float32 [T,D]."""
     T, k = idx.shape
     rows = []
@@ -206,9 +206,9 @@ def experts_sliced(x: jax.Array, idx: jax.Array, w: jax.Array, w1, w2, w3, limit
         t, j = divmod(a, k)
         e = idx[t, j]
         xt = x[t:t + 1]
-        pick = lambda m: _one_expert(m, e, x.dtype)
-        h = ops.swiglu(xt @ pick(w1).T, xt @ pick(w3).T, limit)
-        rows.append(h @ pick(w2).T)                                     # [1, D]
+        mm = lambda v, m: _expert_matmul(v, m, e)
+        h = ops.swiglu(mm(xt, w1), mm(xt, w3), limit)
+        rows.append(mm(h, w2))                                          # [1, D]
     y = jnp.concatenate(rows, axis=0).reshape(T, k, -1)
     return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), w.astype(jnp.float32))
 
