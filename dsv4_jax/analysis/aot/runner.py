@@ -176,6 +176,7 @@ class AotRequest:
     count: str = "extrapolate"
     base: int = X.DEFAULT_BASE
     fit_from: tuple[tuple[str, dict], ...] = ()
+    sharding: str | None = None
 
 
 def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = None) -> dict:
