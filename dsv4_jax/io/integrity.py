@@ -13,8 +13,8 @@ checksum(x) = "%08x%08x" % (h1, h2), all arithmetic mod 2^32:
 A flip of bit b of one word changes it by ±2^b, times an odd multiplier: never 0 mod 2^32, so every single
 bit flip is detected (by both sums); the index-dependent multipliers make moved or swapped elements change h1.
 Sums are associative, so the sharded (device) and the chunked (host: a dot with a cached table plus
-q · Σ w per 2^22-word chunk, h2 being that Σ w) evaluations agree. Host cost ≈ 1 GB/s per core; the device pass is one fused
-reduction. Not a cryptographic hash: it guards against corruption, not against a forgery (which would
+q · Σ w per 2^22-word chunk, h2 being that Σ w) evaluations agree. Host cost (at save) ≈ 0.5–1 GB/s per core; the load-time pass runs on the devices,
+one fused reduction per array. Not a cryptographic hash: it guards against corruption, not against a forgery (which would
 also rewrite dsv4.json).
 """
 from __future__ import annotations
@@ -93,18 +93,11 @@ _sums_jit = jax.jit(_sums)
 
 
 def checksums(arrays: dict) -> dict[str, str]:
-    """{name: checksum} of restored jax arrays. Arrays held by this process on CPU devices are summed on the
-    host (no compilation); others (accelerators, arrays spread over hosts) on their devices, one small
-    program per distinct shape / dtype / sharding, each device summing its own slice."""
-    out, dev = {}, {}
-    for k, a in arrays.items():
-        if a.is_fully_addressable and all(d.platform == "cpu" for d in a.sharding.device_set):
-            out[k] = checksum_np(np.asarray(a))
-        else:
-            dev[k] = _sums_jit(a)
-    if dev:
-        out.update({k: hexdigest(v) for k, v in to_host(dev).items()})
-    return out
+    """{name: checksum} of restored jax arrays, summed on their devices (each device its own slice; one small
+    program per distinct shape / dtype / sharding). Not on the host: numpy conversion caches a host copy
+    on the array, which kept restored per-layer arrays alive after stacking."""
+    sums = {k: _sums_jit(a) for k, a in arrays.items()}
+    return {k: hexdigest(v) for k, v in to_host(sums).items()}
 
 
 def hexdigest(sums) -> str:
