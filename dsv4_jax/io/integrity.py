@@ -26,6 +26,7 @@ from ..parallel.multihost import to_host
 
 _K1, _K2 = 0x9E3779B1, 0x85EBCA77
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_SINT = {1: np.int8, 2: np.int16, 4: np.int32}
 _SHIFT = 22
 _CHUNK = 1 << _SHIFT
 _TABLES: list = []
@@ -96,9 +97,9 @@ def _host_view(a: jax.Array) -> np.ndarray:
     type (DLPack / numpy know no bfloat16 or float8). Not `np.asarray(a)`: that caches the view on the array,
     and the cache kept restored per-layer arrays alive after stacking."""
     u = _UINT[a.dtype.itemsize]
-    if a.dtype != u:
-        a = jax.lax.bitcast_convert_type(a, u)
-    return np.from_dlpack(a)
+    other = _SINT[a.dtype.itemsize] if a.dtype == u else u
+    # always through a fresh (bitcast) array: DLPack export of the restored array itself leaves a copy alive
+    return np.from_dlpack(jax.lax.bitcast_convert_type(a, other)).view(u)
 
 
 def checksums(arrays: dict) -> dict[str, str]:
