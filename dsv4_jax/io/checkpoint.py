@@ -54,6 +54,9 @@ def read_metadata(path: str | os.PathLike) -> dict:
             meta = json.loads(f.read().decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise CheckpointFormatError(f"{p}: corrupt JSON ({type(e).__name__}: {e})") from None
+    if isinstance(meta, dict) and meta.get("format_version") not in FORMAT_VERSIONS:
+        raise CheckpointFormatError(f"{path}: checkpoint format_version {meta.get('format_version')!r}; this "
+                                    f"dsv4_jax reads {FORMAT_VERSIONS} (re-convert the source with this dsv4-convert)")
     _check_meta(meta, p)
     return meta
 

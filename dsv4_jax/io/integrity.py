@@ -13,8 +13,7 @@ checksum(x) = "%08x%08x" % (h1, h2), all arithmetic mod 2^32:
 A flip of bit b of one word changes it by ±2^b, times an odd multiplier: never 0 mod 2^32, so every single
 bit flip is detected (by both sums); the index-dependent multipliers make moved or swapped elements change h1.
 Sums are associative, so the sharded (device) and the chunked (host: a dot with a cached table plus
-q · Σ w per 2^22-word chunk, h2 being that Σ w) evaluations agree. Host cost ≈ 1 GB/s per core; the device pass is one fused
-reduction. Not a cryptographic hash: it guards against corruption, not against a forgery (which would
+q · Σ w per 2^22-word chunk, h2 being that Σ w) evaluations agree. On the host ≈ 4 GB/s (idle 2-core VM, experiments/results/checksum_cost_2026-12-04.md). Not a cryptographic hash: it guards against corruption, not against a forgery (which would
 also rewrite dsv4.json).
 """
 from __future__ import annotations
@@ -27,6 +26,7 @@ from ..parallel.multihost import to_host
 
 _K1, _K2 = 0x9E3779B1, 0x85EBCA77
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_SINT = {1: np.int8, 2: np.int16, 4: np.int32}
 _SHIFT = 22
 _CHUNK = 1 << _SHIFT
 _TABLES: list = []
@@ -92,14 +92,25 @@ def _sums(a: jax.Array) -> jax.Array:
 _sums_jit = jax.jit(_sums)
 
 
+def _host_view(a: jax.Array) -> np.ndarray:
+    """Zero-copy numpy view of a single-device CPU array through DLPack, its bits as an unsigned integer
+    type (DLPack / numpy know no bfloat16 or float8). Not `np.asarray(a)`: that caches the view on the array,
+    and the cache kept restored per-layer arrays alive after stacking."""
+    u = _UINT[a.dtype.itemsize]
+    other = _SINT[a.dtype.itemsize] if a.dtype == u else u
+    # always through a fresh (bitcast) array: DLPack export of the restored array itself leaves a copy alive
+    return np.from_dlpack(jax.lax.bitcast_convert_type(a, other)).view(u)
+
+
 def checksums(arrays: dict) -> dict[str, str]:
-    """{name: checksum} of restored jax arrays. Arrays held by this process on CPU devices are summed on the
-    host (no compilation); others (accelerators, arrays spread over hosts) on their devices, one small
-    program per distinct shape / dtype / sharding, each device summing its own slice."""
+    """{name: checksum} of restored jax arrays. Single-device CPU arrays are summed on the host (a numpy
+    dot, ≈ 4 GB/s idle; no compilation); others on their devices (each device its own slice; one small
+    program per distinct shape / dtype / sharding)."""
     out, dev = {}, {}
     for k, a in arrays.items():
-        if a.is_fully_addressable and all(d.platform == "cpu" for d in a.sharding.device_set):
-            out[k] = checksum_np(np.asarray(a))
+        devices = a.sharding.device_set
+        if len(devices) == 1 and a.is_fully_addressable and next(iter(devices)).platform == "cpu":
+            out[k] = checksum_np(_host_view(a))
         else:
             dev[k] = _sums_jit(a)
     if dev:
