@@ -5,6 +5,7 @@ import pytest
 
 import dsv4_jax as d
 from dsv4_jax.model import decode as D
+import dsv4_jax.model.target  # noqa: F401  (d.model.target below)
 from dsv4_jax.model.state import state_bytes
 from dsv4_jax.config import CSA, HCA, SLIDING, tiny_flash_like
 
@@ -143,7 +144,7 @@ def test_drafter_outputs_hidden_and_taps():
     config = d.tiny()
     params, tokens, _ = _setup(config, seed=8, length=20)
     _, state, aux = D.prefill(params, config, tokens[:, :12], max_len=32, taps=(1, 4))
-    want = np.asarray(d.model.hidden_states(params, config, tokens[:, :12]))
+    want = np.asarray(d.model.target.hidden_states(params, config, tokens[:, :12]))
     assert aux["hidden"].shape == (2, 12, config.hc_mult, config.hidden_size)
     np.testing.assert_allclose(np.asarray(aux["hidden"]), want, atol=1e-5, rtol=1e-5)
     assert aux["taps"].shape == (2, 12, 2, config.hidden_size)
