@@ -420,7 +420,7 @@ def test_drafter_failure_leaves_checkpoint_as_it_was(sources, tmp_path, capsys, 
         os.makedirs(item_dir + ".partial_save")
         os.makedirs(os.path.join(item_dir, "state"))
         raise OSError("disk full (simulated)")
-    monkeypatch.setattr(pipeline, "_run_job", failing_run)
+    monkeypatch.setattr(pipeline, "run_job", failing_run)
     job = pipeline.Job("mtp", None, [], 0, {"source": {"path": "x"}})
     monkeypatch.setattr(pipeline.Job, "check", lambda self: self)
     with pytest.raises(OSError, match="disk full"):
