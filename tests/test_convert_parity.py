@@ -117,8 +117,10 @@ def _drafter_logits(params, cfg, ids, meta) -> dict:
                             jnp.zeros_like(anchor), jnp.full_like(anchor, taps.shape[1]))
             pos = jnp.full_like(anchor, taps.shape[1])
             y, U = ds.block_outputs(d, t, cfg, dcfg, st, pos, anchor)
-            drafts, _, n, conf = ds.propose(d, t, cfg, dcfg, st, pos, anchor, jax.random.key(0), 3,
-                                            temperature=0.0, top_p=1.0, threshold=0.0, greedy=True)
+            from dsv4_jax.drafters.base import Bound, DraftSetup, Knobs
+            bound = Bound({**t, "dspark": d}, cfg, DraftSetup(k=3, taps=dcfg.target_layer_ids, settings=dcfg))
+            knobs = Knobs(jnp.float32(0.0), jnp.float32(1.0), {"confidence_threshold": jnp.float32(0.0)})
+            drafts, _, n, conf = ds.propose(bound, st, pos, anchor, jax.random.key(0), knobs, greedy=True)
             return U, drafts, conf
         U, drafts, conf = jax.jit(run)(d, target, taps, ids[:, -1])
         out.update(dspark=np.asarray(U), dspark_drafts=np.asarray(drafts), dspark_conf=np.asarray(conf))
