@@ -83,12 +83,12 @@ def docs_recipe() -> tuple[dict, str]:
 
 
 def reference(ckpt: str) -> dict:
-    """One process, one device: forward and greedy generate (plain and MTP) of the recipe's prompt."""
+    """One process, one device: forward and plain greedy generate of the recipe's prompt (that MTP's greedy
+    tokens equal plain ones in one process is tests/test_spec_mtp.py's)."""
     config, params = d.load_checkpoint(ckpt, dtype=np.float32, verify=False)
     logits = np.asarray(d.forward(params, config, np.asarray(PROMPT, np.int32)))
     plain, _ = d.generate(params, config, PROMPT, N_NEW)
-    mtp, _ = d.generate(params, config, PROMPT, N_NEW, drafter="mtp", draft_n_max=2)
-    return {"logits": logits, "plain": plain, "mtp": mtp}
+    return {"logits": logits, "plain": plain}
 
 
 @pytest.fixture(scope="module")
@@ -137,4 +137,4 @@ def test_two_processes_match_one(launched):
         r = got[name]
         assert r["split_leaves"] > 0 and r["dtypes"] == ["float32"], name
         np.testing.assert_allclose(np.asarray(r["logits"]), ref["logits"], atol=2e-5, rtol=1e-5, err_msg=name)
-        assert r["plain"] == ref["plain"] and r["mtp"] == ref["mtp"] == ref["plain"], name
+        assert r["plain"] == r["mtp"] == ref["plain"], name
