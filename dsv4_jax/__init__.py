@@ -10,7 +10,7 @@ The public API, by what it is for (docs/design.md describes the layers behind it
     drafters            Drafter, register, drafter_names (docs/drafters.md)
     batching            SlotEngine (continuous batching, docs/batch_eval.md)
     sharding            parallel (module), make_mesh, preset, shard_params, param_shardings,
-                        initialize_distributed (docs/sharding.md)
+                        initialize_distributed, to_host (results to the host, also across hosts; docs/sharding.md)
 """
 # model
 from .backends import Backends
@@ -35,7 +35,7 @@ from .drafters.registry import names as drafter_names, register
 from .speculative.scheduler import SlotEngine
 # sharding
 from . import parallel
-from .parallel import initialize_distributed, make_mesh, param_shardings, preset, shard_params
+from .parallel import initialize_distributed, make_mesh, param_shardings, preset, shard_params, to_host
 
 __all__ = [
     "Backends", "ConfigError", "ModelConfig", "flash", "from_hf_config", "pro", "tiny", "abstract_params",
@@ -46,4 +46,5 @@ __all__ = [
     "Drafter", "drafter_names", "register",
     "SlotEngine",
     "parallel", "initialize_distributed", "make_mesh", "param_shardings", "preset", "shard_params",
+    "to_host",
 ]

@@ -20,13 +20,14 @@ from dsv4_jax.model.params import init_dspark, init_mtp
 from dsv4_jax.research import batch_eval, common, prompts as P, report, sweep
 from dsv4_jax.research.runner import (RunPlan, Setting, bucket_of, generate_padded, length_buckets, plan_options,
                                       plan_shapes)
-from dsv4_jax.speculative import generate as spec_generate, loop
+from dsv4_jax.speculative import generate as spec_generate, loop, scheduler
 
 RUN = ["--limit", "1", "--max-new-tokens", "8", "--draft-n-max", "1,2", "--repeats", "2", "--no-compile-cache",
        "--quiet"]
 COMPILED = {}       # programs the sweep fixture compiled, by jitted function
 XLA_COMPILES = []   # names of the functions XLA compiled while the sweep fixture ran
 RECORDING = [False]
+FETCHES = []          # generate's to_host calls while the sweep fixture ran
 
 
 def _on_event(event, duration, fun_name=None, **_):
@@ -62,10 +63,13 @@ def sweep_out(bundle, tmp_path_factory):
     fns = {"loop": loop.run_rounds, "prefill": spec_generate.prefill_target, "prime": spec_generate.prime}
     before = {k: f._cache_size() for k, f in fns.items()}
     RECORDING[0] = True
+    to_host = spec_generate.to_host
+    spec_generate.to_host = lambda tree: FETCHES.append(1) or to_host(tree)
     try:
         assert sweep.main(["--model", bundle, "--out", out, "--spec", "none,mtp,dspark", *RUN]) == 0
     finally:
         RECORDING[0] = False
+        spec_generate.to_host = to_host
     COMPILED.update({k: f._cache_size() - before[k] for k, f in fns.items()})
     return out
 
@@ -157,9 +161,17 @@ def test_sweep_writes_documented_outputs(sweep_out):
     assert f"{os.cpu_count()} cores" in md
 
 
-def test_batch_eval_writes_documented_outputs(bundle, tmp_path):
+def test_sweep_fetches_results_through_to_host(sweep_out):
+    """The CLIs bring results to the host with dsv4_jax.to_host (docs/sharding.md: also across hosts)."""
+    assert len(FETCHES) >= 2
+
+
+def test_batch_eval_writes_documented_outputs(bundle, tmp_path, monkeypatch):
     """Static and continuous batching of 3 prompts in 2 slots with per-request budgets: the documented files
-    and fields, the same tokens under both schedules (greedy), one record per request and schedule."""
+    and fields, the same tokens under both schedules (greedy), one record per request and schedule; the
+    slot engine's results come through to_host."""
+    fetches, to_host = [], scheduler.to_host
+    monkeypatch.setattr(scheduler, "to_host", lambda tree: fetches.append(1) or to_host(tree))
     out = str(tmp_path / "batch")
     os.mkdir(out)                      # an existing empty --out is accepted (the rule of dsv4_jax.io.outdir)
     assert batch_eval.main(["--model", bundle, "--out", out, "--spec", "none", "--batch-size", "2", "--num-prompts",
@@ -187,6 +199,7 @@ def test_batch_eval_writes_documented_outputs(bundle, tmp_path):
     assert len(records) == 6 and [len(r["output_tokens"]) for r in records[:3]] == meta["budgets"]
     md = open(os.path.join(out, "batch_eval.md")).read()
     assert "| spec | k | knob | T | B | schedule | requests |" in md and "| admission (s) | refills |" in md
+    assert len(fetches) >= 2
 
 
 def test_padded_generation_equals_generate(bundle, sweep_out):

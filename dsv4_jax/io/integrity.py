@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..parallel.multihost import to_host
+from ..ops.host import to_host
 
 _K1, _K2 = 0x9E3779B1, 0x85EBCA77
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}

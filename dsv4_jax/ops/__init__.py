@@ -11,4 +11,5 @@ compute the same formulas from one source:
               128×128, FP4 e2m1 packed, Q8_0, int8 per channel), exact dequantization, quantization
 - `linear`    the weight entry y = x Wᵀ (grouped, embedding gather) for dense or QArray weights
 - `sampling`  temperature / top-p distributions, greedy and lossless rejection-sampling verification
+- `host`      `to_host`: results as numpy, gathered across hosts when split (every CLI and `generate` use it)
 """

@@ -1,13 +1,14 @@
-"""Multi-host start-up (`jax.distributed` from arguments or DSV4_* environment variables) and `to_host`,
-which brings a result spread over hosts to every host (docs/sharding.md, multi-host section)."""
+"""Multi-host start-up (`jax.distributed` from arguments or DSV4_* environment variables), and `to_host`
+(defined in `dsv4_jax.ops.host`, below every layer that fetches results), which brings a result spread over
+hosts to every host (docs/sharding.md, multi-host section)."""
 from __future__ import annotations
 
 import os
 from typing import Sequence
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
+
+from ..ops.host import to_host  # noqa: F401  (re-exported: parallel.to_host)
 
 
 # ---- multi-host --------------------------------------------------------------------------------------
@@ -45,25 +46,3 @@ def _cluster_detected() -> bool:
     env = os.environ
     return any(k in env for k in ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_SIZE")) or \
         ("SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1)
-
-
-
-def to_host(tree):
-    """Every array of `tree` as a numpy array holding its full value, on every process.
-
-    A single-process array (or one whose shards are all on this host) is copied as is; a fully replicated
-    one from the local copy; an array split across hosts (e.g. the logits of `forward` under the `latency`
-    preset, sharded on the vocabulary) is gathered with `multihost_utils.process_allgather` -- a collective,
-    so every process must call it at the same point. Non-array leaves pass through `np.asarray`.
-    """
-    return jax.tree.map(_to_host, tree)
-
-
-def _to_host(x):
-    if not isinstance(x, jax.Array):
-        return np.asarray(x)
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    if x.is_fully_replicated:
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

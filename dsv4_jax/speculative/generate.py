@@ -23,6 +23,7 @@ from ..drafters import pool, registry
 from ..drafters.base import MODE_AUTO, MODE_FIXED
 from .cost_table import CostTable, as_table, cached_or_calibrate
 from .loop import Carry, Knobs, Options, run_rounds, run_rounds_python
+from ..ops.host import to_host
 from ..ops.verification import RULES, expected_accepted
 from .options import RunShape, Sampling, Speculation, group_options
 from .prefill import (chunk_plan, init_rows, next_tokens, prefill_piece, prefill_target, prime, prime_piece,  # noqa: F401
@@ -82,11 +83,11 @@ def summarize(c: Carry, opts: Options, wall_s: float, k: int | None = None) -> d
 
     k: the run's drafts per round (default opts.k; less when the loop was compiled for a wider bound,
     `RunShape.dynamic_draft_n`)."""
-    s = jax.tree.map(np.asarray, c.stats)
+    s = to_host(c.stats)
     k = opts.k if k is None else k  # the carry may be sized for a wider bound (RunShape.max_block): trim
     s = s.replace(per_position=s.per_position[:, :k], proposed_at=s.proposed_at[:, :k],
                   length_hist=s.length_hist[:, :k + 1])
-    n_out = np.asarray(c.out_len)
+    n_out = to_host(c.out_len)
     rounds, drafted, accepted = int(s.rounds.sum()), int(s.drafted.sum()), int(s.accepted.sum())
     return {
         "drafter": opts.drafter, "draft_n_max": k, "rounds": rounds, "drafted": drafted, "accepted": accepted,
@@ -295,7 +296,7 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
     loop = run_rounds_python if r.host_loop else run_rounds
     carry = jax.block_until_ready(loop(params, r.config, carry, r.knobs, r.opts))
     t2 = time.perf_counter()
-    out, n = np.asarray(carry.out), np.asarray(carry.out_len)
+    out, n = to_host((carry.out, carry.out_len))
     stats = summarize(carry, r.opts, t2 - t0, r.draft_n)
     stats.update(prefill_s=t1 - t0, decode_s=t2 - t1)   # the first token comes from the prefill
     if table is not None:

@@ -43,6 +43,7 @@ import numpy as np
 
 from ..backends import Backends
 from ..bundle import CheckpointConfig
+from ..ops.host import to_host
 from . import slots as S
 from .generate import prepare
 from .prefill import chunk_plan
@@ -300,10 +301,10 @@ class SlotEngine:
             carry = S.run_chunk(self.params, self.config, carry, self.knobs, max_rounds, jnp.int32(wait),
                                 opts=self.opts)
             chunks += 1
-            done = np.asarray(carry.done)
+            done = to_host(carry.done)
             finished = [b for b in range(B) if in_slot[b] is not None and done[b]]
             if finished:
-                out, out_len, st = jax.device_get((carry.out, carry.out_len, carry.stats))
+                out, out_len, st = to_host((carry.out, carry.out_len, carry.stats))
                 t = now()
                 for b in finished:
                     i = in_slot[b]

@@ -33,6 +33,7 @@ from .. import cli, parallel
 from ..cli import OptionError
 from ..demo import ByteTokenizer
 from ..drafters.dspark import DSparkConfig
+from ..ops.host import to_host
 from . import drafter_export as X, drafter_tasks as T, drafter_train as DT, target_cache as TC
 from . import target_source as TS, text_data as TD
 from ..research.report import plot_reliability
@@ -521,7 +522,7 @@ def export_drafter(plan: Plan, params, target, own) -> dict:
     source = {"kind": "dsv4-train-drafter", "run": os.path.abspath(a.out), "step": plan.hyper.steps,
               "model": src.spec, "init": a.init}
     record = X.drafter_record(task.kind, task, source, dtype)
-    params = jax.device_get(params)
+    params = to_host(params)
     if a.write_into:
         X.export_into(a.write_into, kind=task.kind, drafter=params, specs=specs, record=record, dtype=dtype,
                       config=config)
@@ -532,11 +533,11 @@ def export_drafter(plan: Plan, params, target, own) -> dict:
                       source_checkpoint=src.path, overwrite=True)
     else:
         units = {"target": {"record": {"source": {"kind": src.kind, "path": src.path}},
-                            "units": X.target_units(jax.device_get(target), config, dtype)}}
+                            "units": X.target_units(to_host(target), config, dtype)}}
         other = "dspark" if task.kind == "mtp" else "mtp"
         if other in own:
             orec = X.drafter_record(other, _own_task(other, src), {"kind": src.kind, "path": src.path}, dtype)
-            units[other] = {"record": orec, "units": X.drafter_units(other, jax.device_get(own[other]),
+            units[other] = {"record": orec, "units": X.drafter_units(other, to_host(own[other]),
                                                                      T.drafter_specs(_own_task(other, src), config),
                                                                      dtype)}
         meta = {"format_version": X.FORMAT_VERSION, "config": config.to_dict(),

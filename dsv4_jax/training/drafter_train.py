@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from .. import parallel
 from ..config import ModelConfig
+from ..ops.host import to_host
 from . import drafter_tasks as T
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -188,7 +189,7 @@ def latest_step(ckpt_dir: str) -> int | None:
 
 
 def _jsonable(v):
-    a = np.asarray(v)
+    a = to_host(v)
     return a.item() if a.ndim == 0 else a.tolist()
 
 

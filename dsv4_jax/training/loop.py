@@ -6,10 +6,11 @@ from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
+
+from ..ops.host import to_host
 
 
 def optimizer(lr: float, steps: int, warmup: int = 50, weight_decay: float = 0.01, clip: float = 1.0):
@@ -68,7 +69,7 @@ def train(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: float
             ema = loss if ema is None else 0.95 * ema + 0.05 * loss
             bar.set_postfix(loss=f"{ema:.3f}")
             if log is not None:
-                log(i + 1, {"loss": loss, **{k: np.asarray(v).tolist() for k, v in metrics.items()}})
+                log(i + 1, {"loss": loss, **{k: v.tolist() for k, v in to_host(metrics).items()}})
             if (i + 1) % save_every == 0 or i + 1 == steps:
                 mngr.save(i + 1, args=ocp.args.StandardSave(state))
     finally:   # an interrupted run keeps its last checkpoint complete

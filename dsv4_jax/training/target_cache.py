@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from ..config import ModelConfig
+from ..ops.host import to_host
 from . import drafter_tasks as T
 
 MANIFEST = "manifest.json"
@@ -80,7 +81,7 @@ def write(path: str, task: T.Task, config: ModelConfig, target: dict, dtype, *, 
             sl = slice(s * per_step, (s + 1) * per_step)
             tok_out[sl] = toks
             for k, v in states.items():
-                v = np.asarray(jax.device_get(v.astype(dtype)))
+                v = to_host(v.astype(dtype))
                 outs[k][sl] = v.view(np.uint16) if v.dtype == ml_dtypes.bfloat16 else v
             if progress is not None:
                 progress(s + 1)
