@@ -53,6 +53,17 @@ class Knobs:
     # drafts per round when the loop is compiled for a wider bound (`RunShape.dynamic_draft_n`): int32
     # scalar <= DraftSetup.k, the run's verify width − 1; None: DraftSetup.k (the static case)
     draft_n: jax.Array | None = None
+    # the width scheduler (`Options.adaptive`, docs/width_scheduler.md): width_mode int32 [] (MODE_FIXED:
+    # verify draft_n drafts; MODE_AUTO: choose each round; MODE_PLAIN: decode without the drafter),
+    # width_cost [k+1] seconds per round verifying w = 0..k drafts, plain_cost [] seconds per plain round;
+    # accept_scale [k]: the round's calibration factors (set by the loop, read by sequential drafters)
+    width_mode: jax.Array | None = None
+    width_cost: jax.Array | None = None
+    plain_cost: jax.Array | None = None
+    accept_scale: jax.Array | None = None
+
+
+MODE_FIXED, MODE_AUTO, MODE_PLAIN = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,8 @@ from ..model.layers import hyper
 from ..model.layers.block import layer_step
 from ..model.layers.norms import rms_norm
 from ..ops.linear import embed, linear
-from .base import Bound, DraftSetup, Drafter, Knobs, dynamic
+from ..ops import width
+from .base import MODE_AUTO, Bound, DraftSetup, Drafter, Knobs, dynamic
 from .common import block_config, chain_length, draw
 
 
@@ -100,7 +101,9 @@ def propose(run: Bound, st: MTPState, pos: jax.Array, key, knobs: Knobs, greedy:
 
     put = lambda first, like: jnp.zeros(first.shape[:1] + (k,) + first.shape[1:], like).at[:, 0].set(first)
     chain = (st.last_hidden, st.cache, put(tok, jnp.int32), put(q, q.dtype), put(top1, top1.dtype))
-    if n_steps is not None:
+    if n_steps is not None and knobs.width_mode is not None:
+        n_steps, chain = _scheduled_chain(step, chain, jnp.clip(n_steps, 1, k), knobs)   # the steps it ran
+    elif n_steps is not None:
         n_steps = jnp.clip(n_steps, 1, k)
         chain = jax.lax.fori_loop(1, n_steps, step, chain)
     elif config.backends.unroll_layers:     # ahead-of-time counting: every step in the program
@@ -111,6 +114,20 @@ def propose(run: Bound, st: MTPState, pos: jax.Array, key, knobs: Knobs, greedy:
     _, _, drafts, probs, tops = chain
     n = chain_length(tops, p_min)
     return drafts, probs, n if n_steps is None else jnp.minimum(n, n_steps)
+
+
+def _scheduled_chain(step, chain, n_steps, knobs: Knobs):
+    """The chain under the width scheduler (docs/width_scheduler.md §2): MODE_AUTO stops before a draft that no
+    width could pay for (`ops.width.keep_drafting` on the calibrated draft probabilities so far); the other
+    modes run n_steps steps. -> (drafts computed, chain)."""
+    def more(carry):
+        j, chain = carry
+        _, _, drafts, probs, _ = chain
+        est = width.calibrated(width.draft_probability(drafts, probs), knobs.accept_scale)
+        wanted = width.keep_drafting(est, j, knobs.width_cost, n_steps)
+        return (j < n_steps) & ((knobs.width_mode != MODE_AUTO) | wanted)
+
+    return jax.lax.while_loop(more, lambda carry: (carry[0] + 1, step(carry[0], carry[1])), (jnp.int32(1), chain))
 
 
 @dataclasses.dataclass(frozen=True)

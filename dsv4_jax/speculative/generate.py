@@ -20,6 +20,8 @@ from ..bundle import CheckpointConfig, unbundle
 from ..config import ModelConfig
 from ..model.decode import CapacityError
 from ..drafters import pool, registry
+from ..drafters.base import MODE_AUTO, MODE_FIXED
+from .cost_table import CostTable, as_table, cached_or_calibrate
 from .loop import Carry, Knobs, Options, run_rounds, run_rounds_python
 from ..ops.verification import RULES, expected_accepted
 from .options import RunShape, Sampling, Speculation, group_options
@@ -27,6 +29,7 @@ from .prefill import (chunk_plan, init_rows, next_tokens, prefill_piece, prefill
                       start, start_carry)
 
 NO_DRAFTER = (None, "none")
+AUTO = "auto"      # Speculation.draft_n_max: the width scheduler (docs/width_scheduler.md)
 
 
 def _pad_prompts(prompt_tokens) -> tuple[np.ndarray, np.ndarray]:
@@ -47,7 +50,14 @@ def _pad_prompts(prompt_tokens) -> tuple[np.ndarray, np.ndarray]:
 def _validate(config: ModelConfig, tokens: np.ndarray, max_new_tokens: int, sp: Sampling, spec: Speculation):
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if spec.drafter not in NO_DRAFTER and spec.draft_n_max < 1:
+    if spec.draft_n_max == AUTO:
+        if spec.drafter in NO_DRAFTER:
+            raise ValueError("draft_n_max='auto' needs a drafter")
+        if not isinstance(spec.draft_n_max_bound, int) or spec.draft_n_max_bound < 1:
+            raise ValueError(f"draft_n_max_bound must be an integer >= 1, got {spec.draft_n_max_bound!r}")
+    elif not isinstance(spec.draft_n_max, (int, np.integer)) or isinstance(spec.draft_n_max, bool):
+        raise ValueError(f"draft_n_max takes an integer or 'auto', got {spec.draft_n_max!r}")
+    elif spec.drafter not in NO_DRAFTER and spec.draft_n_max < 1:
         raise ValueError(f"draft_n_max must be >= 1 with a drafter, got {spec.draft_n_max}")
     if sp.temperature < 0 or not 0 < sp.top_p <= 1:
         raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 (got {sp.temperature}, {sp.top_p})")
@@ -92,7 +102,20 @@ def summarize(c: Carry, opts: Options, wall_s: float, k: int | None = None) -> d
         "per_sequence": {"rounds": s.rounds.tolist(), "drafted": s.drafted.tolist(), "accepted": s.accepted.tolist()},
         "wall_s": wall_s, "tokens_per_s": float(n_out.sum()) / wall_s if wall_s > 0 else 0.0,
         **verification_summary(s, opts, k),
+        **width_summary(s, k),
     }
+
+
+def width_summary(s, k: int) -> dict[str, Any]:
+    """The width scheduler's statistics (docs/width_scheduler.md): rounds per verified width (0..k, then
+    "plain": rounds without the drafter) and the expected vs realised tokens per round; s: numpy Stats."""
+    if s.width_hist is None:
+        return {}
+    hist = s.width_hist.sum(0)
+    rounds = int(s.rounds.sum())
+    return {"width_histogram": {**{str(w): int(hist[w]) for w in range(k + 1)}, "plain": int(hist[-1])},
+            "expected_tokens_per_round": float(s.predicted.sum()) / rounds if rounds else 0.0,
+            "modelled_cost_s": float(s.cost_sum.sum())}
 
 
 def verification_summary(s, opts: Options, k: int) -> dict[str, Any]:
@@ -139,6 +162,7 @@ class Prepared(NamedTuple):
     prefill_taps: tuple          # tap layers the prefill computes (contains opts.taps)
     draft_n: int                 # the run's drafts per round (< opts.k under RunShape.dynamic_draft_n)
     prefill_chunk: int | None = None   # the prefill in chunks of this many tokens (RunShape.prefill_chunk)
+    cost_table: Any = None             # Speculation.cost_table (auto runs; `priced`)
 
 
 def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
@@ -161,18 +185,24 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
     bundle = dict(bundle_meta)
     if shape.prefill_chunk is not None and shape.prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1 tokens, got {shape.prefill_chunk}")
-    dynamic = shape.dynamic_draft_n and drafter.name != "none"
-    if dynamic and shape.max_block is None:
+    auto = spec.draft_n_max == AUTO
+    adaptive = (auto or shape.adaptive_widths) and drafter.name != "none"
+    dynamic = (shape.dynamic_draft_n or adaptive) and drafter.name != "none"
+    max_block_given = shape.max_block
+    if auto and max_block_given is None:
+        max_block_given = spec.draft_n_max_bound + 1
+    if dynamic and max_block_given is None:
         raise ValueError("dynamic_draft_n needs max_block: the verify width the loop is compiled for")
+    n_run = spec.draft_n_max_bound if auto else spec.draft_n_max
     # the program's drafts per round: the run's, or the bound max_block - 1 (dynamic_draft_n)
-    k_program = shape.max_block - 1 if dynamic else max(spec.draft_n_max, 1)
+    k_program = max_block_given - 1 if dynamic else max(n_run, 1)
     setup = drafter.configure(params, config, k_program, dopts, bundle)
     k = setup.k
     # the run's drafts per round (a drafter may cap draft_n_max: DSpark at its block size)
-    draft_n = drafter.configure(params, config, spec.draft_n_max, dopts, bundle).k if dynamic else k
+    draft_n = drafter.configure(params, config, n_run, dopts, bundle).k if dynamic else k
     if draft_n > k:
-        raise ValueError(f"draft_n_max={spec.draft_n_max} needs verify blocks wider than max_block={shape.max_block}")
-    max_block = shape.max_block or k + 1
+        raise ValueError(f"draft_n_max={n_run} needs verify blocks wider than max_block={max_block_given}")
+    max_block = max_block_given or k + 1
     if max_block < k + 1:
         raise ValueError(f"max_block={max_block} is narrower than a verify block of draft_n_max {k} (+1)")
     need = tokens.shape[1] + max_new_tokens + max_block
@@ -185,16 +215,38 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
                    eos_token_id=int(eos), taps=setup.taps, settings=setup.settings,
                    # greedy and synthetic runs ignore the rule: one program for both (docs/verification.md §2)
                    verify=spec.verify if sp.temperature > 0 and spec.synthetic_accept is None else "token",
-                   synthetic_accept=synthetic_rates(spec.synthetic_accept))
+                   synthetic_accept=synthetic_rates(spec.synthetic_accept), adaptive=adaptive)
     knobs = Knobs(temperature=jnp.float32(max(sp.temperature, 1e-6)), top_p=jnp.float32(sp.top_p),
                   drafter=drafter.knobs(dopts), draft_n=jnp.int32(draft_n) if dynamic else None)
+    if adaptive:
+        knobs = width_knobs(knobs, as_table(spec.cost_table) if auto else None, k, auto)
     prefill_taps = setup.taps
     if shape.drafter_pool and drafter.name == "none":    # share the pool's runs' prefill program
         members = tuple(shape.drafter_pool)
         prefill_taps = registry.get(pool.NAME).configure(params, config, k_program,
                                                          pool.PoolOptions(members, members[0]), bundle).taps
     return Prepared(config, tokens, lengths, opts, knobs, max_len, sp.seed, shape.host_loop, max_block, prefill_taps,
-                    draft_n, shape.prefill_chunk)
+                    draft_n, shape.prefill_chunk, spec.cost_table)
+
+
+def width_knobs(knobs: Knobs, table: CostTable | None, k: int, auto: bool) -> Knobs:
+    """The width scheduler's knobs: MODE_AUTO priced by the table (None: unit costs, to be replaced by a
+    calibration before the run) or MODE_FIXED (the table unused)."""
+    n = int(knobs.draft_n)
+    cost, plain = table.costs(n) if table is not None else (np.ones((n + 1,), np.float32), np.float32(1.0))
+    cost = np.pad(cost, (0, k - n), constant_values=np.float32(1e9))   # widths beyond the run's bound: never
+    return knobs.replace(width_mode=jnp.int32(MODE_AUTO if auto else MODE_FIXED), width_cost=jnp.asarray(cost),
+                         plain_cost=jnp.asarray(plain))
+
+
+def priced(params: dict, r: Prepared, table, progress=None) -> tuple[Prepared, CostTable | None, str | None]:
+    """An auto run with its cost table: the given one, or the cached / freshly measured one for this machine
+    and the run's shapes (`cost_table.cached_or_calibrate`). -> (run, table, "given" | "cached" | "measured")."""
+    if not r.opts.adaptive or int(r.knobs.width_mode) != MODE_AUTO:
+        return r, None, None
+    table, how = (as_table(table), "given") if table is not None else \
+        cached_or_calibrate(params, r.config, r, progress=progress)
+    return r._replace(knobs=width_knobs(r.knobs, table, r.opts.k, True)), table, how
 
 
 def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
@@ -233,6 +285,7 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
     """
     r = prepare(params, config, prompt_tokens, max_new_tokens, sampling=sampling, speculation=speculation, run=run,
                 backends=backends, **options)
+    r, table, how = priced(params, r, r.cost_table)
     t0 = time.perf_counter()
     carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
                                         max_len=r.max_len, opts=r.opts, knobs=r.knobs, key=jax.random.PRNGKey(r.seed),
@@ -245,4 +298,6 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
     out, n = np.asarray(carry.out), np.asarray(carry.out_len)
     stats = summarize(carry, r.opts, t2 - t0, r.draft_n)
     stats.update(prefill_s=t1 - t0, decode_s=t2 - t1)   # the first token comes from the prefill
+    if table is not None:
+        stats["cost_table"] = dict(table.to_json(), how=how)
     return [out[b, :n[b]].tolist() for b in range(out.shape[0])], stats

@@ -19,8 +19,8 @@ from ..model.state import DecodeState
 from ..config import ModelConfig
 from ..model.decode import advance, process_block
 from ..drafters import registry
-from ..drafters.base import Bound, DraftSetup, Knobs
-from ..ops import verification
+from ..drafters.base import MODE_AUTO, MODE_PLAIN, Bound, DraftSetup, Knobs
+from ..ops import verification, width
 
 __all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "run_rounds",
            "run_rounds_python"]
@@ -44,6 +44,9 @@ class Options:
     # cost studies (docs/verification.md §5): each draft accepted with probability r_j (tuple of rates, the
     # last repeating), independently; None: real verification
     synthetic_accept: tuple | None = struct.field(pytree_node=False, default=None)
+    # the width scheduler is in the program (docs/width_scheduler.md; needs Knobs.draft_n and the width_*
+    # knobs): the verify width chosen per round (Knobs.width_mode MODE_AUTO), a fixed one, or plain decoding
+    adaptive: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def setup(self) -> DraftSetup:
@@ -69,6 +72,11 @@ class Stats:
     accept_hist: jax.Array = None   # [B,K+1] rounds that accepted exactly n drafts
     calib: jax.Array = None         # [B,K,NB,3] confidence bins: count, accepted, Σ confidence (scored drafters)
     brier_at: jax.Array = None      # [B,K] Σ (confidence − accepted)²
+    # the width scheduler (Options.adaptive; docs/width_scheduler.md)
+    width_hist: jax.Array = None    # [B,K+2] rounds that verified w = 0..K drafts; column K+1: plain rounds
+    predicted: jax.Array = None     # [B] Σ over rounds of the expected tokens T_w of the verified width
+    raw_sum: jax.Array = None       # [B,K] Σ raw acceptance estimates of drafts verified with their prefix accepted
+    cost_sum: jax.Array = None      # [B] Σ over active rounds of the round's cost (cost table seconds)
 
 
 @struct.dataclass
@@ -112,7 +120,8 @@ def initial_carry(first: jax.Array, target: DecodeState, drafter, key, opts: Opt
     c = Carry(out=jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32), out_len=fresh(B), limit=limit,
               last=first, done=jnp.zeros((B,), bool), target=target, drafter=drafter, key=key,
               stats=Stats(rounds=fresh(B), drafted=fresh(B), accepted=fresh(B), per_position=fresh(B, k),
-                          proposed_at=fresh(B, k), length_hist=fresh(B, k + 1), **_fresh_extra(B, k)),
+                          proposed_at=fresh(B, k), length_hist=fresh(B, k + 1), **_fresh_extra(B, k),
+                          **(_fresh_width(B, k) if opts.adaptive else {})),
               round=fresh())
     # the first token is already generated: emit it (it may be EOS, or the whole budget)
     out, out_len, done, _ = emit(c, first[:, None], jnp.ones((B,), jnp.int32), opts)
@@ -124,6 +133,12 @@ def _fresh_extra(B: int, k: int) -> dict:
     z = lambda *shape, dt=jnp.float32: jnp.zeros(shape, dt)
     return dict(expected_at=z(B, k), alpha_at=z(B, k), accept_hist=z(B, k + 1, dt=jnp.int32),
                 calib=z(B, k, verification.CALIBRATION_BINS, 3), brier_at=z(B, k))
+
+
+def _fresh_width(B: int, k: int) -> dict:
+    """Zeroed width-scheduler statistics (Stats.width_hist ... cost_sum)."""
+    return dict(width_hist=jnp.zeros((B, k + 2), jnp.int32), predicted=jnp.zeros((B,), jnp.float32),
+                raw_sum=jnp.zeros((B, k), jnp.float32), cost_sum=jnp.zeros((B,), jnp.float32))
 
 
 def _verify(key, logits, drafts, q, n_draft, knobs: Knobs, opts: Options) -> verification.Outcome:
@@ -154,7 +169,11 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
 
     With a run-time bound (`Knobs.draft_n`, RunShape.dynamic_draft_n) the verify and everything after it
     run at the run's own width, draft_n + 1: a `lax.switch` over the widths 2..k + 1 the program holds, so a
-    run costs per round what a program compiled for its draft_n_max costs (only the drafting is shared)."""
+    run costs per round what a program compiled for its draft_n_max costs (only the drafting is shared).
+    With the width scheduler (`Options.adaptive`) the switch also holds width 1 (no drafts) and the width
+    is the run's fixed one or chosen per round (`_scheduled_round`)."""
+    if opts.adaptive:
+        return _scheduled_round(params, config, c, knobs, opts)
     drafter = registry.get(opts.drafter)
     key, k_draft, k_acc = jax.random.split(c.key, 3)
     drafts, q, n_draft, conf = drafter.propose_scored(opts.bind(params, config), c.drafter, c.target.pos, c.last,
@@ -169,10 +188,63 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
     return jax.lax.switch(jnp.clip(knobs.draft_n, 1, opts.k) - 1, widths, n_draft)
 
 
+def _realised_rate_below_plain(s: Stats, knobs: Knobs, rounds: jax.Array) -> jax.Array:
+    """MODE_AUTO's switch to plain decoding (docs/width_scheduler.md §3): after WARMUP_ROUNDS rounds, the run's
+    committed tokens per cost-table second so far below plain decoding's 1 / plain_cost. bool []."""
+    committed = jnp.sum(s.rounds + s.accepted).astype(jnp.float32)
+    return (rounds >= WARMUP_ROUNDS) & (committed * knobs.plain_cost < jnp.sum(s.cost_sum))
+
+
+WARMUP_ROUNDS = 4
+
+
+def _scheduled_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """A round of a program with the width scheduler (docs/width_scheduler.md): MODE_PLAIN (or MODE_AUTO once
+    speculation has not paid, `_realised_rate_below_plain`) decodes one token without the drafter; otherwise
+    the drafter proposes (its knobs carry the calibration factors, so a sequential drafter can stop early),
+    and the round verifies w drafts, w = knobs.draft_n (MODE_FIXED) or the width with the most expected
+    tokens per cost-table second (MODE_AUTO; `ops.width.choose`)."""
+    s = c.stats
+    plain = (knobs.width_mode == MODE_PLAIN) | ((knobs.width_mode == MODE_AUTO)
+                                                 & _realised_rate_below_plain(s, knobs, c.round))
+    factors = width.scale(s.per_position, s.raw_sum)
+    knobs = knobs.replace(accept_scale=factors)
+
+    def speculative(c: Carry) -> Carry:
+        drafter = registry.get(opts.drafter)
+        key, k_draft, k_acc = jax.random.split(c.key, 3)
+        drafts, q, n_draft, conf = drafter.propose_scored(opts.bind(params, config), c.drafter, c.target.pos,
+                                                          c.last, k_draft, knobs, opts.greedy)
+        raw = width.draft_probability(drafts, q)
+        if conf is not None:                        # a confidence head (a pool member without one: −1)
+            raw = jnp.where(conf >= 0, conf, raw)
+        est = width.calibrated(raw, factors)
+        n_draft = jnp.minimum(n_draft, knobs.draft_n)
+        chosen, _ = width.choose(est, n_draft, ~c.done, knobs.width_cost, knobs.draft_n)
+        w_round = jnp.where(knobs.width_mode == MODE_AUTO, chosen, jnp.clip(knobs.draft_n, 0, opts.k))
+        n_draft = jnp.minimum(n_draft, w_round)
+        branches = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
+                                      drafts[:, :w], q[:, :w], conf=None if conf is None else conf[:, :w],
+                                      est=est[:, :w], raw=raw[:, :w]) for w in range(opts.k + 1)]
+        return jax.lax.switch(w_round, branches, n_draft)
+
+    def plain_round(c: Carry) -> Carry:
+        key, _, k_acc = jax.random.split(c.key, 3)
+        B = c.last.shape[0]
+        none = jnp.zeros((B, 0), jnp.int32)
+        return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, none,
+                                  jnp.zeros((B, 0, config.vocab_size), jnp.float32), jnp.zeros((B,), jnp.int32),
+                                  plain=True)
+
+    return jax.lax.cond(plain, plain_round, speculative, c)
+
+
 def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options, key, k_acc,
-                       drafts: jax.Array, q: jax.Array, n_draft: jax.Array, conf: jax.Array | None = None) -> Carry:
+                       drafts: jax.Array, q: jax.Array, n_draft: jax.Array, conf: jax.Array | None = None,
+                       est: jax.Array | None = None, raw: jax.Array | None = None, plain: bool = False) -> Carry:
     """Verify [last, drafts] (drafts [B,w], q [B,w,V], n_draft [B] <= w; conf [B,w] the drafter's confidences
-    or None), accept, emit, commit, observe."""
+    or None), accept, emit, commit, observe. Width scheduler (Options.adaptive): est / raw [B,w] the drafts'
+    calibrated / raw acceptance estimates; plain: a round without the drafter (w = 0, no observe)."""
     drafter = registry.get(opts.drafter)
     pos = c.target.pos
     B, w = drafts.shape
@@ -189,7 +261,8 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
     out, out_len, done, _ = emit(c, emitted, a + 1, opts)
     n_commit = jnp.where(active, a + 1, 0)
     tstate = advance(tstate, n_commit)
-    dstate = drafter.observe(opts.bind(params, config), c.drafter, aux, emitted, pos, jnp.maximum(n_commit, 1))
+    dstate = c.drafter if plain else drafter.observe(opts.bind(params, config), c.drafter, aux, emitted, pos,
+                                                     jnp.maximum(n_commit, 1))
     s = c.stats
     kk = jnp.arange(s.per_position.shape[1])[None, :]   # the carry may be sized for a wider bound than w
     stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
@@ -198,10 +271,29 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
                   proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]),
                   length_hist=s.length_hist + ((jnp.arange(s.length_hist.shape[1])[None, :] == n_draft[:, None])
                                                & active[:, None]),
-                  **_extra_stats(s, outcome, conf, n_draft, active))
+                  **_extra_stats(s, outcome, conf, n_draft, active),
+                  **_width_stats(s, knobs, est, raw, n_draft, a, active, w, plain))
     return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
                  target=tstate,
                  drafter=dstate, key=key, stats=stats, round=c.round + 1)
+
+
+def _width_stats(s: Stats, knobs: Knobs, est, raw, n_draft, a, active, w: int, plain: bool) -> dict:
+    """The width scheduler's statistics of a round of width w (docs/width_scheduler.md), for carries that hold them."""
+    if s.width_hist is None:
+        return {}
+    K = s.raw_sum.shape[1]
+    col = K + 1 if plain else w
+    hist = s.width_hist.at[:, col].add(active.astype(jnp.int32))
+    cost = knobs.plain_cost if plain else knobs.width_cost[w]
+    out = dict(width_hist=hist, cost_sum=s.cost_sum + jnp.where(active, cost, 0.0))
+    if plain or w == 0:
+        return dict(out, predicted=s.predicted + active, raw_sum=s.raw_sum)
+    j = jnp.arange(w)[None, :]
+    reached = (j < n_draft[:, None]) & (j <= a[:, None]) & active[:, None]
+    tokens = 1.0 + jnp.sum(jnp.cumprod(jnp.where(j < n_draft[:, None], est, 0.0), axis=1), axis=1)
+    raw_sum = s.raw_sum + jnp.pad(jnp.where(reached, raw, 0.0), ((0, 0), (0, K - w)))
+    return dict(out, predicted=s.predicted + jnp.where(active, tokens, 0.0), raw_sum=raw_sum)
 
 
 def _cond(c: Carry, opts: Options):

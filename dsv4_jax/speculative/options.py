@@ -42,13 +42,19 @@ class Speculation:
     lossless, greedy runs identical); synthetic_accept: cost studies — a rate, or one per draft position,
     at which each draft is accepted as an independent Bernoulli draw instead of verified (not lossless;
     statistics marked synthetic). docs/verification.md.
+    draft_n_max="auto": the width scheduler (docs/width_scheduler.md) chooses each round how many of up to
+    draft_n_max_bound drafts to verify (none, or even plain decoding without the drafter), from the
+    drafts' acceptance estimates and cost_table (a `speculative.cost_table.CostTable` or its JSON file;
+    None: measured on this machine by a short calibration and cached).
     """
 
     drafter: str | None = None
-    draft_n_max: int = 3
+    draft_n_max: int | str = 3
     options: Any = None
     verify: str = "token"
     synthetic_accept: Any = None
+    cost_table: Any = None
+    draft_n_max_bound: int = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +77,9 @@ class RunShape:
     Greedy tokens, statistics and decode states equal the static program's; sampled runs draw from the
     same distributions but other random numbers (the drafter's draws are split for the bound).
     prefill_chunk: prefill the prompts in chunks of that many tokens, one program for every padded
-    prompt length (`generate.prefill_chunked`; None: one program per length, the whole prompt at once)."""
+    prompt length (`generate.prefill_chunked`; None: one program per length, the whole prompt at once).
+    adaptive_widths (with dynamic_draft_n): compile the width scheduler into the loop program, so fixed
+    draft_n_max runs share the program of draft_n_max="auto" runs (same tokens; docs/width_scheduler.md)."""
 
     eos_token_id: int | None = None
     max_len: int | None = None
@@ -81,6 +89,7 @@ class RunShape:
     drafter_pool: tuple[str, ...] | None = None
     dynamic_draft_n: bool = False
     prefill_chunk: int | None = None
+    adaptive_widths: bool = False
 
 
 GROUPS = {"sampling": Sampling, "speculation": Speculation, "run": RunShape}

@@ -1,0 +1,243 @@
+"""Cost tables for the width scheduler (docs/width_scheduler.md §4): seconds per round of a batch verifying
+w = 0..K drafts with a drafter, and per plain decoding round — measured on this machine by a short
+calibration (cached with the machine, shapes and versions), read from a `dsv4-aot` report (roofline
+times of a TPU topology), or given as a JSON file.
+
+    table = cost_table.calibrate(params, config, prepared)           # a prepared auto run (generate.prepare)
+    table = cost_table.cached_or_calibrate(params, config, prepared)  # the same, cached under ~/.cache
+    table.save("costs.json"); CostTable.load("costs.json")
+    table.predicted_speedup(mean_accepted_length, w)
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from importlib import metadata
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..drafters.base import MODE_FIXED, MODE_PLAIN
+from .loop import run_rounds
+from .prefill import start
+
+FORMAT = "dsv4_jax.cost_table/1"
+
+
+class CostTableError(ValueError):
+    """A cost table file or report that cannot be used (names the file and the problem)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """seconds[w]: one round of the batch verifying w drafts (w = 0..bound; the drafter's work included);
+    plain_seconds: one round of plain decoding (no drafter). spread: per width (min, max) over the
+    calibration repeats, or None; key: what the table was measured for (machine, shapes, versions)."""
+
+    seconds: tuple[float, ...]
+    plain_seconds: float
+    drafter: str = ""
+    batch: int = 1
+    source: str = "measured"
+    spread: tuple | None = None
+    key: Any = None
+
+    def __post_init__(self):
+        if not self.seconds or any(not (s > 0) for s in self.seconds) or not self.plain_seconds > 0:
+            raise CostTableError(f"a cost table needs positive seconds per round, got {self.seconds} and plain "
+                                 f"{self.plain_seconds}")
+
+    @property
+    def bound(self) -> int:
+        """The widest width (drafts per round) it prices."""
+        return len(self.seconds) - 1
+
+    def costs(self, k: int) -> tuple[np.ndarray, np.float32]:
+        """(width_cost [k+1], plain_cost) for a program holding widths 0..k (CostTableError if it prices fewer)."""
+        if k > self.bound:
+            raise CostTableError(f"the cost table prices up to {self.bound} drafts per round; the run needs {k}")
+        return np.asarray(self.seconds[:k + 1], np.float32), np.float32(self.plain_seconds)
+
+    def predicted_speedup(self, mean_accepted_length: float, w: int) -> float:
+        """Decode speed-up over plain decoding of rounds of width w committing mean_accepted_length tokens each."""
+        return mean_accepted_length * self.plain_seconds / self.seconds[w]
+
+    def break_even(self, w: int) -> float:
+        """The mean accepted length (tokens per round) at which width w matches plain decoding."""
+        return self.seconds[w] / self.plain_seconds
+
+    def lines(self) -> list[str]:
+        """A printable table: per width its seconds per round, ratio to plain and break-even tokens per round."""
+        out = [f"cost table ({self.source}; drafter {self.drafter or '?'}, batch {self.batch}):",
+               "  width  ms/round  x plain  break-even tokens/round"]
+        out.append(f"  plain  {self.plain_seconds * 1e3:8.3f}  {1.0:7.2f}  {1.0:6.2f}")
+        for w, s in enumerate(self.seconds):
+            out.append(f"  {w:5d}  {s * 1e3:8.3f}  {s / self.plain_seconds:7.2f}  {self.break_even(w):6.2f}")
+        return out
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "seconds": list(self.seconds), "plain_seconds": self.plain_seconds,
+                "drafter": self.drafter, "batch": self.batch, "source": self.source,
+                "spread": [list(s) for s in self.spread] if self.spread else None, "key": self.key}
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "cost table") -> "CostTable":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise CostTableError(f"{where}: not a cost table (expected a JSON object with format {FORMAT!r})")
+        try:
+            seconds = tuple(float(s) for s in d["seconds"])
+            plain = float(d["plain_seconds"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CostTableError(f"{where}: seconds / plain_seconds missing or not numbers ({e})") from None
+        spread = d.get("spread")
+        try:
+            return cls(seconds=seconds, plain_seconds=plain, drafter=str(d.get("drafter", "")),
+                       batch=int(d.get("batch", 1)), source=str(d.get("source", "file")),
+                       spread=tuple(tuple(float(x) for x in s) for s in spread) if spread else None, key=d.get("key"))
+        except CostTableError as e:
+            raise CostTableError(f"{where}: {e}") from None
+
+    def save(self, path: str) -> None:
+        """Write atomically (a temporary file renamed)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> "CostTable":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except OSError as e:
+            raise CostTableError(f"cost table {path}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise CostTableError(f"cost table {path}: not JSON ({e})") from None
+        return cls.from_json(d, f"cost table {path}")
+
+
+def from_aot_report(path: str, drafter: str, batch: int) -> CostTable:
+    """A table of roofline seconds from a `dsv4-aot` summary JSON: its `decode` program (plain rounds) and the
+    `verify` programs of widths w + 1 (verify_tokens), plus the drafter's round program (spec-<drafter>) per
+    drafted token where it has one. CostTableError naming what the report lacks."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CostTableError(f"dsv4-aot report {path}: {e}") from None
+    rows = report.get("rows") if isinstance(report, dict) else report
+    if not isinstance(rows, list):
+        raise CostTableError(f"dsv4-aot report {path}: no rows")
+    mine = [r for r in rows if isinstance(r, dict) and r.get("batch", batch) == batch]
+    time_of = lambda r: r.get("roofline_s") or r.get("roofline_ms", 0) / 1e3
+    plain = [time_of(r) for r in mine if r.get("program") == "decode"]
+    verify = {int(r.get("verify_tokens", 0)): time_of(r) for r in mine if r.get("program") == "verify"}
+    draft = [time_of(r) for r in mine if r.get("program") == f"spec-{drafter}"]
+    if not plain or not verify:
+        raise CostTableError(f"dsv4-aot report {path}: needs decode and verify programs at batch {batch} "
+                             f"(has {sorted({r.get('program') for r in mine})})")
+    per_draft = (draft[0] - max(verify.values())) / max(max(verify), 1) if draft else 0.0
+    seconds = [plain[0] + max(per_draft, 0.0)]
+    for w in range(1, max(verify)):
+        if w + 1 not in verify:
+            break
+        seconds.append(verify[w + 1] + max(per_draft, 0.0) * w)
+    return CostTable(seconds=tuple(seconds), plain_seconds=plain[0], drafter=drafter, batch=batch,
+                     source=f"aot:{os.path.basename(path)}")
+
+
+def cache_key(config, prepared, drafter: str) -> dict:
+    """What a measured table depends on: the machine, the program's shapes and options, the versions."""
+    dev = jax.devices()[0]
+    r = prepared
+    return {"machine": {"platform": dev.platform, "device_kind": dev.device_kind, "devices": jax.device_count(),
+                        "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+            "shapes": {"model": config.name, "config": hashlib.sha1(repr(config).encode()).hexdigest()[:12],
+                       "batch": int(r.tokens.shape[0]), "prompt": int(r.tokens.shape[1]), "max_len": r.max_len,
+                       "k": r.opts.k, "max_new_tokens": r.opts.max_new_tokens, "greedy": r.opts.greedy,
+                       "drafter": drafter, "settings": repr(r.opts.settings), "verify": r.opts.verify},
+            "versions": {"jax": jax.__version__, "dsv4_jax": _version()}}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("dsv4_jax")
+    except metadata.PackageNotFoundError:       # a source checkout on PYTHONPATH
+        return "source"
+
+
+def cache_path(key: dict, cache_dir: str | None = None) -> str:
+    base = cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                     "dsv4_jax", "cost_tables")
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(base, f"{key['shapes']['drafter']}-b{key['shapes']['batch']}-{digest}.json")
+
+
+def _seconds_per_round(params, config, r, knobs, repeats: int) -> list[float]:
+    """Time the loop (prefill untimed) `repeats` times at the given knobs: seconds per round of the batch."""
+    out = []
+    for _ in range(repeats):
+        carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
+                                            max_len=r.max_len, opts=r.opts, knobs=knobs,
+                                            key=jax.random.PRNGKey(r.seed), max_block=r.max_block,
+                                            prefill_taps=r.prefill_taps, prefill_chunk=r.prefill_chunk))
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(run_rounds(params, r.config, carry, knobs, r.opts))
+        out.append((time.perf_counter() - t0) / max(int(carry.round), 1))
+    return out
+
+
+def calibrate(params: dict, config, prepared, *, repeats: int = 3, progress=None) -> CostTable:
+    """Measure a table with the prepared run's own program (generate.prepare of an auto run, or any run with
+    the width scheduler): the loop run at each fixed width w = 0..k (MODE_FIXED) and plain (MODE_PLAIN), after
+    one untimed warm-up; the median of `repeats` runs of seconds per round. progress: a callable(str) or None."""
+    r = prepared
+    if not r.opts.adaptive:
+        raise ValueError("calibrate needs a run prepared with the width scheduler (draft_n_max='auto')")
+    k = r.opts.k if r.knobs.draft_n is None else int(r.knobs.draft_n)
+    base = r.knobs.replace(width_cost=jnp.ones((r.opts.k + 1,), jnp.float32), plain_cost=jnp.float32(1.0))
+    fixed = lambda w: base.replace(width_mode=jnp.int32(MODE_FIXED), draft_n=jnp.int32(w))
+    _seconds_per_round(params, config, r, fixed(k), 1)                        # compile + warm up
+    times = {}
+    for w in list(range(k + 1)) + ["plain"]:
+        knobs = base.replace(width_mode=jnp.int32(MODE_PLAIN)) if w == "plain" else fixed(w)
+        times[w] = _seconds_per_round(params, config, r, knobs, repeats)
+        if progress:
+            progress(f"calibration: width {w}: {statistics.median(times[w]) * 1e3:.3f} ms/round")
+    return CostTable(seconds=tuple(statistics.median(times[w]) for w in range(k + 1)),
+                     plain_seconds=statistics.median(times["plain"]), drafter=r.opts.drafter,
+                     batch=int(r.tokens.shape[0]), source="measured",
+                     spread=tuple((min(times[w]), max(times[w])) for w in range(k + 1)),
+                     key=cache_key(config, r, r.opts.drafter))
+
+
+def cached_or_calibrate(params: dict, config, prepared, *, cache_dir: str | None = None, refresh: bool = False,
+                        repeats: int = 3, progress=None) -> tuple[CostTable, str]:
+    """The cached table for this machine, program shapes and versions, or a fresh calibration saved there.
+    -> (table, "cached" | "measured")."""
+    path = cache_path(cache_key(config, prepared, prepared.opts.drafter), cache_dir)
+    if not refresh and os.path.exists(path):
+        try:
+            return CostTable.load(path), "cached"
+        except CostTableError:
+            pass                                  # a damaged cache entry: measure again and replace it
+    table = calibrate(params, config, prepared, repeats=repeats, progress=progress)
+    table.save(path)
+    return table, "measured"
+
+
+def as_table(value) -> CostTable | None:
+    """Speculation.cost_table as a CostTable: a CostTable, a JSON file path, or None."""
+    if value is None or isinstance(value, CostTable):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return CostTable.load(os.fspath(value))
+    raise TypeError(f"cost_table takes a CostTable or a JSON file path, got {type(value).__name__}")

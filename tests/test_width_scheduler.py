@@ -1,0 +1,206 @@
+"""The width scheduler (docs/width_scheduler.md): its math on hand-computed cases, lossless generation under
+draft_n_max="auto" (greedy equal to plain decoding for MTP, DSpark and n-gram; the sampling law at T = 0.8),
+and cost tables (files, errors, calibration and its cache)."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax as d
+from dsv4_jax.demo import tiny_demo
+from dsv4_jax.model.params import init_mtp
+from dsv4_jax.ops import width
+from dsv4_jax.speculative import cost_table, generate as spec_generate, loop
+from dsv4_jax.speculative.cost_table import CostTable, CostTableError
+from dsv4_jax.training.evaluate import heldout_prompts
+
+from .test_spec_mtp import _softmax, _top_p
+
+BOUND = 3
+POOL = ("mtp", "dspark", "ngram")
+
+
+# ---- the math -------------------------------------------------------------------------------------
+
+def test_expected_tokens_by_hand():
+    """T_w = 1 + Σ_{i<=min(w,n)} Π_{l<=i} e_l, summed over live sequences."""
+    est = jnp.asarray([[0.5, 0.4, 0.9], [1.0, 1.0, 1.0], [0.9, 0.9, 0.9]])
+    n = jnp.asarray([3, 1, 2])
+    live = jnp.asarray([True, True, False])
+    got = np.asarray(width.expected_tokens(est, n, live))
+    # row 0: 1, 1.5, 1.7, 1.88 ; row 1 (n = 1): 1, 2, 2, 2 ; row 2 not live
+    np.testing.assert_allclose(got, [2.0, 3.5, 3.7, 3.88], rtol=1e-6)
+
+
+def test_best_width_maximises_tokens_per_second():
+    tokens = jnp.asarray([2.0, 3.5, 3.7, 3.88])
+    # rates: 2/1 = 2, 3.5/1.5 = 2.33, 3.7/1.8 = 2.06, 3.88/2.5 = 1.55
+    assert int(width.best_width(tokens, jnp.asarray([1.0, 1.5, 1.8, 2.5]), jnp.int32(3))) == 1
+    # a cheap verify pays for the whole block; the bound caps it
+    assert int(width.best_width(tokens, jnp.asarray([1.0, 1.0, 1.0, 1.0]), jnp.int32(3))) == 3
+    assert int(width.best_width(tokens, jnp.asarray([1.0, 1.0, 1.0, 1.0]), jnp.int32(2))) == 2
+    # verify so dear that no draft pays: width 0
+    assert int(width.best_width(tokens, jnp.asarray([1.0, 9.0, 9.0, 9.0]), jnp.int32(3))) == 0
+
+
+def test_keep_drafting_stops_when_the_next_draft_cannot_pay():
+    est = jnp.asarray([[0.9, 0.0, 0.0]])
+    cost = jnp.asarray([1.0, 1.2, 1.4, 1.6])
+    # after 1 draft: width 1 rate (1.9 / 1.2 = 1.58) vs width 2 with e_2 := 0.9 (2.71 / 1.4 = 1.94): continue
+    assert bool(width.keep_drafting(est, jnp.int32(1), cost, jnp.int32(3)))
+    low = jnp.asarray([[0.2, 0.0, 0.0]])
+    # width 0: 1.0, width 1: 1.2 / 1.2 = 1.0, width 2: (1 + .2 + .04) / 1.4 = 0.89 < 1: stop
+    assert not bool(width.keep_drafting(low, jnp.int32(1), cost, jnp.int32(3)))
+    assert not bool(width.keep_drafting(est, jnp.int32(3), cost, jnp.int32(3)))      # at the bound
+
+
+def test_calibration_factors():
+    accepted = jnp.asarray([[3, 1], [1, 0]])
+    raw = jnp.asarray([[5.0, 2.0], [3.0, 1.0]])
+    np.testing.assert_allclose(np.asarray(width.scale(accepted, raw)), [(4 + 1) / (8 + 1), (1 + 1) / (3 + 1)])
+    np.testing.assert_allclose(np.asarray(width.calibrated(jnp.asarray([[1.0, 0.5]]), jnp.asarray([0.5, 4.0]))),
+                               [[0.5, 1.0]])
+
+
+# ---- cost tables --------------------------------------------------------------------------------------
+
+def test_cost_table_file_round_trip_and_errors(tmp_path):
+    t = CostTable(seconds=(1e-3, 1.5e-3, 2e-3), plain_seconds=0.9e-3, drafter="mtp", batch=2)
+    path = tmp_path / "costs.json"
+    t.save(str(path))
+    assert CostTable.load(str(path)) == t
+    assert t.bound == 2 and abs(t.predicted_speedup(2.0, 1) - 2.0 * 0.9 / 1.5) < 1e-12
+    assert abs(t.break_even(2) - 2.0 / 0.9) < 1e-12 and "break-even" in "\n".join(t.lines())
+    with pytest.raises(CostTableError, match="prices up to 2"):
+        t.costs(3)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CostTableError, match="bad.json.*not JSON"):
+        CostTable.load(str(bad))
+    bad.write_text(json.dumps({"format": cost_table.FORMAT, "seconds": [1.0, -1.0], "plain_seconds": 1.0}))
+    with pytest.raises(CostTableError, match="bad.json.*positive"):
+        CostTable.load(str(bad))
+    bad.write_text(json.dumps({"seconds": [1.0]}))
+    with pytest.raises(CostTableError, match="not a cost table"):
+        CostTable.load(str(bad))
+    with pytest.raises(CostTableError, match="missing.json"):
+        CostTable.load(str(tmp_path / "missing.json"))
+
+
+def test_bad_auto_options():
+    demo = _demo()
+    with pytest.raises(ValueError, match="needs a drafter"):
+        d.generate(demo.params, demo.config, [[1, 2, 3]], 4, draft_n_max="auto")
+    with pytest.raises(ValueError, match="integer or 'auto'"):
+        d.generate(demo.params, demo.config, [[1, 2, 3]], 4, drafter="mtp", draft_n_max="fast")
+    with pytest.raises(ValueError, match="draft_n_max_bound"):
+        d.generate(demo.params, demo.config, [[1, 2, 3]], 4, drafter="mtp", draft_n_max="auto", draft_n_max_bound=0)
+    with pytest.raises(CostTableError, match="prices up to 1"):
+        d.generate(demo.params, demo.config, [[1, 2, 3]], 4, drafter="mtp", draft_n_max="auto",
+                   draft_n_max_bound=3, cost_table=CostTable(seconds=(1.0, 2.0), plain_seconds=1.0))
+
+
+# ---- lossless generation --------------------------------------------------------------------------------
+
+_DEMO = {}
+
+
+def _demo():
+    if "d" not in _DEMO:
+        _DEMO["d"] = tiny_demo()
+    return _DEMO["d"]
+
+
+@pytest.fixture(scope="module")
+def demo_runs():
+    """Greedy plain decoding of three held-out prompts, and the keywords of the pooled auto program."""
+    demo = _demo()
+    prompts = heldout_prompts(3, prompt_len=40, seed=4)
+    kw = dict(eos_token_id=-1, max_len=112, pad_to=40)
+    plain, _ = d.generate(demo.params, demo.config, prompts, 48, **kw)
+    return demo, prompts, plain, dict(kw, draft_n_max_bound=BOUND, dspark_meta=demo.dspark, drafter_pool=POOL)
+
+
+# per-width seconds: a cheap verify (the scheduler drafts wide), one where width pays only at high acceptance,
+# and a plain round so cheap that the run stops drafting after the warm-up rounds
+TABLES = {"cheap": CostTable(seconds=(1.0, 1.05, 1.1, 1.15), plain_seconds=1.0),
+          "steep": CostTable(seconds=(1.0, 1.6, 2.1, 2.5), plain_seconds=1.0),
+          "plain": CostTable(seconds=(3.0, 3.1, 3.2, 3.3), plain_seconds=1.0)}
+
+
+@pytest.mark.parametrize("drafter", POOL)
+def test_auto_greedy_equals_plain(demo_runs, drafter):
+    """One pooled program (MTP, DSpark, n-gram) with the scheduler; each cost table moves the chosen widths."""
+    demo, prompts, plain, kw = demo_runs
+    hists = {}
+    for name, table in TABLES.items():
+        out, st = d.generate(demo.params, demo.config, prompts, 48, drafter=drafter, draft_n_max="auto",
+                             cost_table=table, **kw)
+        assert out == plain, (drafter, name)
+        hists[name] = st["width_histogram"]
+        assert st["cost_table"]["how"] == "given" and st["expected_tokens_per_round"] >= 1.0
+    print(drafter, hists)
+    cheap, steep, plain_h = hists["cheap"], hists["steep"], hists["plain"]
+    wide = lambda h: sum(int(w) * n for w, n in h.items() if w != "plain") / max(1, sum(
+        n for w, n in h.items() if w != "plain"))
+    assert wide(cheap) > wide(steep)                    # dearer verify widths: narrower rounds
+    # speculation that cannot pay stops after the warm-up rounds (3 sequences x WARMUP_ROUNDS), cheap one never
+    assert sum(plain_h.values()) - plain_h["plain"] == 3 * loop.WARMUP_ROUNDS < sum(plain_h.values())
+    assert cheap["plain"] < plain_h["plain"]
+
+
+def test_fixed_widths_in_the_scheduler_program_equal_plain(demo_runs):
+    """RunShape.adaptive_widths: fixed draft_n_max runs share the scheduler's program; same tokens, their width."""
+    demo, prompts, plain, kw = demo_runs
+    kw = {k: v for k, v in kw.items() if k != "draft_n_max_bound"}
+    out, st = d.generate(demo.params, demo.config, prompts, 48, drafter="mtp", draft_n_max=2, max_block=BOUND + 1,
+                         dynamic_draft_n=True, adaptive_widths=True, **kw)
+    assert out == plain
+    assert st["width_histogram"]["2"] == sum(st["width_histogram"].values()) > 0
+
+
+def test_auto_sampling_is_lossless_on_a_tiny_vocabulary():
+    """The MTP sampling-law test (tests/test_spec_mtp.py: TV bound 0.028 + 0.02 at N = 20000, so TV < 0.05) at
+    T = 0.8 under draft_n_max="auto" with a table that makes the width depend on each round's draft."""
+    V, N, temp, top_p = 8, 20000, 0.8, 0.9
+    config = d.tiny().replace(vocab_size=V, name="tiny-v8")
+    params = d.init_params(config, 21)
+    params["mtp"] = init_mtp(config, 22)
+    prompt = [3, 1, 4, 1, 5, 2]
+    p1 = _top_p(_softmax(np.asarray(d.forward(params, config, jnp.asarray([prompt])))[0, -1] / temp), top_p)
+    exact = np.zeros((V, V))
+    for x1 in range(V):
+        lg = np.asarray(d.forward(params, config, jnp.asarray([prompt + [x1]])))[0, -1]
+        exact[x1] = p1[x1] * _top_p(_softmax(lg / temp), top_p)
+    # width 1 pays iff 1 + e_1 > 1.45, i.e. the (calibrated) draft probability > 0.45: some rounds each way
+    table = CostTable(seconds=(1.0, 1.45, 1.9, 2.3), plain_seconds=0.5)
+    toks, st = d.generate(params, config, [prompt] * N, 2, temperature=temp, top_p=top_p, drafter="mtp",
+                          draft_n_max="auto", draft_n_max_bound=BOUND, cost_table=table, eos_token_id=-1, seed=5,
+                          max_len=16)
+    counts = np.zeros((V, V))
+    for t in toks:
+        counts[t[0], t[1]] += 1
+    tv = 0.5 * np.abs(counts / N - exact).sum()
+    h = st["width_histogram"]
+    print(f"auto: TV(empirical, exact) = {tv:.4f}, widths {h}, accept rate {st['draft_acceptance_rate']:.3f}")
+    assert tv < 0.05
+    assert h["0"] > 0.05 * N and h["1"] > 0.05 * N           # the choice varied with the drafts
+    assert 0.05 < st["draft_acceptance_rate"] < 0.95
+
+
+def test_calibration_measures_and_caches(tmp_path):
+    """calibrate() times the run's own program at each width and plain; a second call reads the cache."""
+    demo = _demo()
+    prompts = heldout_prompts(1, prompt_len=16, seed=5)
+    r = spec_generate.prepare(demo.params, demo.config, prompts, 12, drafter="mtp", draft_n_max="auto",
+                              draft_n_max_bound=2, eos_token_id=-1)
+    lines = []
+    t, how = cost_table.cached_or_calibrate(demo.params, r.config, r, cache_dir=str(tmp_path), repeats=1,
+                                            progress=lines.append)
+    assert how == "measured" and t.bound == 2 and t.plain_seconds > 0 and len(lines) == 4
+    assert t.key["shapes"]["batch"] == 1 and t.key["shapes"]["k"] == 2 and t.drafter == "mtp"
+    again, how = cost_table.cached_or_calibrate(demo.params, r.config, r, cache_dir=str(tmp_path))
+    assert how == "cached" and again == t
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("mtp-b1-")
