@@ -318,6 +318,8 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
         loops.add(loop)
         if shared:
             shared_widths.add((loop, effective_draft_n_max(s, model)))
+        if shared and plan.adaptive_widths:      # the width scheduler's program holds every width 0..bound
+            shared_widths.update((loop, w) for w in range(width + 1))
     extra = len(shared_widths) - len({loop for loop, _ in shared_widths})
     return {"prefill": len(prefill), "loop": len(loops), "extra_width": extra}
 
