@@ -54,7 +54,8 @@ def sweep_out(bundle, table_file, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sweep") / "res")
     before = loop.run_rounds._cache_size()
     assert sweep.main(["--model", bundle, "--out", out, "--spec", "none,mtp", "--draft-n-max", "1,auto",
-                       "--draft-n-max-bound", "2", "--cost-table", table_file, *RUN]) == 0
+                       "--draft-n-max-bound", "2", "--cost-table", table_file,
+                       *[x for x in RUN if x != "--no-plots"]]) == 0
     return out, loop.run_rounds._cache_size() - before
 
 
@@ -168,6 +169,7 @@ def test_sweep_auto_is_lossless_and_reported(sweep_out):
     assert k1["break_even_tokens_per_round"] == pytest.approx(0.5)
     assert k1["predicted_speedup"] == pytest.approx(k1["mean_accepted_length"] / 0.5)
     meta = summary["meta"]
+    assert "tokens_per_s.png" in meta["plots"] and os.path.exists(os.path.join(out, "tokens_per_s.png"))
     assert meta["draft_n_max_bound"] == 2 and meta["adaptive_widths"]
     assert [(t["spec_type"], t["batch_size"], t["greedy"], t["how"]) for t in meta["cost_tables"]] == \
         [("mtp", 1, True, "given")]

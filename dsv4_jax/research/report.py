@@ -523,17 +523,21 @@ def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, what in ((axes[0], "decode_tokens_per_s", "decode loop only (primary)"),
                           (axes[1], "tokens_per_s", "end to end (prefill + decode)")):
+        colors = {}
         for skey, rows in series.items():
-            ax.errorbar([r["draft_n_max"] for r in rows], [r[key] for r in rows], yerr=_yerr(rows, key),
-                        capsize=3, label=_line_label(skey, settings), **STYLE.get(skey[0], {}))
+            bars = ax.errorbar([r["draft_n_max"] for r in rows], [r[key] for r in rows], yerr=_yerr(rows, key),
+                               capsize=3, label=_line_label(skey, settings), **STYLE.get(skey[0], {}))
+            colors[skey] = bars[0].get_color()
         for s in settings:
             if s["spec_type"] == BASELINE:
                 ax.axhline(s[key], color="gray", linestyle=":",
                            label=f"no speculation T={s['temperature']:g} B={s['batch_size']}")
                 if s.get(f"{key}_min") is not None:
                     ax.axhspan(s[f"{key}_min"], s[f"{key}_max"], color="gray", alpha=0.15)
-            elif is_auto(s):
-                ax.axhline(s[key], linestyle="-.", color=f"C{(len(series) + settings.index(s)) % 10}",
+            elif is_auto(s):          # in the colour of the same drafter's fixed widths
+                name = s.get("knob_name")
+                skey = (s["spec_type"], name or "", s[name] if name else 0.0, s["temperature"], s["batch_size"])
+                ax.axhline(s[key], linestyle="-.", color=colors.get(skey, "black"),
                            label=s.get("label") or _row_label(s))
         ax.set(xlabel="draft_n_max", ylabel="generated tokens / s", title=what)
         ax.set_xticks(ks)
