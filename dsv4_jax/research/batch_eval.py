@@ -7,7 +7,10 @@ prompts: `static` refills the slots only when the whole batch has finished (each
 longest sequence ends), `continuous` refills every freed slot between decode chunks. Output lengths
 spread by EOS or, with --output-lengths LO-HI, by per-request budgets drawn uniformly (seeded). For each
 spec type × draft_n_max × knob × temperature × batch size: one engine (compiled once, warmed up untimed),
-then every schedule timed, the schedules interleaved (the median run over --repeats).
+then every schedule timed, the schedules interleaved (the median run over --repeats). --draft-n-max auto:
+the width scheduler chooses each round's verify width (docs/width_scheduler.md) under both schedules,
+priced by --cost-table or by a cost table measured per drafter, batch size and greedy/sampled on a static
+run of B prompts (`cost_table.cached_or_calibrate`, cached).
 
 Throughput = generated tokens / wall time of the whole run; a request's latency = the time from the start
 (its arrival) to its last token, TTFT = to its first token (sampled by its prefill); mean / p50 / p90.
@@ -25,7 +28,9 @@ from typing import Sequence
 import numpy as np
 
 from .. import cli, parallel
-from ..speculative.options import Sampling, Speculation
+from ..speculative.cost_table import cached_or_calibrate
+from ..speculative.generate import prepare
+from ..speculative.options import RunShape, Sampling, Speculation
 from ..speculative.scheduler import SCHEDULES, RunResult, SlotEngine
 from . import common, report
 from .common import OptionError
@@ -38,6 +43,7 @@ EXAMPLES = """examples:
   dsv4-batch-eval --out results/cb --spec none --batch-size 4 --num-prompts 32 --output-lengths 16-256 --ignore-eos
   dsv4-batch-eval --out results/cb-spec --spec none,mtp,dspark --draft-n-max 3 --output-lengths 16-128
   dsv4-batch-eval --out results/ckpt --model /ckpt/dsv4-flash --prompts-file prompts.jsonl --mesh 1x8x1
+  dsv4-batch-eval --out results/auto --spec none,mtp --draft-n-max 3,auto --draft-n-max-bound 4
 """
 
 
@@ -50,13 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     g = p.add_argument_group("settings (comma-separated lists; integer ranges like 1-4 allowed)")
     g.add_argument("--spec", default="none,mtp,dspark", help="spec types (default none,mtp,dspark)")
-    g.add_argument("--draft-n-max", default="3", metavar="K", help="drafts per round for mtp/dspark (default 3)")
+    g.add_argument("--draft-n-max", default="3", metavar="K",
+                   help="drafts per round for mtp/dspark (default 3); 'auto' as an item: the width scheduler "
+                        "chooses each round (docs/width_scheduler.md), 'auto' alone = 1-K,auto with K = "
+                        "--draft-n-max-bound")
     g.add_argument("--p-min", default="0", metavar="P", help="MTP p_min values (default 0)")
     g.add_argument("--confidence", default="0", metavar="C", help="DSpark confidence thresholds (default 0)")
     g.add_argument("--temperature", default="0", metavar="T", help="temperatures (default 0 = greedy)")
     g.add_argument("--batch-size", default="4", metavar="B", help="decode slots (default 4)")
     g.add_argument("--num-prompts", type=int, default=16, metavar="N",
                    help="prompts to decode per setting: the selected prompts cycled or cut to N (default 16)")
+    common.add_width_args(p.add_argument_group("width scheduler (--draft-n-max auto; docs/width_scheduler.md)"))
     s = p.add_argument_group("scheduling")
     s.add_argument("--schedule", default="static,continuous",
                    help="schedules to compare, in the same run on the same prompts (default static,continuous)")
@@ -98,7 +108,7 @@ def schedule_list(text: str) -> list[str]:
 def parse_settings(a: argparse.Namespace) -> tuple[list[Setting], list[int]]:
     common.verify_options(a)          # --synthetic-accept's rates, checked before any model work
     specs = common.spec_list(a.spec)
-    ks = common.int_list(a.draft_n_max, "--draft-n-max", 1)
+    ks, a.auto_bound, a.cost_table_obj = common.width_options(a)
     p_mins = common.float_list(a.p_min, "--p-min", 0.0, 1.0)
     confs = common.float_list(a.confidence, "--confidence", 0.0, 1.0)
     temps = common.float_list(a.temperature, "--temperature", 0.0)
@@ -113,7 +123,8 @@ def parse_settings(a: argparse.Namespace) -> tuple[list[Setting], list[int]]:
     if a.length_range and a.max_new_tokens:
         raise OptionError("give --max-new-tokens or --output-lengths, not both")
     a.mesh_obj = cli.device_mesh(a.mesh)
-    return grid_settings(specs, ks, {"p_min": p_mins, "confidence_threshold": confs}, temps, sizes), ks
+    settings = grid_settings(specs, ks, {"p_min": p_mins, "confidence_threshold": confs}, temps, sizes, a.auto_bound)
+    return settings, ks + ([a.auto_bound] if a.auto_bound else [])
 
 
 def output_range(text: str | None) -> tuple[int, int] | None:
@@ -143,16 +154,41 @@ def cycle_to(prompts: list[dict], n: int) -> list[dict]:
     return out
 
 
-def build_engine(model, prompts: list[dict], budgets: list[int], setting: Setting, a) -> SlotEngine:
+def speculation(setting: Setting, a, table=None) -> Speculation:
+    """The setting's Speculation group (draft_n_max="auto" with its bound and cost table for auto settings)."""
+    width = {"draft_n_max": "auto", "draft_n_max_bound": setting.draft_n_max, "cost_table": table} if setting.auto \
+        else {"draft_n_max": max(setting.draft_n_max, 1)}
+    return Speculation(drafter=setting.drafter, options=setting.drafter_options(), verify=a.verify,
+                       synthetic_accept=common.verify_options(a)[1], **width)
+
+
+def cost_table_for(model, prompts: list[dict], budgets: list[int], setting: Setting, a, tables: dict, log) -> dict:
+    """An auto setting's cost table, once per `Setting.table_key`: --cost-table's, or the cached / measured
+    calibration (`cost_table.cached_or_calibrate`) of a static run of the first B prompts with the setting's
+    program; printed when obtained. tables: {key: {"table", "how"}}, filled in."""
+    key = setting.table_key
+    if key not in tables:
+        if a.cost_table_obj is not None:
+            tables[key] = {"table": a.cost_table_obj, "how": "given"}
+        else:
+            r = prepare(model.params, model.bundle, [list(p["tokens"]) for p in prompts[:setting.batch_size]],
+                        max(budgets), sampling=Sampling(temperature=setting.temperature, top_p=a.top_p, seed=a.seed),
+                        speculation=speculation(setting, a), run=RunShape(eos_token_id=common.eos_for(a)))
+            table, how = cached_or_calibrate(model.params, r.config, r, refresh=a.recalibrate, drafter=setting.spec,
+                                             progress=None if a.quiet else log)
+            tables[key] = {"table": table, "how": how}
+        log("\n".join([f"== cost table ({tables[key]['how']}) for {setting.spec} B={setting.batch_size} "
+                       f"{'greedy' if setting.temperature == 0 else 'sampled'}:", *tables[key]["table"].lines()]))
+    return tables[key]
+
+
+def build_engine(model, prompts: list[dict], budgets: list[int], setting: Setting, a, table=None) -> SlotEngine:
     return SlotEngine.build(
         model.params, model.bundle, [p["tokens"] for p in prompts], budgets, batch=setting.batch_size,
         chunk_rounds=a.chunk_rounds, prefill_len=a.prefill_len, refill_min=a.refill_min,
         prefill_ahead=a.prefill_ahead,
         sampling=Sampling(temperature=setting.temperature, top_p=a.top_p, seed=a.seed),
-        speculation=Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
-                                options=setting.drafter_options(), verify=a.verify,
-                                synthetic_accept=common.verify_options(a)[1]),
-        eos_token_id=common.eos_for(a))
+        speculation=speculation(setting, a, table), eos_token_id=common.eos_for(a))
 
 
 def schedule_row(setting: Setting, run: RunResult, walls: list[float], model) -> dict:
@@ -179,7 +215,8 @@ def schedule_row(setting: Setting, run: RunResult, walls: list[float], model) ->
             "ttft_p90_s": ttft["p90"],
             **report.aggregate_verification([{**r.spec_decode, "rounds": r.rounds,
                                               "per_position_proposed": r.per_position_proposed}
-                                             for r in res if r.spec_decode and setting.draft_n_max])}
+                                             for r in res if r.spec_decode and setting.draft_n_max]),
+            **report.aggregate_width([{**r.width, "rounds": r.rounds} for r in res if r.width])}
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -201,9 +238,9 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def evaluate(model, prompts: list[dict], budgets: list[int], setting: Setting, a, bar) -> tuple[list, list]:
-    """(rows, per-request records) of one setting under every schedule."""
-    engine = build_engine(model, prompts, budgets, setting, a)
+def evaluate(model, prompts: list[dict], budgets: list[int], setting: Setting, a, bar, table=None) -> tuple[list, list]:
+    """(rows, per-request records) of one setting under every schedule (table: an auto setting's cost table)."""
+    engine = build_engine(model, prompts, budgets, setting, a, table)
     warm = engine.warm_up()
     bar.update(1)
     runs: dict[str, list[RunResult]] = {s: [] for s in a.schedules}
@@ -236,14 +273,21 @@ PHASE_HEADER = ("spec", "k", "knob", "T", "B", "schedule", "wall (s)", "admissio
                 "loop rounds", "ms / round", "decode-phase tok/s", "rounds static / this", "decode-phase vs static")
 
 
+def _k(s: dict):
+    """The k column: '–' (none), 'auto≤K' or the width."""
+    if s["spec_type"] == BASELINE:
+        return "–"
+    return f"auto≤{s['effective_draft_n_max']}" if report.is_auto(s) else s["draft_n_max"]
+
+
 def markdown(summary: dict) -> str:
     m = summary["meta"]
-    rows = [(s["spec_type"], s["draft_n_max"] if s["spec_type"] != BASELINE else "–", report.knob_text(s),
+    rows = [(s["spec_type"], _k(s), report.knob_text(s),
              f"{s['temperature']:g}", s["batch_size"], s["schedule"], s["n_requests"], s["total_predicted"],
              f"{s['tokens_per_s']:.1f}", _times(s["vs_static"]), _times(s["speedup"]), s["slot_utilization"],
              s["aggregate_accept_rate"], s["mean_accepted_length"], s["latency_mean_s"], s["latency_p50_s"],
              s["latency_p90_s"], s["ttft_p50_s"], s["ttft_p90_s"]) for s in summary["settings"]]
-    phases = [(s["spec_type"], s["draft_n_max"] if s["spec_type"] != BASELINE else "–", report.knob_text(s),
+    phases = [(s["spec_type"], _k(s), report.knob_text(s),
                f"{s['temperature']:g}", s["batch_size"], s["schedule"], f"{s['wall_s']:.1f}", f"{s['prefill_s']:.1f}",
                s["refills"], s["prefill_calls"], s["loop_rounds"], f"{s['ms_per_round']:.1f}",
                f"{s['decode_tokens_per_s']:.1f}", _ratio(s["rounds_ratio"]), _times(s["decode_vs_static"]))
@@ -266,7 +310,13 @@ def markdown(summary: dict) -> str:
         report.markdown_table(MD_HEADER, rows), "",
         "Admission (prefill + insert, synchronised) and the decode phase (the rest of the wall time: decode "
         "chunks and the host's look at the slots) apart; ms / round = decode phase / loop rounds.", "",
-        report.markdown_table(PHASE_HEADER, phases), ""]) + _verification(summary)
+        report.markdown_table(PHASE_HEADER, phases), ""]) + _width(summary) + _verification(summary)
+
+
+def _width(summary: dict) -> str:
+    """The width scheduler's sections (cost tables, auto rows, predicted vs measured; `report.width_markdown`)."""
+    body = report.width_markdown(summary["settings"], summary["meta"])
+    return "\n" + body if body else ""
 
 
 def _verification(summary: dict) -> str:
@@ -303,9 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"dsv4-batch-eval: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings × "
           f"{'/'.join(a.schedules)}, output lengths {a.output_lengths or max_new} -> {a.out}", file=sys.stderr)
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "batch-eval") as bar:
-        rows, records = [], []
+        rows, records, tables = [], [], {}
         for s in settings:
-            new_rows, recs = evaluate(model, prompts, budgets, s, a, bar)
+            table = cost_table_for(model, prompts, budgets, s, a, tables, bar.write)["table"] if s.auto else None
+            new_rows, recs = evaluate(model, prompts, budgets, s, a, bar, table)
             rows += new_rows
             records += recs
             add_ratios(rows)
@@ -324,10 +375,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "refill_min": a.refill_min, "prefill_ahead": a.prefill_ahead,
                             "mesh": None if a.mesh_obj is None else dict(parallel.mesh_sizes(a.mesh_obj)),
                             "verify": a.verify, "synthetic_accept": common.verify_options(a)[1],
+                            "draft_n_max_bound": a.auto_bound, "cost_table_file": a.cost_table,
+                            "cost_tables": [report.cost_table_meta(key, t["table"], t["how"])
+                                            for key, t in tables.items()],
                             "timing": "per schedule: wall time of SlotEngine.run (prefills, inserts and decode "
                                       "chunks, host synchronised after each), median over repeats, after one "
                                       "untimed warm-up per setting that compiles every program"},
-                   "settings": rows}
+                   "settings": report.add_width_predictions(
+                       rows, {key: t["table"] for key, t in tables.items()}, a.cost_table_obj)}
         report.write_jsonl(f"{tmp}/results.jsonl", records)
         if not a.no_plots:
             summary["meta"]["plots"] = report.plot_batch_eval(rows, tmp, model.name) + report.verification_plots(

@@ -7,8 +7,12 @@ from tqdm.auto import tqdm
 
 from .. import cli
 from ..cli import OptionError, enable_compile_cache, float_list, int_list  # noqa: F401 - the research CLIs' names
+from ..speculative.cost_table import CostTable, CostTableError
 from . import prompts as P
 from .runner import SPEC_TYPES
+
+AUTO = "auto"       # --draft-n-max: the width scheduler (docs/width_scheduler.md)
+DEFAULT_BOUND = 7   # --draft-n-max-bound
 
 def spec_list(text: str) -> list[str]:
     specs = [s.strip().lower() for s in text.split(",") if s.strip()]
@@ -122,3 +126,58 @@ def verify_options(a: argparse.Namespace) -> tuple[str, tuple[float, ...] | None
     if getattr(a, "synthetic_accept", None):
         rates = tuple(float_list(a.synthetic_accept, "--synthetic-accept", 0.0, 1.0))
     return getattr(a, "verify", "token"), rates
+
+
+def add_width_args(g: argparse._ArgumentGroup) -> None:
+    """--draft-n-max-bound, --cost-table and --recalibrate: the width scheduler's options (--draft-n-max auto;
+    docs/width_scheduler.md), shared by dsv4-sweep and dsv4-batch-eval."""
+    g.add_argument("--draft-n-max-bound", type=int, default=DEFAULT_BOUND, metavar="K",
+                   help=f"--draft-n-max auto: the most drafts a round may verify (default {DEFAULT_BOUND}; "
+                        "`auto` alone means 1-K,auto)")
+    g.add_argument("--cost-table", metavar="FILE",
+                   help="--draft-n-max auto: a cost table JSON (seconds per round for 0..K drafts and plain "
+                        "decoding; `dsv4_jax.speculative.cost_table`) for every auto setting; default: measured "
+                        "per drafter, batch size and greedy/sampled by a short calibration on the run's own "
+                        "program, cached under ~/.cache/dsv4_jax/cost_tables")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="--draft-n-max auto: measure the cost tables again, ignoring the cache")
+
+
+def draft_n_max_list(text: str, bound: int) -> tuple[list[int], bool]:
+    """--draft-n-max: fixed widths and whether `auto` is among them -> (sorted widths, auto). 'auto' alone
+    means 1-bound,auto (the fixed widths reported beside auto). Raises OptionError."""
+    parts = [t.strip().lower() for t in text.split(",") if t.strip()]
+    auto = AUTO in parts
+    fixed = [t for t in parts if t != AUTO]
+    if not auto:
+        return int_list(text, "--draft-n-max", 1), False
+    try:
+        ks = int_list(",".join(fixed), "--draft-n-max", 1) if fixed else list(range(1, bound + 1))
+    except OptionError as e:
+        raise OptionError(f"{e} (--draft-n-max takes integers, ranges like 1-5 and 'auto')") from None
+    return ks, True
+
+
+def width_options(a: argparse.Namespace) -> tuple[list[int], int | None, CostTable | None]:
+    """(fixed draft_n_max values, the auto bound or None without `auto`, the --cost-table's table or None),
+    checked before any model work (raises OptionError naming the problem)."""
+    if a.draft_n_max_bound < 1:
+        raise OptionError(f"--draft-n-max-bound must be >= 1, got {a.draft_n_max_bound}")
+    try:
+        ks, auto = draft_n_max_list(a.draft_n_max, a.draft_n_max_bound)
+    except OptionError as e:
+        raise OptionError(f"{e}; or 'auto' for the width scheduler") from None
+    if (a.cost_table or a.recalibrate) and not auto:
+        raise OptionError("--cost-table and --recalibrate need 'auto' in --draft-n-max")
+    if a.cost_table and a.recalibrate:
+        raise OptionError("give --cost-table or --recalibrate, not both")
+    table = None
+    if a.cost_table:
+        try:
+            table = CostTable.load(a.cost_table)
+        except CostTableError as e:
+            raise OptionError(f"--cost-table: {e}") from None
+        if table.bound < a.draft_n_max_bound:
+            raise OptionError(f"--cost-table: {a.cost_table} prices up to {table.bound} drafts per round, "
+                              f"--draft-n-max-bound is {a.draft_n_max_bound}")
+    return ks, a.draft_n_max_bound if auto else None, table

@@ -118,7 +118,156 @@ def aggregate(batch_records: Sequence[dict]) -> dict:
             "mean_accepted_length": (acc + rounds) / rounds if rounds else 0.0, "rounds": rounds,
             "per_position_accepted": pos_acc, "per_position_proposed": pos_prop,
             "per_position_accept_rate": [a / p if p else 0.0 for a, p in zip(pos_acc, pos_prop)],
-            **aggregate_verification(batch_records)}
+            **aggregate_verification(batch_records), **aggregate_width(batch_records)}
+
+
+# ---- the width scheduler (docs/width_scheduler.md) ---------------------------------------------
+
+def is_auto(row: dict) -> bool:
+    """A row of a draft_n_max="auto" setting."""
+    return row.get("draft_n_max") == "auto"
+
+
+def width_record(stats: dict) -> dict:
+    """A batch record's width-scheduler evidence from `generate`'s statistics: rounds per verified width, the
+    Σ expected tokens and the modelled cost (cost-table seconds) of its rounds; {} without the scheduler."""
+    if "width_histogram" not in stats:
+        return {}
+    return {"width_histogram": stats["width_histogram"],
+            "expected_tokens": stats["expected_tokens_per_round"] * stats["rounds"],
+            "modelled_cost_s": stats["modelled_cost_s"]}
+
+
+def aggregate_width(records: Sequence[dict]) -> dict:
+    """Summed `width_record` fields of records carrying them (each with "rounds"): width_histogram,
+    expected_tokens_per_round (the scheduler's forecast, beside mean_accepted_length: the realised),
+    modelled_cost_s; {} otherwise."""
+    recs = [r for r in records if r.get("width_histogram")]
+    if not recs:
+        return {}
+    hist: dict[str, int] = {}
+    for r in recs:
+        for w, n in r["width_histogram"].items():
+            hist[w] = hist.get(w, 0) + int(n)
+    rounds = sum(r["rounds"] for r in recs)
+    return {"width_histogram": hist, "expected_tokens_per_round": sum(r["expected_tokens"] for r in recs) / rounds
+            if rounds else 0.0, "modelled_cost_s": float(sum(r["modelled_cost_s"] for r in recs))}
+
+
+def add_width_predictions(rows: list[dict], tables: dict, default=None) -> list[dict]:
+    """Beside every drafter row, the cost table's view (docs/width_scheduler.md §4): tables {(spec, batch
+    size, greedy): CostTable}, default: the table of any other key (or None). A fixed width w gets
+    break_even_tokens_per_round = seconds[w] / plain_seconds and predicted_speedup = the measured
+    mean accepted length × plain_seconds / seconds[w]; an auto row gets predicted_speedup = its committed
+    tokens × plain_seconds / the cost-table seconds of the rounds it chose (modelled_cost_s)."""
+    for r in rows:
+        if r["spec_type"] == BASELINE:
+            continue
+        t = tables.get((r["spec_type"], r["batch_size"], r["temperature"] == 0), default)
+        if t is None:
+            continue
+        if is_auto(r):
+            tokens = r["total_draft_accepted"] + r["rounds"]
+            cost = r.get("modelled_cost_s") or 0.0
+            r["predicted_speedup"] = tokens * t.plain_seconds / cost if cost > 0 else None
+        elif r["effective_draft_n_max"] <= t.bound:
+            w = r["effective_draft_n_max"]
+            r["break_even_tokens_per_round"] = t.break_even(w)
+            r["predicted_speedup"] = t.predicted_speedup(r["mean_accepted_length"], w)
+    return rows
+
+
+def cost_table_meta(key: tuple, table, how: str) -> dict:
+    """summary.json's record of a cost table: what it prices (drafter, batch size, greedy), how it was
+    obtained ("given" | "cached" | "measured"), the table (CostTable.to_json) and its printed lines."""
+    spec, batch, greedy = key
+    return {"spec_type": spec, "batch_size": batch, "greedy": greedy, "how": how, "table": table.to_json(),
+            "lines": table.lines()}
+
+
+def _hist_text(hist: dict | None) -> str:
+    """'w:rounds' of the widths chosen at least once ('plain' last)."""
+    if not hist:
+        return "–"
+    return " ".join(f"{w}:{n}" for w, n in hist.items() if n) or "–"
+
+
+def _group_key(r: dict) -> tuple:
+    return (r["spec_type"], knob_text(r), r["temperature"], r["batch_size"], r.get("schedule"))
+
+
+def width_why(rows: Sequence[dict]) -> list[str]:
+    """A line per drafter (and knob, T, B, schedule) that has cost-table predictions: per fixed width the
+    tokens per round it needs to break even beside the measured mean accepted length, the widths the table
+    and the measurement rank best, and the widths auto chose."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["spec_type"] != BASELINE and "predicted_speedup" in r:
+            groups.setdefault(_group_key(r), []).append(r)
+    out = []
+    for (spec, knob, t, b, sched), rs in groups.items():
+        fixed = sorted((r for r in rs if not is_auto(r)), key=lambda r: r["draft_n_max"])
+        auto = [r for r in rs if is_auto(r)]
+        parts = [f"k={r['draft_n_max']} needs {r['break_even_tokens_per_round']:.2f} tokens/round, measured "
+                 f"{r['mean_accepted_length']:.2f} ({'pays' if r['mean_accepted_length'] > r['break_even_tokens_per_round'] else 'loses'})"
+                 for r in fixed if "break_even_tokens_per_round" in r]
+        line = f"- **{spec}**{'' if knob == '–' else ' ' + knob} T={t:g} B={b}{'' if sched is None else ' ' + sched}: "
+        line += "; ".join(parts) if parts else "no fixed width priced"
+        priced = [r for r in fixed if r.get("predicted_speedup") is not None]
+        if priced:
+            best_p = max(priced, key=lambda r: r["predicted_speedup"])
+            line += f". Cost table ranks k={best_p['draft_n_max']} best ({best_p['predicted_speedup']:.2f}×)"
+            measured = [r for r in priced if r.get(_speedup_key(r)) is not None]
+            if measured:
+                best_m = max(measured, key=lambda r: r[_speedup_key(r)])
+                line += f", measured best k={best_m['draft_n_max']} ({best_m[_speedup_key(best_m)]:.2f}×)"
+        for r in auto:
+            line += (f". auto chose widths {_hist_text(r.get('width_histogram'))}, "
+                     f"{_times(r.get(_speedup_key(r)))} measured")
+        out.append(line + ".")
+    return out
+
+
+def _speedup_key(r: dict) -> str:
+    """The measured speed-up a row carries: decode_speedup (sweep) or speedup (batch-eval)."""
+    return "decode_speedup" if "decode_speedup" in r else "speedup"
+
+
+def width_markdown(rows: Sequence[dict], meta: dict) -> str:
+    """The width scheduler's sections: the cost tables, auto rows (tokens/s, speed-up, chosen widths,
+    expected vs realised tokens per round), predicted vs measured speed-up per fixed width, the "why" lines."""
+    tables = meta.get("cost_tables") or []
+    auto = [r for r in rows if is_auto(r)]
+    fixed = [r for r in rows if not is_auto(r) and "break_even_tokens_per_round" in r]
+    if not tables and not auto and not fixed:
+        return ""
+    label = lambda r: r["label"] + (f" {r['schedule']}" if r.get("schedule") else "")
+    rate = lambda r: r.get("decode_tokens_per_s", r.get("tokens_per_s"))
+    out = ["## Width scheduler (draft_n_max=auto; docs/width_scheduler.md)", ""]
+    for t in tables:
+        out += [f"cost table for {t['spec_type']} B={t['batch_size']} {'greedy' if t['greedy'] else 'sampled'} "
+                f"({t['how']}):", "", "```", *t["lines"], "```", ""]
+    if auto:
+        out += ["chosen widths = rounds per verified width (0 = no draft verified, plain = decoding without the "
+                "drafter); expected = the scheduler's forecast tokens per round, realised = mean_acc_len; predicted "
+                "speed-up = committed tokens at the cost table's seconds of the chosen rounds over plain decoding.", "",
+                markdown_table(("setting", "tok/s", "speed-up", "predicted speed-up", "chosen widths",
+                                "expected tokens/round", "realised tokens/round"),
+                               [(label(r), f"{rate(r):.1f}", _times(r.get(_speedup_key(r))),
+                                 _times(r.get("predicted_speedup")), _hist_text(r.get("width_histogram")),
+                                 r.get("expected_tokens_per_round"), r["mean_accepted_length"]) for r in auto]), ""]
+    if fixed:
+        out += ["Fixed widths: break-even = the tokens per round at which width k matches plain decoding "
+                "(cost table); predicted speed-up = measured mean_acc_len × plain seconds / seconds[k].", "",
+                markdown_table(("setting", "k", "break-even tokens/round", "mean_acc_len", "predicted speed-up",
+                                "measured speed-up"),
+                               [(label(r), r["effective_draft_n_max"], r["break_even_tokens_per_round"],
+                                 r["mean_accepted_length"], _times(r.get("predicted_speedup")),
+                                 _times(r.get(_speedup_key(r)))) for r in fixed]), ""]
+    why = width_why(rows)
+    if why:
+        out += ["Why:", "", *why, ""]
+    return "\n".join(out) + "\n"
 
 
 def verification_record(stats: dict) -> dict:
@@ -269,7 +418,9 @@ def sweep_markdown(summary: dict) -> str:
     rows = []
     for s in summary["settings"]:
         k = s["draft_n_max"] if s["spec_type"] != BASELINE else "–"
-        if s["spec_type"] != BASELINE and s["effective_draft_n_max"] != s["draft_n_max"]:
+        if is_auto(s):
+            k = f"auto≤{s['effective_draft_n_max']}"
+        elif s["spec_type"] != BASELINE and s["effective_draft_n_max"] != s["draft_n_max"]:
             k = f"{s['draft_n_max']}→{s['effective_draft_n_max']}"
         knob = knob_text(s)
         pos = " ".join(f"{x:.2f}" for x in s["per_position_accept_rate"]) or "–"
@@ -305,7 +456,13 @@ def sweep_markdown(summary: dict) -> str:
         "time of all prefills (prompt processing, the first token and the drafter's priming), reported apart; "
         "accept_rate = accepted / drafted; mean_acc_len includes the bonus token; per-position accept = rounds "
         "whose draft j was accepted / rounds that proposed a draft j.", "",
-        markdown_table(SWEEP_HEADER, rows), ""]) + _verification_section(m, summary["settings"])
+        markdown_table(SWEEP_HEADER, rows), ""]) + _width_section(m, summary["settings"]) \
+        + _verification_section(m, summary["settings"])
+
+
+def _width_section(meta: dict, rows: Sequence[dict]) -> str:
+    body = width_markdown(rows, meta)
+    return "\n" + body if body else ""
 
 
 def _verification_section(meta: dict, rows: Sequence[dict]) -> str:
@@ -332,7 +489,7 @@ def _series(settings: Sequence[dict]) -> dict[tuple, list[dict]]:
     """Spec settings grouped into lines: (spec, knob, T, B) -> rows sorted by draft_n_max."""
     lines: dict[tuple, list[dict]] = {}
     for s in settings:
-        if s["spec_type"] == BASELINE:
+        if s["spec_type"] == BASELINE or is_auto(s):     # auto rows: a level line, not a point of draft_n_max
             continue
         name = s.get("knob_name")
         lines.setdefault((s["spec_type"], name or "", s[name] if name else 0.0, s["temperature"], s["batch_size"]),
@@ -361,20 +518,27 @@ def plot_sweep(settings: Sequence[dict], out_dir: str, title: str) -> list[str]:
     plt = _pyplot()
     series = _series(settings)
     written = []
-    ks = sorted({s["draft_n_max"] for s in settings if s["spec_type"] != BASELINE}) or [1]
+    ks = sorted({s["draft_n_max"] for s in settings if s["spec_type"] != BASELINE and not is_auto(s)}) or [1]
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, what in ((axes[0], "decode_tokens_per_s", "decode loop only (primary)"),
                           (axes[1], "tokens_per_s", "end to end (prefill + decode)")):
+        colors = {}
         for skey, rows in series.items():
-            ax.errorbar([r["draft_n_max"] for r in rows], [r[key] for r in rows], yerr=_yerr(rows, key),
-                        capsize=3, label=_line_label(skey, settings), **STYLE.get(skey[0], {}))
+            bars = ax.errorbar([r["draft_n_max"] for r in rows], [r[key] for r in rows], yerr=_yerr(rows, key),
+                               capsize=3, label=_line_label(skey, settings), **STYLE.get(skey[0], {}))
+            colors[skey] = bars[0].get_color()
         for s in settings:
             if s["spec_type"] == BASELINE:
                 ax.axhline(s[key], color="gray", linestyle=":",
                            label=f"no speculation T={s['temperature']:g} B={s['batch_size']}")
                 if s.get(f"{key}_min") is not None:
                     ax.axhspan(s[f"{key}_min"], s[f"{key}_max"], color="gray", alpha=0.15)
+            elif is_auto(s):          # in the colour of the same drafter's fixed widths
+                name = s.get("knob_name")
+                skey = (s["spec_type"], name or "", s[name] if name else 0.0, s["temperature"], s["batch_size"])
+                ax.axhline(s[key], linestyle="-.", color=colors.get(skey, "black"),
+                           label=s.get("label") or _row_label(s))
         ax.set(xlabel="draft_n_max", ylabel="generated tokens / s", title=what)
         ax.set_xticks(ks)
         ax.set_ylim(bottom=0)

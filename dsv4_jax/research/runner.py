@@ -31,6 +31,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from ..drafters import registry
+from ..speculative.cost_table import cached_or_calibrate
 from ..speculative.generate import generate, prepare
 from ..speculative.precompile import compile_all, programs
 from ..speculative.options import RunShape, Sampling, Speculation
@@ -45,11 +46,12 @@ class Setting:
     """One point of a sweep grid."""
 
     spec: str                       # none | mtp | dspark | ngram
-    draft_n_max: int = 0            # 0 for none
+    draft_n_max: int = 0            # 0 for none; the bound (draft_n_max_bound) of an auto setting
     p_min: float = 0.0              # MTP only
     confidence_threshold: float = 0.0   # DSpark only
     temperature: float = 0.0
     batch_size: int = 1
+    auto: bool = False              # draft_n_max="auto": the width scheduler (docs/width_scheduler.md)
 
     @property
     def drafter(self) -> str | None:
@@ -75,7 +77,7 @@ class Setting:
 
     @property
     def label(self) -> str:
-        k = f" k={self.draft_n_max}" if self.spec != BASELINE else ""
+        k = "" if self.spec == BASELINE else " k=auto" if self.auto else f" k={self.draft_n_max}"
         knob = f" {self.knob}" if self.knob else ""
         return f"{self.spec}{k}{knob} T={self.temperature:g} B={self.batch_size}"
 
@@ -84,16 +86,24 @@ class Setting:
         """Settings compared against the same no-speculation baseline: same temperature and batch size."""
         return (self.temperature, self.batch_size)
 
+    @property
+    def table_key(self) -> tuple[str, int, bool]:
+        """What a cost table is measured for: (drafter, batch size, greedy)."""
+        return (self.spec, self.batch_size, self.temperature == 0)
+
     def as_dict(self) -> dict:
-        return {"spec_type": self.spec, "draft_n_max": self.draft_n_max, "p_min": self.p_min,
+        """A results row's setting fields; draft_n_max "auto" (draft_n_max_bound: its bound) for auto settings."""
+        return {"spec_type": self.spec, "draft_n_max": "auto" if self.auto else self.draft_n_max,
+                "draft_n_max_bound": self.draft_n_max if self.auto else None, "p_min": self.p_min,
                 "confidence_threshold": self.confidence_threshold, "knob_name": self.knob_name,
                 "temperature": self.temperature, "batch_size": self.batch_size, "label": self.label}
 
 
 def grid_settings(specs: Sequence[str], ks: Sequence[int], knob_values: Mapping[str, Sequence[float]],
-                  temps: Sequence[float], batch_sizes: Sequence[int]) -> list[Setting]:
+                  temps: Sequence[float], batch_sizes: Sequence[int], auto_bound: int | None = None) -> list[Setting]:
     """The grid as a list: per (temperature, batch size) the baseline first, then each drafter (SPEC_TYPES
-    order) × draft_n_max × the values of its stop knob (knob_values[Drafter.stop_knob])."""
+    order) × draft_n_max × the values of its stop knob (knob_values[Drafter.stop_knob]); auto_bound: after
+    each drafter's fixed widths, its draft_n_max="auto" settings with that bound (None: none)."""
     out = []
     for t, b in itertools.product(temps, batch_sizes):
         for spec in (s for s in SPEC_TYPES if s in specs):
@@ -101,8 +111,9 @@ def grid_settings(specs: Sequence[str], ks: Sequence[int], knob_values: Mapping[
                 out.append(Setting(BASELINE, 0, temperature=t, batch_size=b))
                 continue
             knob = registry.get(spec).stop_knob
-            for k, v in itertools.product(ks, knob_values[knob] if knob else [None]):
-                out.append(Setting(spec, k, temperature=t, batch_size=b, **({knob: v} if knob else {})))
+            widths = [(k, False) for k in ks] + ([(auto_bound, True)] if auto_bound is not None else [])
+            for (k, auto), v in itertools.product(widths, knob_values[knob] if knob else [None]):
+                out.append(Setting(spec, k, temperature=t, batch_size=b, auto=auto, **({knob: v} if knob else {})))
     return out
 
 
@@ -110,15 +121,22 @@ def padded_options(setting: Setting, *, pad_to: int, max_len: int, top_p: float 
                    eos_token_id: int | None = None, seed: int = 0, max_block: int | None = None,
                    drafter_pool: tuple[str, ...] | None = None, dynamic_draft_n: bool = False,
                    prefill_chunk: int | None = None, verify: str = "token",
-                   synthetic_accept: tuple[float, ...] | None = None) -> dict:
-    """`generate`'s option groups for one setting, prompts right-padded to `pad_to`, the shapes fixed by the plan."""
-    return {"sampling": Sampling(temperature=setting.temperature, top_p=top_p, seed=seed),
-            "speculation": Speculation(drafter=setting.drafter, draft_n_max=max(setting.draft_n_max, 1),
-                                       options=setting.drafter_options(),
-                                       verify=verify, synthetic_accept=synthetic_accept),
+                   synthetic_accept: tuple[float, ...] | None = None, adaptive_widths: bool = False,
+                   cost_table=None) -> dict:
+    """`generate`'s option groups for one setting, prompts right-padded to `pad_to`, the shapes fixed by the plan.
+
+    An auto setting runs draft_n_max="auto" with its bound and cost_table (a CostTable; None: `generate`
+    calibrates); adaptive_widths (with max_block): fixed widths run in the width scheduler's program, the
+    one the auto settings compile (`RunShape.adaptive_widths`)."""
+    spec = Speculation(drafter=setting.drafter, options=setting.drafter_options(), verify=verify,
+                       synthetic_accept=synthetic_accept,
+                       **({"draft_n_max": "auto", "draft_n_max_bound": setting.draft_n_max, "cost_table": cost_table}
+                          if setting.auto else {"draft_n_max": max(setting.draft_n_max, 1)}))
+    shared = max_block is not None
+    return {"sampling": Sampling(temperature=setting.temperature, top_p=top_p, seed=seed), "speculation": spec,
             "run": RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to, max_block=max_block,
-                            drafter_pool=drafter_pool, dynamic_draft_n=dynamic_draft_n and max_block is not None,
-                            prefill_chunk=prefill_chunk)}
+                            drafter_pool=drafter_pool, dynamic_draft_n=(dynamic_draft_n or adaptive_widths) and shared,
+                            prefill_chunk=prefill_chunk, adaptive_widths=adaptive_widths and shared)}
 
 
 def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, pad_to: int,
@@ -133,13 +151,15 @@ def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], max_
                                      seed=seed, max_block=max_block, drafter_pool=drafter_pool))
 
 
-def plan_options(batch: Sequence[dict], setting: Setting, plan: "RunPlan") -> dict:
-    """`padded_options` of a batch under the plan (its bucket, the plan's shapes and knobs)."""
+def plan_options(batch: Sequence[dict], setting: Setting, plan: "RunPlan", cost_table=None) -> dict:
+    """`padded_options` of a batch under the plan (its bucket, the plan's shapes and knobs); cost_table: an
+    auto setting's."""
     return padded_options(setting, pad_to=plan.pad_for([len(p["tokens"]) for p in batch]), max_len=plan.max_len,
                           top_p=plan.top_p, eos_token_id=plan.eos_token_id, seed=plan.seed,
                           max_block=plan.max_block, drafter_pool=plan.drafter_pool,
                           dynamic_draft_n=plan.dynamic_draft_n, prefill_chunk=plan.prefill_chunk,
-                          verify=plan.verify, synthetic_accept=plan.synthetic_accept)
+                          verify=plan.verify, synthetic_accept=plan.synthetic_accept,
+                          adaptive_widths=plan.adaptive_widths, cost_table=cost_table)
 
 
 GRANULE = 16       # padded prompt lengths are multiples of this
@@ -188,7 +208,9 @@ class RunPlan:
     every run; max_block: the widest verify block (largest draft_n_max + 1); drafter_pool: the drafters
     compiled together (None: each its own program); dynamic_draft_n: one loop program for every
     draft_n_max (`RunShape.dynamic_draft_n`); prefill_chunk: every bucket prefilled in chunks of
-    that many tokens by one program (`RunShape.prefill_chunk`; None: one prefill program per bucket)."""
+    that many tokens by one program (`RunShape.prefill_chunk`; None: one prefill program per bucket);
+    adaptive_widths: the drafters' fixed widths run in the width scheduler's program, shared with the
+    draft_n_max="auto" settings (`RunShape.adaptive_widths`; with max_block)."""
 
     max_new_tokens: int
     buckets: tuple[int, ...]
@@ -202,6 +224,7 @@ class RunPlan:
     prefill_chunk: int | None = None
     verify: str = "token"                          # Speculation.verify (docs/verification.md)
     synthetic_accept: tuple[float, ...] | None = None   # Speculation.synthetic_accept
+    adaptive_widths: bool = False
 
     @property
     def pad_to(self) -> int:
@@ -238,14 +261,16 @@ def effective_draft_n_max(setting: Setting, model) -> int:
     return model.draft_setup(setting.spec, setting.draft_n_max).k
 
 
-def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, repeats: int = 1) -> dict[str, Any]:
-    """Run one batch of prompts `repeats` times with the same seed; medians are reported.
+def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, repeats: int = 1,
+              cost_table=None) -> dict[str, Any]:
+    """Run one batch of prompts `repeats` times with the same seed; medians are reported (cost_table: an
+    auto setting's).
 
     Returns {"tokens", "stats" (from the last repeat; counts are identical across repeats under one
     seed), "walls", "prefills", "decodes" (every repeat), "wall_s", "prefill_s", "decode_s" (medians;
     decode = the decode loop after the prefill, which also samples the first token), "pad_to"}.
     """
-    options = plan_options(batch, setting, plan)
+    options = plan_options(batch, setting, plan, cost_table)
     pad_to = options["run"].pad_to
     walls, prefills, decodes, tokens, stats = [], [], [], None, None
     for _ in range(repeats):
@@ -259,11 +284,22 @@ def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, rep
             "decode_s": statistics.median(decodes), "pad_to": pad_to}
 
 
-def warm_up(model, batch: Sequence[dict], setting: Setting, plan: RunPlan) -> float:
+def warm_up(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, cost_table=None) -> float:
     """One untimed run of the batch shape (compilation, when its programs are new); returns its wall time."""
     t0 = time.perf_counter()
-    run_batch(model, batch, setting, plan, repeats=1)
+    run_batch(model, batch, setting, plan, repeats=1, cost_table=cost_table)
     return time.perf_counter() - t0
+
+
+def calibrate_setting(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, *, refresh: bool = False,
+                      progress=None, cache_dir: str | None = None):
+    """The cost table of an auto setting: `cost_table.cached_or_calibrate` on the program its runs of this
+    batch shape call (under a drafter pool, named after the setting's drafter). -> (CostTable, "cached" |
+    "measured")."""
+    r = prepare(model.params, model.bundle, [list(p["tokens"]) for p in batch], plan.max_new_tokens,
+                **plan_options(batch, setting, plan))
+    return cached_or_calibrate(model.params, r.config, r, cache_dir=cache_dir, refresh=refresh, progress=progress,
+                               drafter=setting.spec)
 
 
 def precompile(model, prompts: Sequence[dict], settings: Sequence[Setting], plan: RunPlan,

@@ -7,6 +7,12 @@ speed-ups are against the no-speculation baseline measured in the same run with 
 and batch size. The headline figures are decode-only (tokens of the decode loop / its time); end to
 end and the prefill are reported beside them; rates are medians over the repeats with min and max.
 
+--draft-n-max auto adds, per drafter, a run whose verify width is chosen each round on the device by the
+width scheduler (docs/width_scheduler.md) up to --draft-n-max-bound, priced by a cost table (--cost-table,
+or measured per drafter, batch size and greedy/sampled by a short cached calibration on the run's own
+program); the fixed widths then run in the same program (`RunShape.adaptive_widths`), and the report
+sets the cost table's predicted speed-up of each width beside the measured one.
+
 Settings share compiled programs (runner.py): prompts padded to at most --prompt-buckets lengths and
 prefilled in chunks of the shortest (one prefill program for every bucket), one max_len and one
 verify-block bound for every run, MTP and DSpark in one loop program for every draft width (the verify
@@ -32,8 +38,8 @@ from . import common, report
 from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
 from .prompts import PromptError
-from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, effective_draft_n_max, grid_settings, per_sequence,
-                     plan_shapes, pool_for, precompile, run_batch, shapes, warm_up)
+from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, calibrate_setting, effective_draft_n_max,
+                     grid_settings, per_sequence, plan_shapes, pool_for, precompile, run_batch, shapes, warm_up)
 
 # one program at a time: XLA:CPU already compiles one program on both cores of the 2-core VM, two at once
 # were no faster (experiments/results/sweep_speed_2026-12-02_v6.md)
@@ -51,6 +57,8 @@ EXAMPLES = """examples:
   dsv4-sweep --out results/batch --batch-size 1,4 --categories code_python,stepwise_math
   dsv4-sweep --out results/ckpt --model /ckpt/dsv4-flash --prompt-template '<｜User｜>{prompt}<｜Assistant｜>'
   dsv4-sweep --out results/smoke --random-tiny --max-new-tokens 16 --draft-n-max 1,2
+  dsv4-sweep --out results/auto --spec none,mtp --draft-n-max auto --draft-n-max-bound 4   # k=1..4 and auto
+  dsv4-sweep --out results/auto-file --spec none,mtp --draft-n-max 2,auto --draft-n-max-bound 3 --cost-table costs.json
 """
 
 
@@ -65,13 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec", default="none,mtp,dspark", help="spec types (default none,mtp,dspark)")
     g.add_argument("--draft-n-max", default="1,2,3", metavar="K",
                    help="drafts per round for mtp/dspark (default 1,2,3; DSpark truncates values above its block "
-                        "size)")
+                        "size); 'auto' as an item: the width scheduler chooses each round (docs/width_scheduler.md), "
+                        "'auto' alone = 1-K,auto with K = --draft-n-max-bound")
     g.add_argument("--p-min", default="0", metavar="P", help="MTP: stop the draft chain below this top-1 probability "
                                                              "(default 0)")
     g.add_argument("--confidence", default="0", metavar="C", help="DSpark confidence thresholds (default 0)")
     g.add_argument("--temperature", default="0", metavar="T", help="0 = greedy; > 0 = lossless rejection sampling "
                                                                    "(default 0)")
     g.add_argument("--batch-size", default="1", metavar="B", help="prompts decoded together (default 1)")
+    common.add_width_args(p.add_argument_group("width scheduler (--draft-n-max auto; docs/width_scheduler.md)"))
     common.add_prompt_args(p, default_per_category=2)
     common.add_run_args(p, default_repeats=REPEATS)
     g = p.add_argument_group("compilation")
@@ -93,16 +103,19 @@ def parse_grid(a: argparse.Namespace) -> dict:
     if a.compile_threads < 0:
         raise OptionError(f"--compile-threads must be >= 0, got {a.compile_threads}")
     common.verify_options(a)          # --synthetic-accept's rates, checked before any model work
-    return {"specs": common.spec_list(a.spec), "ks": common.int_list(a.draft_n_max, "--draft-n-max", 1),
+    ks, a.auto_bound, a.cost_table_obj = common.width_options(a)
+    return {"specs": common.spec_list(a.spec), "ks": ks, "auto_bound": a.auto_bound,
             "p_mins": common.float_list(a.p_min, "--p-min", 0.0, 1.0),
             "confs": common.float_list(a.confidence, "--confidence", 0.0, 1.0),
             "temps": common.float_list(a.temperature, "--temperature", 0.0),
             "batch_sizes": common.int_list(a.batch_size, "--batch-size", 1)}
 
 
-def build_settings(specs, ks, p_mins, confs, temps, batch_sizes) -> list[Setting]:
-    """The grid as a list: per (temperature, batch size) the baseline first, then MTP, then DSpark."""
-    return grid_settings(specs, ks, {"p_min": p_mins, "confidence_threshold": confs}, temps, batch_sizes)
+def build_settings(specs, ks, p_mins, confs, temps, batch_sizes, auto_bound=None) -> list[Setting]:
+    """The grid as a list: per (temperature, batch size) the baseline first, then MTP, then DSpark (each
+    drafter's fixed widths, then its auto setting when auto_bound is given)."""
+    return grid_settings(specs, ks, {"p_min": p_mins, "confidence_threshold": confs}, temps, batch_sizes,
+                         auto_bound)
 
 
 def check_model_support(model, specs: Sequence[str], ks: Sequence[int]) -> list[str]:
@@ -143,17 +156,41 @@ def aggregate_line(s: dict) -> str:
             f"mean_acc_len={s['mean_accepted_length']:.2f}{sp}")
 
 
-def run_setting(model, prompts: list[dict], setting: Setting, plan: RunPlan, repeats: int, log, bar) -> tuple:
-    """Warm up every batch shape, then time each batch. -> (per-prompt records, batch records, warm-up seconds)."""
+def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: RunPlan, a, bar) -> dict:
+    """The cost table of every auto setting's (drafter, batch size, greedy) (`Setting.table_key`): --cost-table's,
+    or the cached / measured calibration of the setting's own program at its first batch shape; each printed
+    when obtained. -> {key: {"table": CostTable, "how": "given" | "cached" | "measured"}}."""
+    out = {}
+    for s in settings:
+        if not s.auto or s.table_key in out:
+            continue
+        if a.cost_table_obj is not None:
+            out[s.table_key] = {"table": a.cost_table_obj, "how": "given"}
+        else:
+            bar.write(f"== cost table for {s.spec} B={s.batch_size} {'greedy' if s.temperature == 0 else 'sampled'}: "
+                      f"{'calibrating' if a.recalibrate else 'cached or calibrating'}", file=sys.stderr)
+            table, how = calibrate_setting(model, shapes(prompts, s.batch_size, plan)[0], s, plan,
+                                           refresh=a.recalibrate, progress=None if a.quiet else bar.write)
+            out[s.table_key] = {"table": table, "how": how}
+        bar.write("\n".join([f"== cost table ({out[s.table_key]['how']}) for {s.spec} B={s.batch_size} "
+                             f"{'greedy' if s.temperature == 0 else 'sampled'}:", *out[s.table_key]["table"].lines()]),
+                  file=sys.stderr)
+    return out
+
+
+def run_setting(model, prompts: list[dict], setting: Setting, plan: RunPlan, repeats: int, log, bar,
+                cost_table=None) -> tuple:
+    """Warm up every batch shape, then time each batch (cost_table: an auto setting's).
+    -> (per-prompt records, batch records, warm-up seconds)."""
     groups = batches(prompts, setting.batch_size)
     warm = 0.0
     for g in shapes(prompts, setting.batch_size, plan):
-        warm += warm_up(model, g, setting, plan)
+        warm += warm_up(model, g, setting, plan, cost_table)
         bar.update(1)
     log(f"== {setting.label}  (warm-up/compile {warm:.1f} s)")
     records, batch_records = [], []
     for group in groups:
-        r = run_batch(model, group, setting, plan, repeats)
+        r = run_batch(model, group, setting, plan, repeats, cost_table)
         st = r["stats"]
         batch_records.append({"n": len(group), "predicted": st["generated"], "draft": st["drafted"],
                               "accepted": st["accepted"], "rounds": st["rounds"], "wall_s": r["wall_s"],
@@ -163,7 +200,7 @@ def run_setting(model, prompts: list[dict], setting: Setting, plan: RunPlan, rep
                               "padded_tokens": len(group) * r["pad_to"],
                               "per_position_accepted": st["per_position_accepted"],
                               "per_position_proposed": st["per_position_proposed"],
-                              **report.verification_record(st)})
+                              **report.verification_record(st), **report.width_record(st)})
         for b, p in enumerate(group):
             seq = per_sequence(st, b)
             log(prompt_line(p, seq, r["wall_s"], r["decode_s"]))
@@ -250,9 +287,10 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
     buckets, max_len = plan_shapes([len(p["tokens"]) for p in prompts], max_new, max_draft, a.prompt_buckets)
     specs = [t for t in SPEC_TYPES if any(s.spec == t for s in settings)]
     pool = None if a.no_shared_programs else pool_for(model, specs, max(s.draft_n_max for s in settings))
+    dynamic = a.shared_draft_widths and not a.no_shared_programs
     plan = RunPlan(max_new_tokens=max_new, buckets=buckets, max_len=max_len,
                    max_block=None if a.no_shared_programs else max_draft + 1, drafter_pool=pool,
-                   dynamic_draft_n=a.shared_draft_widths and not a.no_shared_programs,
+                   dynamic_draft_n=dynamic, adaptive_widths=dynamic and any(s.auto for s in settings),
                    seed=a.seed, top_p=a.top_p, eos_token_id=common.eos_for(a),
                    prefill_chunk=None if a.no_shared_programs or len(buckets) < 2 else min(buckets),
                    verify=a.verify, synthetic_accept=common.verify_options(a)[1])
@@ -280,6 +318,8 @@ def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, mo
         loops.add(loop)
         if shared:
             shared_widths.add((loop, effective_draft_n_max(s, model)))
+        if shared and plan.adaptive_widths:      # the width scheduler's program holds every width 0..bound
+            shared_widths.update((loop, w) for w in range(width + 1))
     extra = len(shared_widths) - len({loop for loop, _ in shared_widths})
     return {"prefill": len(prefill), "loop": len(loops), "extra_width": extra}
 
@@ -308,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     grid, model, notes, suite, prompts, suite_max_new = prepare_run(
-        parser, a, parse_grid, lambda g: (g["specs"], g["ks"]))
+        parser, a, parse_grid, lambda g: (g["specs"], g["ks"] + ([g["auto_bound"]] if g["auto_bound"] else [])))
     settings = build_settings(**grid)
     max_new, plan, total = plan_run(a, model, prompts, settings, suite_max_new, notes)
     n_prog = programs(settings, prompts, plan, model)
@@ -327,9 +367,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.compile_threads and model.sharding is None else None
         if pre:
             log(f"== compiled {pre['programs']} programs in {pre['wall_s']:.1f} s ({a.compile_threads} at a time)")
+        tables = cost_tables(model, prompts, settings, plan, a, bar)
         all_records, rows, baselines = [], [], {}
         for setting in settings:
-            records, batch_records, warm = run_setting(model, prompts, setting, plan, a.repeats, log, bar)
+            table = tables[setting.table_key]["table"] if setting.auto else None
+            records, batch_records, warm = run_setting(model, prompts, setting, plan, a.repeats, log, bar, table)
             if setting.spec == BASELINE:
                 baselines[setting.group] = records
             row = {**setting.as_dict(), "effective_draft_n_max": effective_draft_n_max(setting, model),
@@ -339,7 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             report.add_speedups(rows)
             log(aggregate_line(row))
             all_records += records
+        report.add_width_predictions(rows, {key: t["table"] for key, t in tables.items()}, a.cost_table_obj)
         summary = {"meta": run_meta(a, argv, model, suite, prompts, plan), "settings": report.add_speedups(rows)}
+        summary["meta"]["cost_tables"] = [report.cost_table_meta(key, t["table"], t["how"])
+                                          for key, t in tables.items()]
         summary["meta"]["env"].update(load_average=load_start, load_average_end=list(os.getloadavg()))
         summary["meta"]["sweep_wall_s"] = time.perf_counter() - t_start
         summary["meta"]["warmup_s_total"] = sum(r["warmup_s"] for r in rows)
@@ -367,6 +412,8 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> 
             "pad_to": plan.pad_to, "max_len": plan.max_len, "max_block": plan.max_block,
             "drafter_pool": list(plan.drafter_pool) if plan.drafter_pool else None,
             "dynamic_draft_n": plan.dynamic_draft_n, "verify": plan.verify,
+            "draft_n_max_bound": a.auto_bound, "adaptive_widths": plan.adaptive_widths,
+            "cost_table_file": a.cost_table,
             "synthetic_accept": list(plan.synthetic_accept) if plan.synthetic_accept else None,
             "verify_width": "draft_n_max + 1 (one loop program for every draft_n_max, a switch over the widths)"
             if plan.dynamic_draft_n else "draft_n_max + 1 (one loop program per width)",

@@ -195,11 +195,14 @@ def _seconds_per_round(params, config, r, knobs, repeats: int) -> list[float]:
     return out
 
 
-def calibrate(params: dict, config, prepared, *, repeats: int = 3, progress=None) -> CostTable:
+def calibrate(params: dict, config, prepared, *, repeats: int = 3, progress=None,
+              drafter: str | None = None) -> CostTable:
     """Measure a table with the prepared run's own program (generate.prepare of an auto run, or any run with
     the width scheduler): the loop run at each fixed width w = 0..k (MODE_FIXED) and plain (MODE_PLAIN), after
-    one untimed warm-up; the median of `repeats` runs of seconds per round. progress: a callable(str) or None."""
+    one untimed warm-up; the median of `repeats` runs of seconds per round. progress: a callable(str) or None;
+    drafter: the name the table is for (default the program's; a drafter pool's run names its member)."""
     r = prepared
+    drafter = drafter or r.opts.drafter
     if not r.opts.adaptive:
         raise ValueError("calibrate needs a run prepared with the width scheduler (draft_n_max='auto')")
     k = r.opts.k if r.knobs.draft_n is None else int(r.knobs.draft_n)
@@ -213,23 +216,24 @@ def calibrate(params: dict, config, prepared, *, repeats: int = 3, progress=None
         if progress:
             progress(f"calibration: width {w}: {statistics.median(times[w]) * 1e3:.3f} ms/round")
     return CostTable(seconds=tuple(statistics.median(times[w]) for w in range(k + 1)),
-                     plain_seconds=statistics.median(times["plain"]), drafter=r.opts.drafter,
+                     plain_seconds=statistics.median(times["plain"]), drafter=drafter,
                      batch=int(r.tokens.shape[0]), source="measured",
                      spread=tuple((min(times[w]), max(times[w])) for w in range(k + 1)),
-                     key=cache_key(config, r, r.opts.drafter))
+                     key=cache_key(config, r, drafter))
 
 
 def cached_or_calibrate(params: dict, config, prepared, *, cache_dir: str | None = None, refresh: bool = False,
-                        repeats: int = 3, progress=None) -> tuple[CostTable, str]:
+                        repeats: int = 3, progress=None, drafter: str | None = None) -> tuple[CostTable, str]:
     """The cached table for this machine, program shapes and versions, or a fresh calibration saved there.
-    -> (table, "cached" | "measured")."""
-    path = cache_path(cache_key(config, prepared, prepared.opts.drafter), cache_dir)
+    drafter: as in `calibrate`. -> (table, "cached" | "measured")."""
+    drafter = drafter or prepared.opts.drafter
+    path = cache_path(cache_key(config, prepared, drafter), cache_dir)
     if not refresh and os.path.exists(path):
         try:
             return CostTable.load(path), "cached"
         except CostTableError:
             pass                                  # a damaged cache entry: measure again and replace it
-    table = calibrate(params, config, prepared, repeats=repeats, progress=progress)
+    table = calibrate(params, config, prepared, repeats=repeats, progress=progress, drafter=drafter)
     table.save(path)
     return table, "measured"
 

@@ -70,6 +70,7 @@ class RequestResult:
     per_position_accepted: list[int]
     per_position_proposed: list[int]
     spec_decode: dict | None = None   # the verify rule's per-request evidence (`verification_evidence`)
+    width: dict | None = None         # the width scheduler's per-request evidence (`width_evidence`)
 
     @property
     def generated(self) -> int:
@@ -102,6 +103,16 @@ def verification_evidence(st, b: int, opts) -> dict | None:
             "synthetic_accept": list(opts.synthetic_accept) if opts.synthetic_accept else None,
             "per_position_expected": st.expected_at[b].tolist(), "per_position_alpha_sum": st.alpha_at[b].tolist(),
             "acceptance_histogram": st.accept_hist[b].tolist(), "calibration": calib}
+
+
+def width_evidence(st, b: int) -> dict | None:
+    """Request b's width-scheduler statistics (docs/width_scheduler.md) from numpy Stats: rounds per verified
+    width ("0".."K", "plain"), Σ expected tokens of its rounds, Σ cost-table seconds; None without the scheduler."""
+    if st.width_hist is None:
+        return None
+    hist = st.width_hist[b].tolist()
+    return {"width_histogram": {**{str(w): int(n) for w, n in enumerate(hist[:-1])}, "plain": int(hist[-1])},
+            "expected_tokens": float(st.predicted[b]), "modelled_cost_s": float(st.cost_sum[b])}
 
 
 @dataclasses.dataclass
@@ -314,7 +325,7 @@ class SlotEngine:
                         finished_s=t, rounds=int(st.rounds[b]), drafted=int(st.drafted[b]),
                         accepted=int(st.accepted[b]), per_position_accepted=st.per_position[b].tolist(),
                         per_position_proposed=st.proposed_at[b].tolist(),
-                        spec_decode=verification_evidence(st, b, self.opts))
+                        spec_decode=verification_evidence(st, b, self.opts), width=width_evidence(st, b))
                     in_slot[b] = None
         rounds = int(carry.round)
         return RunResult(schedule=schedule, results=[results[i] for i in range(len(self.requests))], wall_s=now(),
