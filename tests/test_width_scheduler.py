@@ -55,6 +55,12 @@ def test_keep_drafting_stops_when_the_next_draft_cannot_pay():
     assert not bool(width.keep_drafting(est, jnp.int32(3), cost, jnp.int32(3)))      # at the bound
 
 
+def test_measured_costs_made_physical():
+    """A drafter's round never below a plain one, wider never cheaper (running maximum)."""
+    assert cost_table.physical((3.1, 2.9, 4.0, 3.5), 3.5) == (3.5, 3.5, 4.0, 4.0)
+    assert cost_table.physical((1.0, 2.0), 0.5) == (1.0, 2.0)
+
+
 def test_calibration_factors():
     accepted = jnp.asarray([[3, 1], [1, 0]])
     raw = jnp.asarray([[5.0, 2.0], [3.0, 1.0]])
@@ -198,6 +204,7 @@ def test_calibration_measures_and_caches(demo_runs, tmp_path):
     t, how = cost_table.cached_or_calibrate(demo.params, r.config, r, cache_dir=str(tmp_path), repeats=1,
                                             progress=lines.append)
     assert how == "measured" and t.bound == BOUND and t.plain_seconds > 0 and len(lines) == BOUND + 2
+    assert t.seconds == cost_table.physical(t.raw_seconds, t.plain_seconds)
     assert t.key["shapes"]["batch"] == 3 and t.key["shapes"]["k"] == BOUND and t.batch == 3
     again, how = cost_table.cached_or_calibrate(demo.params, r.config, r, cache_dir=str(tmp_path))
     assert how == "cached" and again == t

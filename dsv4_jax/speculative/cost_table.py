@@ -49,6 +49,7 @@ class CostTable:
     source: str = "measured"
     spread: tuple | None = None
     key: Any = None
+    raw_seconds: tuple | None = None      # measured tables: the medians before `physical` (None otherwise)
 
     def __post_init__(self):
         if not self.seconds or any(not (s > 0) for s in self.seconds) or not self.plain_seconds > 0:
@@ -86,7 +87,8 @@ class CostTable:
     def to_json(self) -> dict:
         return {"format": FORMAT, "seconds": list(self.seconds), "plain_seconds": self.plain_seconds,
                 "drafter": self.drafter, "batch": self.batch, "source": self.source,
-                "spread": [list(s) for s in self.spread] if self.spread else None, "key": self.key}
+                "spread": [list(s) for s in self.spread] if self.spread else None, "key": self.key,
+                "raw_seconds": list(self.raw_seconds) if self.raw_seconds else None}
 
     @classmethod
     def from_json(cls, d: dict, where: str = "cost table") -> "CostTable":
@@ -101,7 +103,8 @@ class CostTable:
         try:
             return cls(seconds=seconds, plain_seconds=plain, drafter=str(d.get("drafter", "")),
                        batch=int(d.get("batch", 1)), source=str(d.get("source", "file")),
-                       spread=tuple(tuple(float(x) for x in s) for s in spread) if spread else None, key=d.get("key"))
+                       spread=tuple(tuple(float(x) for x in s) for s in spread) if spread else None, key=d.get("key"),
+                       raw_seconds=tuple(float(x) for x in d["raw_seconds"]) if d.get("raw_seconds") else None)
         except CostTableError as e:
             raise CostTableError(f"{where}: {e}") from None
 
@@ -215,11 +218,24 @@ def calibrate(params: dict, config, prepared, *, repeats: int = 3, progress=None
         times[w] = _seconds_per_round(params, config, r, knobs, repeats)
         if progress:
             progress(f"calibration: width {w}: {statistics.median(times[w]) * 1e3:.3f} ms/round")
-    return CostTable(seconds=tuple(statistics.median(times[w]) for w in range(k + 1)),
-                     plain_seconds=statistics.median(times["plain"]), drafter=drafter,
+    raw = tuple(statistics.median(times[w]) for w in range(k + 1))
+    plain = statistics.median(times["plain"])
+    return CostTable(seconds=physical(raw, plain), plain_seconds=plain, drafter=drafter, raw_seconds=raw,
                      batch=int(r.tokens.shape[0]), source="measured",
                      spread=tuple((min(times[w]), max(times[w])) for w in range(k + 1)),
                      key=cache_key(config, r, drafter))
+
+
+def physical(seconds, plain: float) -> tuple[float, ...]:
+    """Measured medians made consistent with what a round does: a round with the drafter costs at least a plain
+    round (it does the plain round's work and the drafter's), and verifying more drafts never costs less
+    (the running maximum). Timing noise otherwise makes the scheduler prefer a width it only measured as
+    cheaper — e.g. width 0 priced below plain decoding would never let it stop drafting."""
+    out, floor = [], plain
+    for s in seconds:
+        floor = max(floor, s)
+        out.append(floor)
+    return tuple(out)
 
 
 def cached_or_calibrate(params: dict, config, prepared, *, cache_dir: str | None = None, refresh: bool = False,

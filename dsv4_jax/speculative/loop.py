@@ -190,9 +190,10 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
 
 def _realised_rate_below_plain(s: Stats, knobs: Knobs, rounds: jax.Array) -> jax.Array:
     """MODE_AUTO's switch to plain decoding (docs/width_scheduler.md §3): after WARMUP_ROUNDS rounds, the run's
-    committed tokens per cost-table second so far below plain decoding's 1 / plain_cost. bool []."""
+    committed tokens per cost-table second so far not above plain decoding's 1 / plain_cost (a tie goes to plain:
+    its rounds skip the drafter's work). bool []."""
     committed = jnp.sum(s.rounds + s.accepted).astype(jnp.float32)
-    return (rounds >= WARMUP_ROUNDS) & (committed * knobs.plain_cost < jnp.sum(s.cost_sum))
+    return (rounds >= WARMUP_ROUNDS) & (committed * knobs.plain_cost <= jnp.sum(s.cost_sum))
 
 
 WARMUP_ROUNDS = 4
