@@ -44,9 +44,11 @@ def test_chunked_prefill_any_chunks(model):
     config, params, tokens, full = model
     state = None
     got, start = [], 0
-    # chunk lengths repeat so that few extend programs compile; the boundaries (5, 8, 11, 12, 21, 30, 56)
-    # still fall anywhere in the sliding window and the CSA (4) / HCA (8) compression windows
-    for c in [5, 3, 3, 1, 9, 9, 26]:
+    # chunk lengths are block widths the other tests of this module compile anyway (prefill 13 and 16, verify
+    # 2 / 5 / 8, decode 1), so no extend program is compiled for this test alone; the boundaries
+    # (2, 3, 5, 10, 23, 39, 47, 52) still fall at every offset in the CSA (4) windows, at 5 of the 8 in the
+    # HCA (8) ones and anywhere in the sliding window (6), and chunks of 13 and 16 span several windows
+    for c in [2, 1, 2, 5, 13, 16, 8, 5]:
         piece = tokens[:, start:start + c]
         if state is None:
             lg, state, _ = D.prefill(params, config, piece, max_len=64)
@@ -113,36 +115,46 @@ def test_ragged_batch_matches_single_sequences():
 
 
 def test_padded_prefill_ignores_padding_content():
+    # the shapes of the `model` fixture's tests (B = 2, a prefill block of 16, max_len 64): no new program;
+    # 4 and 7 padded positions (a whole CSA window, most of an HCA one)
     config = d.tiny()
     params = d.init_params(config, jax.random.PRNGKey(5))
-    tok = np.asarray(jax.random.randint(jax.random.PRNGKey(6), (1, 20), 0, config.vocab_size))
-    a = np.concatenate([tok, np.zeros((1, 10), np.int32)], 1)
-    b = np.concatenate([tok, np.full((1, 10), 7, np.int32)], 1)
-    _, sa, _ = D.prefill(params, config, a, [20], max_len=40)
-    _, sb, _ = D.prefill(params, config, b, [20], max_len=40)
-    la, _, _ = D.decode_step(params, config, sa, [3])
-    lb, _, _ = D.decode_step(params, config, sb, [3])
+    tok = np.asarray(jax.random.randint(jax.random.PRNGKey(6), (2, 16), 0, config.vocab_size))
+    real = np.arange(16)[None, :] < np.array([[12], [9]])
+    a = np.where(real, tok, 0)
+    b = np.where(real, tok, 7)
+    _, sa, _ = D.prefill(params, config, a, [12, 9], max_len=64)
+    _, sb, _ = D.prefill(params, config, b, [12, 9], max_len=64)
+    la, _, _ = D.decode_step(params, config, sa, [3, 3])
+    lb, _, _ = D.decode_step(params, config, sb, [3, 3])
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
 
 
+def _params_tokens(config, seed, length):
+    """(params, tokens [2, length]) of _setup, without its forward reference (for tests that do not use it)."""
+    params = d.init_params(config, jax.random.PRNGKey(seed))
+    return params, np.asarray(jax.random.randint(jax.random.PRNGKey(seed + 1), (2, length), 0, config.vocab_size))
+
+
 def test_no_recompilation_across_calls():
+    # the shapes of the `model` fixture's tests (B = 2, max_len 64, max_block 8, blocks of 13, 1 and 5)
     config = d.tiny()
-    params, tokens, _ = _setup(config, seed=7, length=40)
-    _, state, _ = D.prefill(params, config, tokens[:, :10], max_len=48, max_block=4)
-    lg, state, _ = D.decode_step(params, config, state, tokens[:, 10])
-    _, state, _ = D.verify(params, config, state, tokens[:, 11:15])
+    params, tokens = _params_tokens(config, seed=7, length=64)
+    _, state, _ = D.prefill(params, config, tokens[:, :13], max_len=64, max_block=8)
+    lg, state, _ = D.decode_step(params, config, state, tokens[:, 13])
+    _, state, _ = D.verify(params, config, state, tokens[:, 14:19])
     state = D.commit(state, np.array([1, 2]))
     before = D.process_block._cache_size()
     for i in range(4):
-        lg, state, _ = D.decode_step(params, config, state, tokens[:, 14 + i])
-        _, state, _ = D.verify(params, config, state, tokens[:, 20:24])
-        state = D.commit(state, np.array([0, 3]) if i % 2 else np.array([2, 1]))
+        lg, state, _ = D.decode_step(params, config, state, tokens[:, 17 + i])
+        _, state, _ = D.verify(params, config, state, tokens[:, 23:28])
+        state = D.commit(state, np.array([0, 3]) if i % 2 else np.array([2, 4]))
     assert D.process_block._cache_size() == before
 
 
 def test_drafter_outputs_hidden_and_taps():
     config = d.tiny()
-    params, tokens, _ = _setup(config, seed=8, length=20)
+    params, tokens = _params_tokens(config, seed=8, length=20)
     _, state, aux = D.prefill(params, config, tokens[:, :12], max_len=32, taps=(1, 4))
     want = np.asarray(d.model.target.hidden_states(params, config, tokens[:, :12]))
     assert aux["hidden"].shape == (2, 12, config.hc_mult, config.hidden_size)
@@ -158,7 +170,7 @@ def test_drafter_outputs_hidden_and_taps():
 
 def test_capacity_errors():
     config = d.tiny()
-    params, tokens, _ = _setup(config, seed=9, length=40)
+    params, tokens = _params_tokens(config, seed=9, length=40)
     with pytest.raises(D.CapacityError, match="sequence 0 would reach 20 tokens.*max_len=16"):
         D.prefill(params, config, tokens[:, :20], max_len=16)
     _, state, _ = D.prefill(params, config, tokens[:, :15], [15, 14], max_len=16, max_block=2)

@@ -273,6 +273,7 @@ def _assert_cases(res):
             if key in r:
                 g = r[key]
                 assert g["same_tokens"] and g["same_accepted"] and g["same_rounds"], (name, key, g)
+                assert g["single_device_equals_plain"], (name, key, g)     # greedy speculative: lossless
                 assert min(g["lengths"]) < max(g["lengths"]), g          # a sequence finished early (EOS)
                 assert 0 < g["accepted"] < g["drafted"], g               # drafts accepted and rejected
 
