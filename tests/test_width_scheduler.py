@@ -17,7 +17,7 @@ from dsv4_jax.training.evaluate import heldout_prompts
 
 from .test_spec_mtp import _softmax, _top_p
 
-BOUND = 3
+BOUND = 2
 POOL = ("mtp", "dspark", "ngram")
 
 
