@@ -204,40 +204,45 @@ def _scheduled_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, 
     speculation has not paid, `_realised_rate_below_plain`) decodes one token without the drafter; otherwise
     the drafter proposes (its knobs carry the calibration factors, so a sequential drafter can stop early),
     and the round verifies w drafts, w = knobs.draft_n (MODE_FIXED) or the width with the most expected
-    tokens per cost-table second (MODE_AUTO; `ops.width.choose`)."""
+    tokens per cost-table second (MODE_AUTO; `ops.width.choose`).
+
+    Layout: the drafting sits under a `lax.cond` that returns only the drafts (the drafter state is read, not
+    carried through it), and the verify + commit is one flat `lax.switch` over the widths 0..k and plain, so
+    the decode state passes through a single conditional, as in the dynamic_draft_n program."""
     s = c.stats
     plain = (knobs.width_mode == MODE_PLAIN) | ((knobs.width_mode == MODE_AUTO)
                                                  & _realised_rate_below_plain(s, knobs, c.round))
     factors = width.scale(s.per_position, s.raw_sum)
     knobs = knobs.replace(accept_scale=factors)
+    drafter = registry.get(opts.drafter)
+    key, k_draft, k_acc = jax.random.split(c.key, 3)
+    B, K, V = c.last.shape[0], opts.k, config.vocab_size
 
-    def speculative(c: Carry) -> Carry:
-        drafter = registry.get(opts.drafter)
-        key, k_draft, k_acc = jax.random.split(c.key, 3)
-        drafts, q, n_draft, conf = drafter.propose_scored(opts.bind(params, config), c.drafter, c.target.pos,
-                                                          c.last, k_draft, knobs, opts.greedy)
-        raw = width.draft_probability(drafts, q)
-        if conf is not None:                        # a confidence head (a pool member without one: −1)
-            raw = jnp.where(conf >= 0, conf, raw)
-        est = width.calibrated(raw, factors)
-        n_draft = jnp.minimum(n_draft, knobs.draft_n)
-        chosen, _ = width.choose(est, n_draft, ~c.done, knobs.width_cost, knobs.draft_n)
-        w_round = jnp.where(knobs.width_mode == MODE_AUTO, chosen, jnp.clip(knobs.draft_n, 0, opts.k))
-        n_draft = jnp.minimum(n_draft, w_round)
-        branches = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
-                                      drafts[:, :w], q[:, :w], conf=None if conf is None else conf[:, :w],
-                                      est=est[:, :w], raw=raw[:, :w]) for w in range(opts.k + 1)]
-        return jax.lax.switch(w_round, branches, n_draft)
+    def propose(_):
+        d, q, n, conf = drafter.propose_scored(opts.bind(params, config), c.drafter, c.target.pos, c.last,
+                                               k_draft, knobs, opts.greedy)
+        return d, q, n, jnp.full(d.shape, -1.0, jnp.float32) if conf is None else conf
 
-    def plain_round(c: Carry) -> Carry:
-        key, _, k_acc = jax.random.split(c.key, 3)
-        B = c.last.shape[0]
-        none = jnp.zeros((B, 0), jnp.int32)
-        return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, none,
-                                  jnp.zeros((B, 0, config.vocab_size), jnp.float32), jnp.zeros((B,), jnp.int32),
-                                  plain=True)
+    def nothing(_):
+        return (jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K, V), jnp.float32), jnp.zeros((B,), jnp.int32),
+                jnp.full((B, K), -1.0, jnp.float32))
 
-    return jax.lax.cond(plain, plain_round, speculative, c)
+    drafts, q, n_draft, conf = jax.lax.cond(plain, nothing, propose, None)
+    # the raw estimate: a confidence head's (conf >= 0), else the draft's own probability (docs §2)
+    raw = jnp.where(conf >= 0, conf, width.draft_probability(drafts, q))
+    est = width.calibrated(raw, factors)
+    n_draft = jnp.minimum(n_draft, knobs.draft_n)
+    chosen, _ = width.choose(est, n_draft, ~c.done, knobs.width_cost, knobs.draft_n)
+    w_round = jnp.where(knobs.width_mode == MODE_AUTO, chosen, jnp.clip(knobs.draft_n, 0, K))
+    w_round = jnp.where(plain, K + 1, w_round)
+    n_draft = jnp.where(plain, 0, jnp.minimum(n_draft, w_round))
+    # conf −1 (no confidence head) is never binned (ops.verification.calibration_counts)
+    branches = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
+                                  drafts[:, :w], q[:, :w], conf=conf[:, :w], est=est[:, :w], raw=raw[:, :w])
+                for w in range(K + 1)]
+    branches.append(functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
+                                      drafts[:, :0], q[:, :0], plain=True))
+    return jax.lax.switch(w_round, branches, n_draft)
 
 
 def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options, key, k_acc,
