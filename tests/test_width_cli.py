@@ -184,7 +184,7 @@ def test_sweep_auto_is_lossless_and_reported(sweep_out):
 def test_sweep_calibrates_and_caches(bundle, sweep_out, tmp_path, monkeypatch, capsys):
     """Without --cost-table the sweep measures the table on its own program (the fixture's, compiled) and
     caches it: a second run reads it back, --recalibrate measures again."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cost_table, "DEFAULT_CACHE", str(tmp_path / "cache" / "dsv4_jax" / "cost_tables"))
     args = ["--model", bundle, "--spec", "mtp", "--draft-n-max", "2,auto", "--draft-n-max-bound", "2", *RUN]
     hows = []
     for i, extra in enumerate([[], [], ["--recalibrate"]]):
