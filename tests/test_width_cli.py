@@ -19,9 +19,11 @@ from dsv4_jax.io.demo_io import save_bundle
 from dsv4_jax.model.params import init_mtp
 from dsv4_jax.research import batch_eval, common, report, sweep
 from dsv4_jax.research.common import OptionError
-from dsv4_jax.research.runner import Setting, grid_settings
+from dsv4_jax.research.runner import grid_settings
 from dsv4_jax.speculative import cost_table, loop
 from dsv4_jax.speculative.cost_table import CostTable
+
+from .test_research_cli import _assert_rejected
 
 CHEAP_WIDE = {"format": cost_table.FORMAT, "seconds": [1.0, 0.5, 0.4], "plain_seconds": 1.0}
 RUN = ["--limit", "1", "--max-new-tokens", "6", "--repeats", "1", "--no-compile-cache", "--quiet", "--no-plots"]
@@ -79,15 +81,6 @@ def test_draft_n_max_lists():
     assert auto.table_key == ("mtp", 1, True)
 
 
-def _rejected(main, args, message, tmp_path, capsys):
-    out = tmp_path / "never"
-    with pytest.raises(SystemExit) as e:
-        main(["--random-tiny", "--out", str(out), "--no-compile-cache", *args])
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists()
-
-
 def _bad_tables(tmp_path):
     not_json = tmp_path / "not_json.json"
     not_json.write_text("{seconds: 1")
@@ -114,7 +107,7 @@ def _bad_tables(tmp_path):
 @pytest.mark.parametrize("main", [sweep.main, batch_eval.main], ids=["sweep", "batch_eval"])
 def test_bad_width_options_exit_2(main, tmp_path, capsys):
     for args, message in _bad_tables(tmp_path):
-        _rejected(main, args, message, tmp_path, capsys)
+        _assert_rejected(main, args, message, tmp_path, capsys)
 
 
 def test_predictions_and_why_by_hand():

@@ -2,6 +2,7 @@
 draft_n_max="auto" (greedy equal to plain decoding for MTP, DSpark and n-gram; the sampling law at T = 0.8),
 and cost tables (files, errors, calibration and its cache)."""
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +93,21 @@ def test_cost_table_file_round_trip_and_errors(tmp_path):
         CostTable.load(str(bad))
     with pytest.raises(CostTableError, match="missing.json"):
         CostTable.load(str(tmp_path / "missing.json"))
+
+
+def test_cost_table_from_an_aot_report(tmp_path):
+    """The committed v5p:2x2x2 bf16 report: decode (plain) and verify of 4 tokens (width 3), widths 1, 2 between."""
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "aot_2026-12-01_v5p-2x2x2_bf16.json")
+    with open(path) as f:
+        est = {p["program"]: p["estimate"]["roofline_s"] for p in json.load(f)["runs"][0]["programs"]}
+    t = cost_table.from_aot_report(path, "mtp", weights="bf16")
+    assert t.batch == 8 and t.bound == 3 and t.plain_seconds == est["decode"]
+    assert t.seconds[0] == est["decode"] and t.seconds[3] == pytest.approx(est["verify"])
+    assert t.seconds[1] == pytest.approx(est["decode"] + (est["verify"] - est["decode"]) / 3)
+    bad = tmp_path / "report.json"
+    bad.write_text(json.dumps({"runs": [], "shapes": {"batch": 1}}))
+    with pytest.raises(CostTableError, match="report.json.*no run"):
+        cost_table.from_aot_report(str(bad), "mtp")
 
 
 def test_bad_auto_options():

@@ -36,11 +36,11 @@ def best_width(tokens: jax.Array, cost: jax.Array, bound: jax.Array) -> jax.Arra
     return jnp.argmax(rate).astype(jnp.int32)
 
 
-def choose(est: jax.Array, n_draft: jax.Array, live: jax.Array, cost: jax.Array, bound: jax.Array):
-    """The round's width and its expected tokens per live sequence: (w int32 [], Σ_b T_w(b) float32 [])."""
+def choose(est: jax.Array, n_draft: jax.Array, live: jax.Array, cost: jax.Array, bound: jax.Array) -> jax.Array:
+    """The round's width (int32 []): `best_width` of the live sequences' expected tokens, at most the most drafts
+    any live sequence proposed."""
     tokens = expected_tokens(est, n_draft, live)
-    w = best_width(tokens, cost, jnp.minimum(bound, jnp.max(jnp.where(live, n_draft, 0))))
-    return w, tokens[w]
+    return best_width(tokens, cost, jnp.minimum(bound, jnp.max(jnp.where(live, n_draft, 0))))
 
 
 def keep_drafting(est: jax.Array, j: jax.Array, cost: jax.Array, bound: jax.Array) -> jax.Array:

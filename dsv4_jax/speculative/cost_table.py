@@ -128,34 +128,35 @@ class CostTable:
         return cls.from_json(d, f"cost table {path}")
 
 
-def from_aot_report(path: str, drafter: str, batch: int) -> CostTable:
-    """A table of roofline seconds from a `dsv4-aot` summary JSON: its `decode` program (plain rounds) and the
-    `verify` programs of widths w + 1 (verify_tokens), plus the drafter's round program (spec-<drafter>) per
-    drafted token where it has one. CostTableError naming what the report lacks."""
+def from_aot_report(path: str, drafter: str, weights: str | None = None) -> CostTable:
+    """A table of roofline seconds from a `dsv4-aot` JSON report (docs/width_scheduler.md §4): per run (one
+    weight format; `weights` picks it, default the first run with the programs) the `decode` program's
+    estimate is the plain round, the `verify` program's (T tokens) prices width T − 1, widths in between are
+    interpolated linearly in the verified tokens (a memory-bound step's bytes grow affinely with them), and the
+    drafter's round program `spec-<drafter>` (drafting + verify of T tokens), where present, adds its excess
+    over that verify to every width. CostTableError naming the report and what it lacks."""
     try:
         with open(path) as f:
             report = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CostTableError(f"dsv4-aot report {path}: {e}") from None
-    rows = report.get("rows") if isinstance(report, dict) else report
-    if not isinstance(rows, list):
-        raise CostTableError(f"dsv4-aot report {path}: no rows")
-    mine = [r for r in rows if isinstance(r, dict) and r.get("batch", batch) == batch]
-    time_of = lambda r: r.get("roofline_s") or r.get("roofline_ms", 0) / 1e3
-    plain = [time_of(r) for r in mine if r.get("program") == "decode"]
-    verify = {int(r.get("verify_tokens", 0)): time_of(r) for r in mine if r.get("program") == "verify"}
-    draft = [time_of(r) for r in mine if r.get("program") == f"spec-{drafter}"]
-    if not plain or not verify:
-        raise CostTableError(f"dsv4-aot report {path}: needs decode and verify programs at batch {batch} "
-                             f"(has {sorted({r.get('program') for r in mine})})")
-    per_draft = (draft[0] - max(verify.values())) / max(max(verify), 1) if draft else 0.0
-    seconds = [plain[0] + max(per_draft, 0.0)]
-    for w in range(1, max(verify)):
-        if w + 1 not in verify:
-            break
-        seconds.append(verify[w + 1] + max(per_draft, 0.0) * w)
-    return CostTable(seconds=tuple(seconds), plain_seconds=plain[0], drafter=drafter, batch=batch,
-                     source=f"aot:{os.path.basename(path)}")
+        runs = [r for r in report["runs"] if weights in (None, r.get("weights"))]
+        batch = int(report["shapes"]["batch"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CostTableError(f"dsv4-aot report {path}: not a dsv4-aot report ({e})") from None
+    for run in runs:
+        est = {(p["program"], p.get("tokens_per_sequence")): p["estimate"]["roofline_s"]
+               for p in run.get("programs", []) if isinstance(p.get("estimate"), dict)}
+        plain = est.get(("decode", 1))
+        verify = sorted((t, s) for (name, t), s in est.items() if name == "verify")
+        if plain is None or not verify:
+            continue
+        T, s_verify = verify[-1]
+        spec = est.get((f"spec-{drafter}", T))
+        extra = max(spec - s_verify, 0.0) if spec is not None else 0.0
+        seconds = tuple(plain + (s_verify - plain) * w / (T - 1) + extra for w in range(T))
+        return CostTable(seconds=physical(seconds, plain), plain_seconds=plain, drafter=drafter, batch=batch,
+                         source=f"aot:{os.path.basename(path)}:{run.get('topology')}:{run.get('weights')}")
+    raise CostTableError(f"dsv4-aot report {path}: no run with compiled decode and verify programs"
+                         + (f" for weights {weights!r}" if weights else ""))
 
 
 def cache_key(config, prepared, drafter: str) -> dict:

@@ -232,7 +232,7 @@ def _scheduled_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, 
     raw = jnp.where(conf >= 0, conf, width.draft_probability(drafts, q))
     est = width.calibrated(raw, factors)
     n_draft = jnp.minimum(n_draft, knobs.draft_n)
-    chosen, _ = width.choose(est, n_draft, ~c.done, knobs.width_cost, knobs.draft_n)
+    chosen = width.choose(est, n_draft, ~c.done, knobs.width_cost, knobs.draft_n)
     w_round = jnp.where(knobs.width_mode == MODE_AUTO, chosen, jnp.clip(knobs.draft_n, 0, K))
     w_round = jnp.where(plain, K + 1, w_round)
     n_draft = jnp.where(plain, 0, jnp.minimum(n_draft, w_round))
