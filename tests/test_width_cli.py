@@ -219,3 +219,25 @@ def test_batch_eval_auto_is_lossless(bundle, table_file, tmp_path):
     with open(os.path.join(out, "batch_eval.md")) as f:
         md = f.read()
     assert "auto≤1" in md and "chosen widths" in md and "predicted speed-up" in md
+
+
+def test_batch_eval_calibrates_on_its_engine_and_caches(bundle, tmp_path, monkeypatch):
+    """Without --cost-table an auto setting's table is measured on the setting's own slot engine (its rounds
+    under the continuous schedule, B = 2), cached with the engine's shapes, read back by the next run."""
+    monkeypatch.setattr(cost_table, "DEFAULT_CACHE", str(tmp_path / "cache"))
+    args = ["--model", bundle, "--spec", "mtp", "--draft-n-max", "auto", "--draft-n-max-bound", "1",
+            "--schedule", "continuous", "--num-prompts", "2", "--batch-size", "2", *RUN]
+    hows = []
+    for i in range(2):
+        out = str(tmp_path / f"be{i}")
+        assert batch_eval.main([*args, "--out", out]) == 0
+        with open(os.path.join(out, "batch_eval.json")) as f:
+            tables = json.load(f)["meta"]["cost_tables"]
+        (meta,) = [t for t in tables]
+        table = meta["table"]
+        assert table["batch"] == 2 and len(table["seconds"]) == 2 and table["plain_seconds"] > 0
+        assert table["key"]["shapes"]["engine"]["schedule"] == "continuous"
+        hows.append(meta["how"])
+    assert hows == ["measured", "cached"]
+    (name,) = os.listdir(tmp_path / "cache")
+    assert name.startswith("mtp-b2-")

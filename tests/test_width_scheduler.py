@@ -60,6 +60,9 @@ def test_measured_costs_made_physical():
     """A drafter's round never below a plain one, wider never cheaper (running maximum)."""
     assert cost_table.physical((3.1, 2.9, 4.0, 3.5), 3.5) == (3.5, 3.5, 4.0, 4.0)
     assert cost_table.physical((1.0, 2.0), 0.5) == (1.0, 2.0)
+    # a fixed width's predicted speed-up uses what was measured for it; the scheduler's costs are physical
+    t = CostTable(seconds=(3.5, 3.5, 4.0, 4.0), plain_seconds=3.5, raw_seconds=(3.1, 2.9, 4.0, 3.5))
+    assert t.predicted_speedup(2.0, 1) == pytest.approx(2.0 * 3.5 / 2.9) and t.costs(3)[0][1] == 3.5
 
 
 def test_calibration_factors():
@@ -170,6 +173,19 @@ def test_auto_greedy_equals_plain(demo_runs, drafter):
     # speculation that cannot pay stops after the warm-up rounds (3 sequences x WARMUP_ROUNDS), cheap one never
     assert sum(plain_h.values()) - plain_h["plain"] == 3 * loop.WARMUP_ROUNDS < sum(plain_h.values())
     assert cheap["plain"] < plain_h["plain"]
+
+
+def test_two_loop_program_equals_the_round_by_round_twin(demo_runs):
+    """run_rounds under the scheduler is two while loops (drafting rounds, then plain rounds after the switch:
+    `loop.rounds_loop`); the host-driven twin takes the same decision inside every round (`loop.round_step`).
+    Same tokens and the same statistics, the switch included (the "plain" table forces it)."""
+    demo, prompts, plain, kw = demo_runs
+    run = lambda host: d.generate(demo.params, demo.config, prompts, 48, drafter="dspark", draft_n_max="auto",
+                                  cost_table=TABLES["plain"], host_loop=host, **kw)
+    (a, sa), (b, sb) = run(False), run(True)
+    assert a == b == plain
+    assert sa["width_histogram"] == sb["width_histogram"] and sa["width_histogram"]["plain"] > 0
+    assert sa["expected_tokens_per_round"] == sb["expected_tokens_per_round"]
 
 
 def test_fixed_widths_in_the_scheduler_program_equal_plain(demo_runs):

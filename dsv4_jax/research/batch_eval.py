@@ -9,8 +9,8 @@ spread by EOS or, with --output-lengths LO-HI, by per-request budgets drawn unif
 spec type × draft_n_max × knob × temperature × batch size: one engine (compiled once, warmed up untimed),
 then every schedule timed, the schedules interleaved (the median run over --repeats). --draft-n-max auto:
 the width scheduler chooses each round's verify width (docs/width_scheduler.md) under both schedules,
-priced by --cost-table or by a cost table measured per drafter, batch size and greedy/sampled on a static
-run of B prompts (`cost_table.cached_or_calibrate`, cached).
+priced by --cost-table or by a cost table measured per drafter, batch size and greedy/sampled on the
+setting's own engine (`SlotEngine.calibrate`: its first 2·B prompts under the continuous schedule, cached).
 
 Throughput = generated tokens / wall time of the whole run; a request's latency = the time from the start
 (its arrival) to its last token, TTFT = to its first token (sampled by its prefill); mean / p50 / p90.
@@ -25,12 +25,11 @@ import argparse
 import sys
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from .. import cli, parallel
-from ..speculative.cost_table import cached_or_calibrate
-from ..speculative.generate import prepare
-from ..speculative.options import RunShape, Sampling, Speculation
+from ..speculative.options import Sampling, Speculation
 from ..speculative.scheduler import SCHEDULES, RunResult, SlotEngine
 from . import common, report
 from .common import OptionError
@@ -162,27 +161,27 @@ def speculation(setting: Setting, a, table=None) -> Speculation:
                        synthetic_accept=common.verify_options(a)[1], **width)
 
 
-def cost_table_for(model, prompts: list[dict], budgets: list[int], setting: Setting, a, tables: dict, log) -> dict:
-    """An auto setting's cost table, once per `Setting.table_key`: --cost-table's, or the cached / measured
-    calibration (`cost_table.cached_or_calibrate`) of a static run of the first B prompts with the setting's
-    program; printed when obtained. tables: {key: {"table", "how"}}, filled in."""
+def price(engine: SlotEngine, setting: Setting, a, tables: dict, log) -> dict:
+    """Price an auto setting's engine, once per `Setting.table_key`: --cost-table's table, or the cached /
+    measured calibration of this engine's own rounds (`SlotEngine.calibrate`, under the continuous schedule
+    when it is run, else static); printed when obtained. tables: {key: {"table", "how"}}, filled in."""
     key = setting.table_key
     if key not in tables:
         if a.cost_table_obj is not None:
             tables[key] = {"table": a.cost_table_obj, "how": "given"}
         else:
-            r = prepare(model.params, model.bundle, [list(p["tokens"]) for p in prompts[:setting.batch_size]],
-                        max(budgets), sampling=Sampling(temperature=setting.temperature, top_p=a.top_p, seed=a.seed),
-                        speculation=speculation(setting, a), run=RunShape(eos_token_id=common.eos_for(a)))
-            table, how = cached_or_calibrate(model.params, r.config, r, refresh=a.recalibrate, drafter=setting.spec,
-                                             progress=None if a.quiet else log)
+            schedule = "continuous" if "continuous" in a.schedules else a.schedules[0]
+            table, how = engine.calibrate(schedule, refresh=a.recalibrate, drafter=setting.spec,
+                                          progress=None if a.quiet else log)
             tables[key] = {"table": table, "how": how}
         log("\n".join([f"== cost table ({tables[key]['how']}) for {setting.spec} B={setting.batch_size} "
                        f"{'greedy' if setting.temperature == 0 else 'sampled'}:", *tables[key]["table"].lines()]))
+    engine.priced(tables[key]["table"])
     return tables[key]
 
 
 def build_engine(model, prompts: list[dict], budgets: list[int], setting: Setting, a, table=None) -> SlotEngine:
+    """The setting's engine (an auto setting's rounds priced by table; None: unit costs until `price`)."""
     return SlotEngine.build(
         model.params, model.bundle, [p["tokens"] for p in prompts], budgets, batch=setting.batch_size,
         chunk_rounds=a.chunk_rounds, prefill_len=a.prefill_len, refill_min=a.refill_min,
@@ -238,9 +237,9 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def evaluate(model, prompts: list[dict], budgets: list[int], setting: Setting, a, bar, table=None) -> tuple[list, list]:
-    """(rows, per-request records) of one setting under every schedule (table: an auto setting's cost table)."""
-    engine = build_engine(model, prompts, budgets, setting, a, table)
+def evaluate(engine: SlotEngine, model, prompts: list[dict], setting: Setting, a, bar) -> tuple[list, list]:
+    """(rows, per-request records) of one setting's engine (built by `build_engine`; an auto setting's
+    priced, `price`) under every schedule."""
     warm = engine.warm_up()
     bar.update(1)
     runs: dict[str, list[RunResult]] = {s: [] for s in a.schedules}
@@ -355,8 +354,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "batch-eval") as bar:
         rows, records, tables = [], [], {}
         for s in settings:
-            table = cost_table_for(model, prompts, budgets, s, a, tables, bar.write)["table"] if s.auto else None
-            new_rows, recs = evaluate(model, prompts, budgets, s, a, bar, table)
+            engine = build_engine(model, prompts, budgets, s, a)
+            if s.auto:
+                price(engine, s, a, tables, bar.write)
+            new_rows, recs = evaluate(engine, model, prompts, s, a, bar)
+            # one setting's programs at a time: a process holding every setting's compiled programs runs out
+            # of memory maps on XLA:CPU (vm.max_map_count) in wide sweeps
+            del engine
+            jax.clear_caches()
             rows += new_rows
             records += recs
             add_ratios(rows)

@@ -5,6 +5,7 @@ times of a TPU topology), or given as a JSON file.
 
     table = cost_table.calibrate(params, config, prepared)           # a prepared auto run (generate.prepare)
     table = cost_table.cached_or_calibrate(params, config, prepared)  # the same, cached under ~/.cache
+    table = engine.calibrate()                                        # a continuous-batching engine's rounds
     table.save("costs.json"); CostTable.load("costs.json")
     table.predicted_speedup(mean_accepted_length, w)
 """
@@ -68,8 +69,11 @@ class CostTable:
         return np.asarray(self.seconds[:k + 1], np.float32), np.float32(self.plain_seconds)
 
     def predicted_speedup(self, mean_accepted_length: float, w: int) -> float:
-        """Decode speed-up over plain decoding of rounds of width w committing mean_accepted_length tokens each."""
-        return mean_accepted_length * self.plain_seconds / self.seconds[w]
+        """Decode speed-up over plain decoding of rounds of width w committing mean_accepted_length tokens each,
+        from the width's measured seconds (`raw_seconds`, before `physical`, where the table has them: the
+        prediction for a fixed width uses what was measured for it; the scheduler's decisions use `seconds`)."""
+        seconds = self.raw_seconds[w] if self.raw_seconds else self.seconds[w]
+        return mean_accepted_length * self.plain_seconds / seconds
 
     def break_even(self, w: int) -> float:
         """The mean accepted length (tokens per round) at which width w matches plain decoding."""
@@ -185,46 +189,52 @@ def cache_path(key: dict, cache_dir: str | None = None) -> str:
     return os.path.join(base, f"{key['shapes']['drafter']}-b{key['shapes']['batch']}-{digest}.json")
 
 
-def _seconds_per_round(params, config, r, knobs, repeats: int) -> list[float]:
-    """Time the loop (prefill untimed) `repeats` times at the given knobs: seconds per round of the batch."""
-    out = []
-    for _ in range(repeats):
-        carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
-                                            max_len=r.max_len, opts=r.opts, knobs=knobs,
-                                            key=jax.random.PRNGKey(r.seed), max_block=r.max_block,
-                                            prefill_taps=r.prefill_taps, prefill_chunk=r.prefill_chunk))
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(run_rounds(params, r.config, carry, knobs, r.opts))
-        out.append((time.perf_counter() - t0) / max(int(carry.round), 1))
-    return out
+def _seconds_per_round(params, config, r, knobs) -> float:
+    """Time the loop once (prefill untimed) at the given knobs: seconds per round of the batch."""
+    carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
+                                        max_len=r.max_len, opts=r.opts, knobs=knobs,
+                                        key=jax.random.PRNGKey(r.seed), max_block=r.max_block,
+                                        prefill_taps=r.prefill_taps, prefill_chunk=r.prefill_chunk))
+    t0 = time.perf_counter()
+    carry = jax.block_until_ready(run_rounds(params, r.config, carry, knobs, r.opts))
+    return (time.perf_counter() - t0) / max(int(carry.round), 1)
 
 
 def calibrate(params: dict, config, prepared, *, repeats: int = 3, progress=None,
               drafter: str | None = None) -> CostTable:
     """Measure a table with the prepared run's own program (generate.prepare of an auto run, or any run with
-    the width scheduler): the loop run at each fixed width w = 0..k (MODE_FIXED) and plain (MODE_PLAIN), after
-    one untimed warm-up; the median of `repeats` runs of seconds per round. progress: a callable(str) or None;
-    drafter: the name the table is for (default the program's; a drafter pool's run names its member)."""
+    the width scheduler): `measure` with the loop run once per timing (prefill untimed). progress: a
+    callable(str) or None; drafter: the name the table is for (default the program's; a drafter pool's run
+    names its member)."""
     r = prepared
-    drafter = drafter or r.opts.drafter
     if not r.opts.adaptive:
         raise ValueError("calibrate needs a run prepared with the width scheduler (draft_n_max='auto')")
-    k = r.opts.k if r.knobs.draft_n is None else int(r.knobs.draft_n)
-    base = r.knobs.replace(width_cost=jnp.ones((r.opts.k + 1,), jnp.float32), plain_cost=jnp.float32(1.0))
+    drafter = drafter or r.opts.drafter
+    time_at = lambda knobs: _seconds_per_round(params, config, r, knobs)
+    return measure(time_at, r.knobs, r.opts.k, repeats=repeats, progress=progress, drafter=drafter,
+                   batch=int(r.tokens.shape[0]), key=cache_key(config, r, drafter))
+
+
+def measure(time_at, knobs, k_program: int, *, repeats: int = 3, progress=None, drafter: str = "", batch: int = 1,
+            key: Any = None) -> CostTable:
+    """A measured table: time_at(knobs) -> seconds per round of one timed run of a program with the width
+    scheduler, at each fixed width w = 0..k (MODE_FIXED; k = the knobs' draft_n, else k_program) and plain
+    (MODE_PLAIN), after one untimed warm-up; the median of `repeats` timings, then `physical`."""
+    k = k_program if knobs.draft_n is None else int(knobs.draft_n)
+    base = knobs.replace(width_cost=jnp.ones((k_program + 1,), jnp.float32), plain_cost=jnp.float32(1.0))
     fixed = lambda w: base.replace(width_mode=jnp.int32(MODE_FIXED), draft_n=jnp.int32(w))
-    _seconds_per_round(params, config, r, fixed(k), 1)                        # compile + warm up
+    time_at(fixed(k))                                                   # compile + warm up
     times = {}
     for w in list(range(k + 1)) + ["plain"]:
-        knobs = base.replace(width_mode=jnp.int32(MODE_PLAIN)) if w == "plain" else fixed(w)
-        times[w] = _seconds_per_round(params, config, r, knobs, repeats)
+        at = base.replace(width_mode=jnp.int32(MODE_PLAIN)) if w == "plain" else fixed(w)
+        times[w] = [time_at(at) for _ in range(repeats)]
         if progress:
             progress(f"calibration: width {w}: {statistics.median(times[w]) * 1e3:.3f} ms/round")
     raw = tuple(statistics.median(times[w]) for w in range(k + 1))
     plain = statistics.median(times["plain"])
     return CostTable(seconds=physical(raw, plain), plain_seconds=plain, drafter=drafter, raw_seconds=raw,
-                     batch=int(r.tokens.shape[0]), source="measured",
-                     spread=tuple((min(times[w]), max(times[w])) for w in range(k + 1)),
-                     key=cache_key(config, r, drafter))
+                     batch=batch, source="measured", spread=tuple((min(times[w]), max(times[w])) for w in range(k + 1)),
+                     key=key)
 
 
 def physical(seconds, plain: float) -> tuple[float, ...]:
@@ -244,13 +254,19 @@ def cached_or_calibrate(params: dict, config, prepared, *, cache_dir: str | None
     """The cached table for this machine, program shapes and versions, or a fresh calibration saved there.
     drafter: as in `calibrate`. -> (table, "cached" | "measured")."""
     drafter = drafter or prepared.opts.drafter
-    path = cache_path(cache_key(config, prepared, drafter), cache_dir)
+    return cached(cache_key(config, prepared, drafter), lambda: calibrate(
+        params, config, prepared, repeats=repeats, progress=progress, drafter=drafter), cache_dir, refresh)
+
+
+def cached(key: dict, make, cache_dir: str | None = None, refresh: bool = False) -> tuple[CostTable, str]:
+    """The table cached under key, or make() saved there. -> (table, "cached" | "measured")."""
+    path = cache_path(key, cache_dir)
     if not refresh and os.path.exists(path):
         try:
             return CostTable.load(path), "cached"
         except CostTableError:
             pass                                  # a damaged cache entry: measure again and replace it
-    table = calibrate(params, config, prepared, repeats=repeats, progress=progress, drafter=drafter)
+    table = make()
     table.save(path)
     return table, "measured"
 

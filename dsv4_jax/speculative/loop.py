@@ -22,7 +22,7 @@ from ..drafters import registry
 from ..drafters.base import MODE_AUTO, MODE_PLAIN, Bound, DraftSetup, Knobs
 from ..ops import verification, width
 
-__all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "run_rounds",
+__all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "rounds_loop", "run_rounds",
            "run_rounds_python"]
 
 
@@ -199,49 +199,57 @@ def _realised_rate_below_plain(s: Stats, knobs: Knobs, rounds: jax.Array) -> jax
 WARMUP_ROUNDS = 4
 
 
-def _scheduled_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
-    """A round of a program with the width scheduler (docs/width_scheduler.md): MODE_PLAIN (or MODE_AUTO once
-    speculation has not paid, `_realised_rate_below_plain`) decodes one token without the drafter; otherwise
-    the drafter proposes (its knobs carry the calibration factors, so a sequential drafter can stop early),
-    and the round verifies w drafts, w = knobs.draft_n (MODE_FIXED) or the width with the most expected
-    tokens per cost-table second (MODE_AUTO; `ops.width.choose`).
+def _plain_now(c: Carry, knobs: Knobs) -> jax.Array:
+    """Whether the scheduler's rounds from here on are plain decode steps: MODE_PLAIN, or MODE_AUTO once
+    speculation has not paid (`_realised_rate_below_plain`; final for the run). bool []."""
+    return (knobs.width_mode == MODE_PLAIN) | ((knobs.width_mode == MODE_AUTO)
+                                               & _realised_rate_below_plain(c.stats, knobs, c.round))
 
-    Layout: the drafting sits under a `lax.cond` that returns only the drafts (the drafter state is read, not
-    carried through it), and the verify + commit is one flat `lax.switch` over the widths 0..k and plain, so
-    the decode state passes through a single conditional, as in the dynamic_draft_n program."""
+
+def _plain_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """A round of the scheduler's program without the drafter: one token decoded, as in plain decoding (the
+    drafter state is no longer fed; the width histogram's plain column counts the round)."""
+    key, _, k_acc = jax.random.split(c.key, 3)
+    B, V = c.last.shape[0], config.vocab_size
+    return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, jnp.zeros((B, 0), jnp.int32),
+                              jnp.zeros((B, 0, V), jnp.float32), jnp.zeros((B,), jnp.int32), plain=True)
+
+
+def _scheduled_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """A round of a program with the width scheduler (docs/width_scheduler.md): a plain round once
+    `_plain_now` holds, else `_speculative_round`. The loops (`rounds_loop`) do not go through this
+    conditional: they run the speculative rounds until the switch and then the plain rounds in a second
+    while loop whose body is the plain round alone, so that a plain round costs what plain decoding's costs."""
+    return jax.lax.cond(_plain_now(c, knobs), lambda c: _plain_round(params, config, c, knobs, opts),
+                        lambda c: _speculative_round(params, config, c, knobs, opts), c)
+
+
+def _speculative_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """A drafting round of the scheduler's program: the drafter proposes (its knobs carry the calibration
+    factors, so a sequential drafter can stop early), and the round verifies w drafts, w = knobs.draft_n
+    (MODE_FIXED) or the width with the most expected tokens per cost-table second (MODE_AUTO;
+    `ops.width.choose`) — one flat `lax.switch` over the widths 0..k, so the decode state passes through a
+    single conditional, as in the dynamic_draft_n program."""
     s = c.stats
-    plain = (knobs.width_mode == MODE_PLAIN) | ((knobs.width_mode == MODE_AUTO)
-                                                 & _realised_rate_below_plain(s, knobs, c.round))
     factors = width.scale(s.per_position, s.raw_sum)
     knobs = knobs.replace(accept_scale=factors)
     drafter = registry.get(opts.drafter)
     key, k_draft, k_acc = jax.random.split(c.key, 3)
-    B, K, V = c.last.shape[0], opts.k, config.vocab_size
-
-    def propose(_):
-        d, q, n, conf = drafter.propose_scored(opts.bind(params, config), c.drafter, c.target.pos, c.last,
-                                               k_draft, knobs, opts.greedy)
-        return d, q, n, jnp.full(d.shape, -1.0, jnp.float32) if conf is None else conf
-
-    def nothing(_):
-        return (jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K, V), jnp.float32), jnp.zeros((B,), jnp.int32),
-                jnp.full((B, K), -1.0, jnp.float32))
-
-    drafts, q, n_draft, conf = jax.lax.cond(plain, nothing, propose, None)
+    K = opts.k
+    drafts, q, n_draft, conf = drafter.propose_scored(opts.bind(params, config), c.drafter, c.target.pos, c.last,
+                                                      k_draft, knobs, opts.greedy)
+    conf = jnp.full(drafts.shape, -1.0, jnp.float32) if conf is None else conf
     # the raw estimate: a confidence head's (conf >= 0), else the draft's own probability (docs §2)
     raw = jnp.where(conf >= 0, conf, width.draft_probability(drafts, q))
     est = width.calibrated(raw, factors)
     n_draft = jnp.minimum(n_draft, knobs.draft_n)
     chosen = width.choose(est, n_draft, ~c.done, knobs.width_cost, knobs.draft_n)
     w_round = jnp.where(knobs.width_mode == MODE_AUTO, chosen, jnp.clip(knobs.draft_n, 0, K))
-    w_round = jnp.where(plain, K + 1, w_round)
-    n_draft = jnp.where(plain, 0, jnp.minimum(n_draft, w_round))
+    n_draft = jnp.minimum(n_draft, w_round)
     # conf −1 (no confidence head) is never binned (ops.verification.calibration_counts)
     branches = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
                                   drafts[:, :w], q[:, :w], conf=conf[:, :w], est=est[:, :w], raw=raw[:, :w])
                 for w in range(K + 1)]
-    branches.append(functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
-                                      drafts[:, :0], q[:, :0], plain=True))
     return jax.lax.switch(w_round, branches, n_draft)
 
 
@@ -306,10 +314,21 @@ def _cond(c: Carry, opts: Options):
     return jnp.any(~c.done) & (c.round < opts.max_new_tokens)
 
 
+def rounds_loop(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, opts: Options, cond) -> Carry:
+    """Rounds while cond(carry), on the device. With the width scheduler: two while loops — drafting rounds
+    (`_speculative_round`) until the switch to plain decoding (`_plain_now`), then plain rounds
+    (`_plain_round`), each loop's body free of the other's branch; the same rounds as `round_step` each time."""
+    if not opts.adaptive:
+        return jax.lax.while_loop(cond, lambda c: round_step(params, config, c, knobs, opts), carry)
+    carry = jax.lax.while_loop(lambda c: cond(c) & ~_plain_now(c, knobs),
+                               lambda c: _speculative_round(params, config, c, knobs, opts), carry)
+    return jax.lax.while_loop(cond, lambda c: _plain_round(params, config, c, knobs, opts), carry)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
 def run_rounds(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, opts: Options) -> Carry:
-    """All rounds in one on-device lax.while_loop (no host round-trips)."""
-    return jax.lax.while_loop(lambda c: _cond(c, opts), lambda c: round_step(params, config, c, knobs, opts), carry)
+    """All rounds in one on-device program (no host round-trips): `rounds_loop`."""
+    return rounds_loop(params, config, carry, knobs, opts, lambda c: _cond(c, opts))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))

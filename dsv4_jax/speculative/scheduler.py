@@ -28,6 +28,7 @@ length incl. the bonus token).
 
     engine = SlotEngine.build(params, config, prompts, max_new_tokens=[...], batch=4, drafter="mtp")
     run = engine.run("continuous")            # RunResult: results in request order, wall_s, tokens_per_s
+    table, how = engine.calibrate()           # draft_n_max="auto": price the width scheduler by this engine's rounds
 """
 from __future__ import annotations
 
@@ -43,9 +44,12 @@ import numpy as np
 
 from ..backends import Backends
 from ..bundle import CheckpointConfig
+from ..drafters.base import MODE_AUTO
 from ..ops.host import to_host
 from . import slots as S
-from .generate import prepare
+from . import cost_table
+from .cost_table import CostTable
+from .generate import prepare, width_knobs
 from .prefill import chunk_plan
 from .options import RunShape, Sampling, Speculation
 
@@ -331,6 +335,41 @@ class SlotEngine:
         return RunResult(schedule=schedule, results=[results[i] for i in range(len(self.requests))], wall_s=now(),
                          prefill_s=prefill_s, chunks=chunks, rounds=rounds, batch=B, refills=refills,
                          prefill_calls=calls)
+
+    def calibrate(self, schedule: str = "continuous", *, repeats: int = 3, cache_dir: str | None = None,
+                  refresh: bool = False, progress=None, drafter: str | None = None) -> tuple[CostTable, str]:
+        """The cost table of this engine's rounds (an engine built with draft_n_max="auto"): the engine runs
+        its first 2·B requests under `schedule` at each fixed width and plain (`cost_table.measure`; seconds
+        per round = decode time outside admission / rounds), so the table prices the rounds this engine runs —
+        its chunked dispatch and partly filled batches — not a static `generate`'s. Cached like
+        `cached_or_calibrate` (the key adds the engine's batch, chunking and schedule). Then the engine's
+        rounds are priced by it (`priced`). -> (table, "cached" | "measured")."""
+        if not self.opts.adaptive or int(self.knobs.width_mode) != MODE_AUTO:
+            raise ValueError("calibrate needs an engine built with draft_n_max='auto'")
+        drafter = drafter or self.opts.drafter
+        key = cost_table.cache_key(self.config, self.p, drafter)
+        key["shapes"].update(batch=self.batch, engine={"schedule": schedule, "chunk_rounds": self.chunk_rounds,
+                                                       "prefill_len": self.prefill_len, "refill_min": self.refill_min,
+                                                       "requests": min(len(self.requests), 2 * self.batch)})
+
+        def time_at(knobs) -> float:
+            saved = self.requests, self.knobs
+            self.requests, self.knobs = saved[0][:2 * self.batch], knobs
+            try:
+                run = self.run(schedule)
+            finally:
+                self.requests, self.knobs = saved
+            return run.decode_s / max(run.rounds, 1)
+
+        table, how = cost_table.cached(key, lambda: cost_table.measure(
+            time_at, self.knobs, self.opts.k, repeats=repeats, progress=progress, drafter=drafter, batch=self.batch,
+            key=key), cache_dir, refresh)
+        self.priced(table)
+        return table, how
+
+    def priced(self, table: CostTable) -> None:
+        """Price this engine's auto rounds by table (the width scheduler's knobs, `generate.width_knobs`)."""
+        self.knobs = width_knobs(self.knobs, table, self.opts.k, True)
 
     def warm_up(self) -> float:
         """Compile every program of a run (prefill and insert at every width, the chunk) on copies of the

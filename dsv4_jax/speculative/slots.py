@@ -12,7 +12,7 @@ host refills freed slots, in the JetStream / MaxText manner (prefill → insert 
     insert        the rows' decode state written into slots [P] of the carry (donated; a slot index
                   B drops the row), with fresh outputs, statistics and per-request budgets: the slot's
                   previous target *and drafter* state are replaced, so nothing of the old request leaks
-    run_chunk     the speculative loop (`loop.round_step`) for at most `max_rounds` rounds, or until
+    run_chunk     the speculative loop (`loop.rounds_loop`) for at most `max_rounds` rounds, or until
                   `min_finished` sequences that were running at the start of the chunk have finished
                   (or none is left running)
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from ..model.state import init_state
 from ..config import ModelConfig
 from ..drafters import registry
-from .loop import Carry, Knobs, Options, initial_carry, round_step
+from .loop import Carry, Knobs, Options, initial_carry, rounds_loop
 from .prefill import Rows, init_rows, prefill_chunk
 
 __all__ = ["Rows", "batch_axes", "carry_axes", "empty_carry", "init_rows", "insert", "prefill_chunk", "run_chunk",
@@ -118,4 +118,4 @@ def run_chunk(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, max
         finished = jnp.sum(c.done & running)
         return jnp.any(~c.done) & (finished < min_finished) & (c.round - r0 < max_rounds)
 
-    return jax.lax.while_loop(cond, lambda c: round_step(params, config, c, knobs, opts), carry)
+    return rounds_loop(params, config, carry, knobs, opts, cond)
