@@ -482,16 +482,22 @@ def test_sharding_setup_picks_the_preset_and_ep_backends():
 
 def test_routed_expert_codes_placed_contraction_major():
     """`inputs.experts_k_major`: only the routed experts' QArray codes and scales get the swapped-minor-dims
-    layout (shape, dtype and sharding kept); shared experts and dense leaves are untouched."""
+    layout (sharding kept), the FP4 ones in the uint32 word layout (the shapes `quant.to_words` gives);
+    shared experts and dense leaves are untouched."""
     cfg = runner.model_config("flash", pairs=0, small=True, platform="cpu")
     mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
     params = I.target_params(cfg, mesh, "release")
     moved = I.experts_k_major(params)
     flat = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]
     n_moved = 0
-    for (path, a), (_, b) in zip(flat(params), flat(moved)):
+    words = lambda q: jax.eval_shape(quant.to_words, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), q))
+    routed = lambda q: isinstance(q, quant.QArray) and q.fmt == quant.FP4
+    want = jax.tree.map(lambda q: words(q) if routed(q) and quant.words_fit(q, I.words_group(q)) else q, params,
+                        is_leaf=lambda q: isinstance(q, quant.QArray))
+    assert jax.tree.structure(moved) == jax.tree.structure(want)
+    for (path, a), (_, w), (_, b) in zip(flat(params), flat(want), flat(moved)):
         key = jax.tree_util.keystr(path)
-        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        assert (w.shape, w.dtype) == (b.shape, b.dtype), key
         if "['experts']" in key:
             nd = len(a.shape)
             assert b.format.layout.major_to_minor == (*range(nd - 2), nd - 1, nd - 2), key
@@ -500,3 +506,15 @@ def test_routed_expert_codes_placed_contraction_major():
         else:
             assert b is a, key
     assert n_moved > 0 and n_moved % 6 == 0           # codes + scale of w1, w2, w3 per routed layer stack
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    big = {"ffn": {"experts": {"w2": quant.abstract(quant.FP4, (4, 32, 512), jnp.bfloat16, sh, sh)}}}
+    q = I.experts_k_major(big)["ffn"]["experts"]["w2"]
+    assert q.fmt == quant.FP4_WORDS and q.shape == (4, 32, 512)         # K not split: one group
+    sd = lambda t: [(a.shape, a.dtype) for a in jax.tree.leaves(t)]
+    assert sd(q) == sd(words(big["ffn"]["experts"]["w2"])) == [((4, 32, 64), jnp.uint32), ((4, 32, 4), jnp.uint32)]
+    assert q.codes.sharding == sh
+    kept = I.experts_k_major(big, words=False)["ffn"]["experts"]["w2"]             # for the Pallas kernels
+    assert kept.fmt == quant.FP4 and sd(kept) == sd(big["ffn"]["experts"]["w2"])
+    for a in (q.codes, q.scale):
+        nd = len(a.shape)
+        assert a.format.layout.major_to_minor == (*range(nd - 2), nd - 1, nd - 2)

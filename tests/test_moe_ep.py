@@ -4,6 +4,7 @@ formulation, the layer-unroll switch, sharding presets, and sharded runs on 8 fo
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as PS
@@ -155,6 +156,38 @@ def test_local_experts_quantized_match_numpy(local_case, impl):
     got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, local_impl, 2.0, True)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want[:n], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("group", [0, 256])
+def test_local_experts_fp4_words_match_numpy(group):
+    """FP4 experts in the uint32 word layout (`quant.to_words`, what the TPU AOT programs place under EP):
+    the sliced (1 token), tiled and dense (5 tokens) local paths equal the numpy formulation on the
+    numpy-decoded FP4 weights; with column groups, the w2 shard holding the second half of I (what a
+    K-split shard holds) on the second half of the hidden units too."""
+    rng = np.random.default_rng(2)
+    T, k, E, I, D = 5, 3, 4, 512, 256                     # K (D for w1/w3, I for w2) a multiple of 256
+    x = rng.standard_normal((T, D)).astype(np.float32) * 0.2
+    ms = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((E, I, D), (E, D, I), (E, I, D))]
+    local = rng.random((T, k)) < 0.6
+    idx = np.where(local, rng.integers(0, E, (T, k)), 0).astype(np.int32)
+    w = (rng.random((T, k)) * local).astype(np.float32)
+    qs = [quant.quantize(jnp.asarray(m), quant.FP4) for m in ms]
+    deq = []
+    for q in qs:                                          # numpy FP4 decode (ml_dtypes tables)
+        c, sc = np.asarray(q.codes), np.asarray(q.scale)
+        nib = np.stack([c & 0xF, c >> 4], -1).reshape(*c.shape[:-1], -1).astype(np.uint8)
+        vals = nib.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+        deq.append(vals * np.repeat(sc.view(ml_dtypes.float8_e8m0fnu).astype(np.float64), 32, axis=-1))
+    e = {n: quant.to_words(q, group if n == "w2" else 0) for n, q in zip(("w1", "w2", "w3"), qs)}
+    for n_tok, impl in ((1, "reference"), (5, "reference"), (5, "dense")):
+        got = moe_ep.local_experts(x[:n_tok], idx[:n_tok], w[:n_tok], local[:n_tok], e, impl, 2.0, False)
+        want = _numpy_local(x[:n_tok], idx[:n_tok], w[:n_tok], local[:n_tok], *deq, 2.0)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    if group:                                             # w2's second column group alone, as on its shard
+        h = rng.standard_normal((1, I // 2)).astype(np.float32)
+        shard = quant.QArray(e["w2"].codes[1, :, group // 8:], e["w2"].scale[1, :, group // 128:], quant.FP4_WORDS)
+        np.testing.assert_allclose(np.asarray(quant.matmul_codes(jnp.asarray(h), shard)),
+                                   h @ deq[1][1][:, I // 2:].T, rtol=2e-5, atol=2e-5)
 
 
 def test_local_experts_pallas_tpu_interpreted():

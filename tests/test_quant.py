@@ -68,6 +68,54 @@ def test_float_e2m1_decoder_and_matmul_codes():
                                    rtol=1e-6, atol=1e-6)
 
 
+def _np_words(codes: np.ndarray, scale: np.ndarray, group: int):
+    """The word layout spelled out in numpy (ops/quant.py docstring): in column group g, nibble i of code
+    word j = column g·G + i·G/8 + j, byte b of scale word m = block g·G/32 + b·G/128 + m."""
+    nib = np.stack([codes & 0xF, codes >> 4], -1).reshape(*codes.shape[:-1], -1).astype(np.uint64)
+    K = nib.shape[-1]
+    cw = np.zeros((*nib.shape[:-1], K // 8), np.uint64)
+    sw = np.zeros((*nib.shape[:-1], K // 128), np.uint64)
+    for g in range(K // group):
+        for j in range(group // 8):
+            for i in range(8):
+                cw[..., g * group // 8 + j] |= nib[..., g * group + i * group // 8 + j] << (4 * i)
+        for m in range(group // 128):
+            for b in range(4):
+                sw[..., g * group // 128 + m] |= scale[..., g * group // 32 + b * group // 128 + m].astype(np.uint64) << (8 * b)
+    return cw.astype(np.uint32), sw.astype(np.uint32)
+
+
+@pytest.mark.parametrize("group", [0, 256])
+def test_fp4_words_layout_dequantize_and_matmul(group):
+    """`to_words` (FP4 -> uint32 words in column groups): equal to the numpy-spelled layout; dequantizes to
+    the numpy-dequantized FP4 weight exactly; `matmul_codes` on it (x [T, K]) equals x times it in float32
+    (to 1e-6 of Σ|x||W|: the summation order); with groups, each group's columns alone are a whole-K word
+    weight (what a shard of a K-split weight holds)."""
+    K = 512
+    q = Q.quantize(jnp.asarray(rng.standard_normal((2, 24, K)) * 3.0, jnp.float32), Q.FP4)
+    wq = Q.to_words(q, group)
+    want_c, want_s = _np_words(np.asarray(q.codes), np.asarray(q.scale), group or K)
+    assert wq.fmt == Q.words_format(group) and wq.shape == q.shape and Q.check(wq) is wq
+    np.testing.assert_array_equal(np.asarray(wq.codes), want_c)
+    np.testing.assert_array_equal(np.asarray(wq.scale), want_s)
+    dense = _np_dequant(q)
+    np.testing.assert_array_equal(np.asarray(Q.dequantize(wq)), dense)
+    x = jnp.asarray(rng.standard_normal((3, K)), jnp.float32)
+    close = lambda got, xx, w: np.all(np.abs(np.asarray(got) - np.asarray(xx) @ w.T)
+                                      <= 1e-6 * (np.abs(np.asarray(xx)) @ np.abs(w).T))
+    for e in range(2):
+        assert close(Q.matmul_codes(x, Q.take(wq, e)), x, dense[e])
+        if group:                                   # the second group as a shard: local words, local columns
+            shard = Q.QArray(wq.codes[e, :, group // 8:], wq.scale[e, :, group // 128:], Q.FP4_WORDS)
+            assert close(Q.matmul_codes(x[:, group:], shard), x[:, group:], dense[e][:, group:])
+    with pytest.raises(ValueError, match="multiple of 256 and divide"):
+        Q.to_words(Q.quantize(jnp.ones((4, 128)), Q.FP4))
+    with pytest.raises(ValueError, match="multiple of 256 and divide"):
+        Q.to_words(Q.quantize(jnp.ones((4, 768)), Q.FP4), 512)
+    with pytest.raises(ValueError, match="converts"):
+        Q.to_words(Q.quantize(jnp.ones((4, 256)), Q.FP8))
+
+
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
 def test_quantize_dequantize_formats(fmt):
     w = jnp.asarray(rng.standard_normal((2, 136, 64)).astype(np.float32))      # partial 128-blocks both ways

@@ -11,6 +11,13 @@ by a static `QFormat(codes, block, scale)`:
     scale  "e8m0" uint8 holding 2^(b − 127) (b = 0: 2^-127, b = 255: NaN) | "f16" float16 | "f32" float32,
            shape [..., ⌈N/br⌉, ⌈K/bc⌉]; leading dims (experts, stacked layers) are never blocked
 
+Word layout of FP4 (`words_format(G)`, made from FP4 by `to_words`; for XLA:TPU, which re-tiles uint8
+stacks), laid out within each group of G columns (block (1, G), 0 = the whole dim; G a multiple of 256; a
+split of K into shards of whole groups leaves each shard in the same layout):
+    codes  "e2m1x8" uint32 [..., N, K/8]: in group g, nibble i of word j holds column g·G + i·G/8 + j
+    scale  "e8m0x4" uint32 [..., N, K/128]: in group g, byte b of word m holds the e8m0 scale of the
+           32-column block g·G/32 + b·G/128 + m
+
 Named formats (docs/weight_formats.md §1.3, §3, §6):
 
     fp8_e4m3_b128  e4m3, (128, 128), e8m0   the official FP8 linears
@@ -37,8 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-CODES = {"e4m3": np.dtype(jnp.float8_e4m3fn), "e2m1": np.dtype(np.uint8), "int8": np.dtype(np.int8)}
-SCALES = {"e8m0": np.dtype(np.uint8), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+CODES = {"e4m3": np.dtype(jnp.float8_e4m3fn), "e2m1": np.dtype(np.uint8), "int8": np.dtype(np.int8),
+         "e2m1x8": np.dtype(np.uint32)}
+SCALES = {"e8m0": np.dtype(np.uint8), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32),
+          "e8m0x4": np.dtype(np.uint32)}
 QMAX = {"e4m3": 448.0, "e2m1": 6.0, "int8": 127.0}     # largest code magnitude
 
 
@@ -60,8 +69,8 @@ class QFormat:
 
     @property
     def pack(self) -> int:
-        """Elements per code along the last axis (2 for packed e2m1)."""
-        return 2 if self.codes == "e2m1" else 1
+        """Elements per code along the last axis (2 for packed e2m1, 8 for its uint32 words)."""
+        return {"e2m1": 2, "e2m1x8": 8}.get(self.codes, 1)
 
     @property
     def name(self) -> str:
@@ -78,7 +87,13 @@ FP8 = QFormat("e4m3", (128, 128), "e8m0")
 FP4 = QFormat("e2m1", (1, 32), "e8m0")
 Q8_0 = QFormat("int8", (1, 32), "f16")
 INT8 = QFormat("int8", (1, 0), "f32")
+FP4_WORDS = QFormat("e2m1x8", (1, 0), "e8m0x4")      # FP4 as uint32 words over the whole K (not a file format)
 FORMATS = {"fp8_e4m3_b128": FP8, "fp4_e2m1_b32": FP4, "q8_0": Q8_0, "int8_channel": INT8}
+
+
+def words_format(group: int = 0) -> QFormat:
+    """FP4 in uint32 words laid out within groups of `group` columns (0: the whole K; module docstring)."""
+    return QFormat("e2m1x8", (1, group), "e8m0x4")
 
 
 def qformat(fmt: str | QFormat) -> QFormat:
@@ -107,6 +122,10 @@ def stored_shapes(fmt: QFormat, shape) -> tuple[tuple[int, ...], tuple[int, ...]
     br, bc = resolved_block(fmt, shape)
     if k % fmt.pack:
         raise ValueError(f"{fmt}: last dim {k} is not a multiple of {fmt.pack}")
+    if fmt.codes == "e2m1x8":
+        if bc % 256 or k % bc:
+            raise ValueError(f"{fmt}: column groups of {bc} must be a multiple of 256 and divide the last dim {k}")
+        return (*lead, n, k // 8), (*lead, n, k // 128)
     return (*lead, n, k // fmt.pack), (*lead, -(-n // br), -(-k // bc))
 
 
@@ -225,15 +244,39 @@ def unpack_e2m1(codes: jax.Array) -> jax.Array:
     return vals.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 
+def unpack_words(words: jax.Array, bits: int, groups: int) -> jax.Array:
+    """uint32 [..., M] in `groups` groups -> its 32/bits-bit fields [..., M·32/bits] (uint32), in each group
+    field i of every word before field i + 1 (the word layout, module docstring)."""
+    *lead, m = words.shape
+    w = words.reshape(*lead, groups, 1, m // groups)
+    i = jax.lax.broadcasted_iota(jnp.uint32, (32 // bits, 1), 0)
+    return ((w >> (bits * i)) & ((1 << bits) - 1)).reshape(*lead, m * 32 // bits)
+
+
+def word_groups(fmt: QFormat, k: int) -> int:
+    """Column groups of a word-layout weight with last dim k."""
+    return k // (fmt.block[1] or k)
+
+
 def decode_codes(codes: jax.Array, fmt: QFormat) -> jax.Array:
     """Codes -> float32 values of the logical shape (before scaling)."""
     if fmt.codes == "e2m1":
         return unpack_e2m1(codes)
+    if fmt.codes == "e2m1x8":
+        return decode_e2m1(unpack_words(codes, 4, word_groups(fmt, codes.shape[-1] * 8)))
     return codes.astype(jnp.float32)
 
 
 def decode_scale(scale: jax.Array, fmt: QFormat) -> jax.Array:
+    """Scales -> float32 [..., ⌈N/br⌉, ⌈K/bc⌉] (e8m0x4 words: one per 32-column block, [..., N, K/32])."""
+    if fmt.scale == "e8m0x4":
+        return decode_e8m0(unpack_words(scale, 8, word_groups(fmt, scale.shape[-1] * 128)))
     return decode_e8m0(scale) if fmt.scale == "e8m0" else scale.astype(jnp.float32)
+
+
+def scale_block(fmt: QFormat, shape) -> tuple[int, int]:
+    """The block one decoded scale (`decode_scale`) covers: `resolved_block`, (1, 32) for e8m0x4 words."""
+    return (1, 32) if fmt.scale == "e8m0x4" else resolved_block(fmt, shape)
 
 
 def expand_scale(s: jax.Array, block: tuple[int, int], n: int, k: int) -> jax.Array:
@@ -247,7 +290,7 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     """The dense weight [..., N, K] in `dtype` (default q.dtype). Exact (see the module docstring)."""
     *_, n, k = q.shape
     vals = decode_codes(q.codes, q.fmt)
-    s = expand_scale(decode_scale(q.scale, q.fmt), resolved_block(q.fmt, q.shape), n, k)
+    s = expand_scale(decode_scale(q.scale, q.fmt), scale_block(q.fmt, q.shape), n, k)
     return (vals * s).astype(q.dtype if dtype is None else dtype)
 
 
@@ -279,6 +322,8 @@ def matmul_codes(x: jax.Array, q: QArray) -> jax.Array:
     Same values as the dense path; only the float32 summation order differs."""
     if q.ndim != 2:
         raise ValueError(f"matmul_codes needs a [N, K] weight, got shape {q.shape}")
+    if q.fmt.codes == "e2m1x8":
+        return matmul_words(x, q)
     br, bc = resolved_block(q.fmt, q.shape)
     if q.fmt.codes != "e2m1" or br != 1 or bc % 2:
         return x @ dequantize(q, x.dtype).T
@@ -289,6 +334,50 @@ def matmul_codes(x: jax.Array, q: QArray) -> jax.Array:
     s = jnp.repeat(s, bc // 2, axis=-1)[..., :kp] if bc > 2 else s            # one per code byte [N, K/2]
     plane = lambda nib: (decode_e2m1_float(nib) * s.astype(jnp.float32)).astype(x.dtype)
     return x[..., 0::2] @ plane(q.codes & 0xF).T + x[..., 1::2] @ plane(q.codes >> 4).T
+
+
+def matmul_words(x: jax.Array, q: QArray) -> jax.Array:
+    """x Wᵀ for a [N, K] word-layout QArray (`words_format`): x [..., K] -> [..., N] in x.dtype. In each
+    column group, plane i (nibble i of every word) is decoded with its scales (bytes i // 2 of the group's
+    scale words of half i % 2) as one broadcast expression [8, N, groups, G/8] and contracted as one batched
+    matmul against x's matching column ranges, then summed: XLA:TPU reads each word once, with no re-tiling
+    of the stack (experiments/results/aot_release_ep_2026-12-04.md)."""
+    n, kw = q.codes.shape
+    g = word_groups(q.fmt, kw * 8)
+    gw = kw // g                                                                     # words per group: G/8
+    i = jax.lax.broadcasted_iota(jnp.uint32, (8, 1, 1, 1), 0)
+    vals = decode_e2m1_float((q.codes.reshape(1, n, g, gw) >> (4 * i)) & 0xF)         # [8, N, g, G/8]
+    halves = q.scale.reshape(n, g, 2, gw // 32).transpose(2, 0, 1, 3)                # [2, N, g, G/256]
+    b = (jnp.tile(halves, (4, 1, 1, 1)) >> (8 * (i // 2))) & 0xFF                     # plane i: half i % 2
+    planes = (vals * jnp.repeat(decode_e8m0(b), 32, axis=-1)).astype(x.dtype)
+    xs = x.reshape(*x.shape[:-1], g, 8, gw)
+    y = jnp.einsum("...gij,ingj->...in", xs, planes, preferred_element_type=jnp.float32)
+    return y.sum(-2).astype(x.dtype)
+
+
+def words_fit(q: QArray, group: int = 0) -> bool:
+    """Whether `to_words(q, group)` converts q: FP4, groups (0: the last dim) a multiple of 256 dividing it."""
+    k = q.shape[-1]
+    g = group or k
+    return q.fmt == FP4 and g % 256 == 0 and k % g == 0
+
+
+def to_words(q: QArray, group: int = 0) -> QArray:
+    """An FP4 QArray [..., N, K] in the word layout `words_format(group)` (module docstring; group 0: the
+    whole K): the same values, codes uint32 [..., N, K/8], scales uint32 [..., N, K/128]. A weight whose K
+    is split over S shards needs group = K / S (or a divisor of it) to stay right per shard."""
+    if q.fmt != FP4:
+        raise ValueError(f"to_words converts {FP4.name} weights, got {q.fmt.name}")
+    if not words_fit(q, group):
+        raise ValueError(f"to_words needs column groups that are a multiple of 256 and divide the last dim, got "
+                         f"group {group or q.shape[-1]} for shape {q.shape}")
+    *lead, n, k = q.shape
+    g = group or k
+    nib = jnp.stack([q.codes & 0xF, q.codes >> 4], axis=-1).reshape(*lead, n, k // g, 8, g // 8)
+    sc = q.scale.reshape(*lead, n, k // g, 4, g // 128)
+    pack = lambda a, bits: sum(a[..., i, :].astype(jnp.uint32) << (bits * i) for i in range(a.shape[-2]))
+    return QArray(pack(nib, 4).reshape(*lead, n, k // 8).astype(jnp.uint32),
+                  pack(sc, 8).reshape(*lead, n, k // 128).astype(jnp.uint32), words_format(group), q.dtype)
 
 
 # ---- indexing without dequantizing the whole weight ----------------------------------------------------
@@ -305,7 +394,7 @@ def take_rows(q: QArray, ids: jax.Array, dtype=None) -> jax.Array:
     if q.ndim != 2:
         raise ValueError(f"take_rows needs a [N, K] weight, got shape {q.shape}")
     n, k = q.shape
-    br, bc = resolved_block(q.fmt, q.shape)
+    br, bc = scale_block(q.fmt, q.shape)
     vals = decode_codes(q.codes[ids], q.fmt)                               # [..., K]
     s = decode_scale(q.scale[ids // br], q.fmt)                            # [..., ⌈K/bc⌉]
     s = jnp.repeat(s, bc, axis=-1)[..., :k] if bc > 1 else s
@@ -327,6 +416,8 @@ def quantize(w: jax.Array, fmt: QFormat | str, dtype=None) -> QArray:
     """Dense w [..., N, K] -> QArray. e8m0 scales are 2^⌈log2(amax / qmax)⌉ (the release's rounding up),
     linear scales amax / qmax; codes round to nearest (even), e2m1 / e4m3 by the float cast."""
     fmt = qformat(fmt)
+    if fmt.codes not in QMAX:
+        raise ValueError(f"quantize does not make {fmt.name} directly; quantize to {FP4.name}, then `to_words`")
     *_, n, k = w.shape
     block = resolved_block(fmt, w.shape)
     amax = _block_amax(w, block)

@@ -99,14 +99,34 @@ def k_major(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=Format(Layout(major_to_minor=order), x.sharding))
 
 
-def experts_k_major(params: dict) -> dict:
-    """Routed-expert QArrays with codes and scales stored contraction-dim major (`k_major`): the layout in
-    which XLA:TPU fuses the per-expert slice + nibble decode into the decode matmul (`quant.matmul_codes`);
-    in the row-major layout it re-tiles the sliced codes in a separate fusion first (docs/aot.md). A run
-    places these leaves with the same `Format` (`jax.device_put(codes, fmt)`)."""
+def words_group(q: quant.QArray) -> int:
+    """The column group of the word layout an abstract FP4 QArray gets: its shard of the last dim (0 when
+    the last dim is not split), so that every shard holds whole groups (`quant.words_format`)."""
+    k = q.shape[-1]
+    k_loc = q.codes.sharding.shard_shape(q.codes.shape)[-1] * 2 if q.codes.sharding is not None else k
+    return 0 if k_loc == k else k_loc
+
+
+def as_words(q: quant.QArray) -> quant.QArray:
+    """An abstract FP4 QArray as the abstract word-layout QArray `quant.to_words(q, words_group(q))` makes of
+    it (same logical shape and shardings)."""
+    fmt = quant.words_format(words_group(q))
+    c, s = quant.stored_shapes(fmt, q.shape)
+    return quant.QArray(sds(c, jnp.uint32, q.codes.sharding), sds(s, jnp.uint32, q.scale.sharding), fmt, q.dtype)
+
+
+def experts_k_major(params: dict, words: bool = True) -> dict:
+    """Routed-expert QArrays with codes and scales stored contraction-dim major (`k_major`); FP4 ones, when
+    `words` (not for the Pallas kernels, which read uint8 codes) and `quant.words_fit` (not in small test
+    models), in the uint32 word layout (`as_words`). In that layout XLA:TPU fuses the per-expert slice +
+    decode into the decode matmul (`quant.matmul_codes`) without re-tiling the uint8 stack
+    (experiments/results/aot_release_ep_2026-12-04.md). A run converts FP4 experts with
+    `quant.to_words(q, words_group(q))` and places these leaves with the same `Format`
+    (`jax.device_put(codes, fmt)`)."""
     def one(path, x):
         flat = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
         if isinstance(x, quant.QArray) and _ROUTED_EXPERTS.search(flat):
+            x = as_words(x) if words and quant.words_fit(x, words_group(x)) else x
             return quant.QArray(k_major(x.codes), k_major(x.scale), x.fmt, x.dtype)
         return x
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, quant.QArray))

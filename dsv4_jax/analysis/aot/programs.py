@@ -56,10 +56,11 @@ def _is_abstract(x) -> bool:
 
 def _target(config: ModelConfig, mesh, weights: str, rules) -> dict:
     """Target parameters; on TPU under expert parallelism (`moe="ep"`) the routed experts' codes stored
-    contraction-dim major (`inputs.experts_k_major`)."""
+    contraction-dim major (`inputs.experts_k_major`), FP4 ones as uint32 words unless the local matmul is a
+    Pallas kernel (which reads the uint8 codes)."""
     params = I.target_params(config, mesh, weights, rules)
     if config.backends.moe == "ep" and mesh.devices.flat[0].platform == "tpu":
-        params = I.experts_k_major(params)
+        params = I.experts_k_major(params, words=config.backends.ep.local in ("reference", "dense"))
     return params
 
 
