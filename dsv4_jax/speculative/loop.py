@@ -209,10 +209,32 @@ def _plain_now(c: Carry, knobs: Knobs) -> jax.Array:
 def _plain_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
     """A round of the scheduler's program without the drafter: one token decoded, as in plain decoding (the
     drafter state is no longer fed; the width histogram's plain column counts the round)."""
+    after = _plain_step(params, config, c, knobs, opts)
+    return after.replace(stats=_fold_plain(after.stats, after.stats.rounds - c.stats.rounds, knobs))
+
+
+def _plain_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
+    """`_plain_round` with only `Stats.rounds` counted: the body of the plain loop (`rounds_loop`), whose other
+    statistics are folded in once after it (`_fold_plain`) — per-round updates of [B,K] statistics that a
+    plain round does not change cost a plain decode step several per cent on CPU."""
     key, _, k_acc = jax.random.split(c.key, 3)
     B, V = c.last.shape[0], config.vocab_size
     return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, jnp.zeros((B, 0), jnp.int32),
                               jnp.zeros((B, 0, V), jnp.float32), jnp.zeros((B,), jnp.int32), plain=True)
+
+
+def _fold_plain(s: Stats, n: jax.Array, knobs: Knobs) -> Stats:
+    """The statistics of n [B] plain rounds per sequence besides their `rounds`: no drafts proposed or
+    accepted (length and acceptance histograms' column 0), the width histogram's plain column, the plain
+    rounds' cost and expected tokens (one each)."""
+    first = lambda h: h.at[:, 0].add(n)
+    out = dict(length_hist=first(s.length_hist))
+    if s.accept_hist is not None:
+        out.update(accept_hist=first(s.accept_hist))
+    if s.width_hist is not None:
+        out.update(width_hist=s.width_hist.at[:, -1].add(n), cost_sum=s.cost_sum + n * knobs.plain_cost,
+                   predicted=s.predicted + n)
+    return s.replace(**out)
 
 
 def _scheduled_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
@@ -278,6 +300,10 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
     dstate = c.drafter if plain else drafter.observe(opts.bind(params, config), c.drafter, aux, emitted, pos,
                                                      jnp.maximum(n_commit, 1))
     s = c.stats
+    if plain:                   # the other statistics of plain rounds: `_fold_plain`
+        return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
+                     target=tstate, drafter=dstate, key=key, stats=s.replace(rounds=s.rounds + active),
+                     round=c.round + 1)
     kk = jnp.arange(s.per_position.shape[1])[None, :]   # the carry may be sized for a wider bound than w
     stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
                   accepted=s.accepted + jnp.where(active, a, 0),
@@ -286,22 +312,21 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
                   length_hist=s.length_hist + ((jnp.arange(s.length_hist.shape[1])[None, :] == n_draft[:, None])
                                                & active[:, None]),
                   **_extra_stats(s, outcome, conf, n_draft, active),
-                  **_width_stats(s, knobs, est, raw, n_draft, a, active, w, plain))
+                  **_width_stats(s, knobs, est, raw, n_draft, a, active, w))
     return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
                  target=tstate,
                  drafter=dstate, key=key, stats=stats, round=c.round + 1)
 
 
-def _width_stats(s: Stats, knobs: Knobs, est, raw, n_draft, a, active, w: int, plain: bool) -> dict:
-    """The width scheduler's statistics of a round of width w (docs/width_scheduler.md), for carries that hold them."""
+def _width_stats(s: Stats, knobs: Knobs, est, raw, n_draft, a, active, w: int) -> dict:
+    """The width scheduler's statistics of a drafting round of width w (docs/width_scheduler.md; plain rounds:
+    `_fold_plain`), for carries that hold them."""
     if s.width_hist is None:
         return {}
     K = s.raw_sum.shape[1]
-    col = K + 1 if plain else w
-    hist = s.width_hist.at[:, col].add(active.astype(jnp.int32))
-    cost = knobs.plain_cost if plain else knobs.width_cost[w]
-    out = dict(width_hist=hist, cost_sum=s.cost_sum + jnp.where(active, cost, 0.0))
-    if plain or w == 0:
+    hist = s.width_hist.at[:, w].add(active.astype(jnp.int32))
+    out = dict(width_hist=hist, cost_sum=s.cost_sum + jnp.where(active, knobs.width_cost[w], 0.0))
+    if w == 0:
         return dict(out, predicted=s.predicted + active, raw_sum=s.raw_sum)
     j = jnp.arange(w)[None, :]
     reached = (j < n_draft[:, None]) & (j <= a[:, None]) & active[:, None]
@@ -322,7 +347,9 @@ def rounds_loop(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, o
         return jax.lax.while_loop(cond, lambda c: round_step(params, config, c, knobs, opts), carry)
     carry = jax.lax.while_loop(lambda c: cond(c) & ~_plain_now(c, knobs),
                                lambda c: _speculative_round(params, config, c, knobs, opts), carry)
-    return jax.lax.while_loop(cond, lambda c: _plain_round(params, config, c, knobs, opts), carry)
+    before = carry.stats.rounds
+    carry = jax.lax.while_loop(cond, lambda c: _plain_step(params, config, c, knobs, opts), carry)
+    return carry.replace(stats=_fold_plain(carry.stats, carry.stats.rounds - before, knobs))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
