@@ -173,10 +173,9 @@ def stack_copies(text: str, stacks) -> int:
     dims = {",".join(str(d) for d in a.shape) for a in stacks}
     n = 0
     for line in text.splitlines():
-        m = hlo._INSTR.match(line)
-        if m and "parameter(" not in m.group(3):
-            head = m.group(3).split("=")[0]
-            if any(f"[{d}]" in head.split(" ")[0] for d in dims):
+        ins = hlo.parse_instruction(line)
+        if ins is not None and ins.opcode != "parameter":
+            if any(f"[{d}]" in ins.shape for d in dims):
                 n += 1
     return n
 

@@ -32,15 +32,15 @@ def plain_variants(demo) -> dict:
     kw = dict(eos_token_id=-1, max_len=776, pad_to=128)
     none = prepare(demo.params, demo.config, prompts, 64, **kw)
     none8 = prepare(demo.params, demo.config, prompts, 64, max_block=8, **kw)
-    out = {"plain: none program": lambda: cost_table._seconds_per_round(demo.params, demo.config, none, none.knobs),
+    out = {"plain: none program": lambda: cost_table.seconds_per_round(demo.params, demo.config, none, none.knobs),
            "plain: none program, state for blocks of 8":
-               lambda: cost_table._seconds_per_round(demo.params, demo.config, none8, none8.knobs)}
+               lambda: cost_table.seconds_per_round(demo.params, demo.config, none8, none8.knobs)}
     for drafter in ("mtp", "dspark"):
         r = prepare(demo.params, demo.config, prompts, 64, drafter=drafter, draft_n_max="auto", draft_n_max_bound=7,
                     max_block=8, dspark_meta=demo.dspark, **kw)
         knobs = r.knobs.replace(width_mode=jnp.int32(MODE_PLAIN))
         out[f"plain: {drafter} scheduler program"] = (
-            lambda r=r, knobs=knobs: cost_table._seconds_per_round(demo.params, demo.config, r, knobs))
+            lambda r=r, knobs=knobs: cost_table.seconds_per_round(demo.params, demo.config, r, knobs))
     return out
 
 

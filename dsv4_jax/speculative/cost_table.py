@@ -189,7 +189,7 @@ def cache_path(key: dict, cache_dir: str | None = None) -> str:
     return os.path.join(base, f"{key['shapes']['drafter']}-b{key['shapes']['batch']}-{digest}.json")
 
 
-def _seconds_per_round(params, config, r, knobs) -> float:
+def seconds_per_round(params, config, r, knobs) -> float:
     """Time the loop once (prefill untimed) at the given knobs: seconds per round of the batch."""
     carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
                                         max_len=r.max_len, opts=r.opts, knobs=knobs,
@@ -210,7 +210,7 @@ def calibrate(params: dict, config, prepared, *, repeats: int = 3, progress=None
     if not r.opts.adaptive:
         raise ValueError("calibrate needs a run prepared with the width scheduler (draft_n_max='auto')")
     drafter = drafter or r.opts.drafter
-    time_at = lambda knobs: _seconds_per_round(params, config, r, knobs)
+    time_at = lambda knobs: seconds_per_round(params, config, r, knobs)
     return measure(time_at, r.knobs, r.opts.k, repeats=repeats, progress=progress, drafter=drafter,
                    batch=int(r.tokens.shape[0]), key=cache_key(config, r, drafter))
 
