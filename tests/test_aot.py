@@ -138,14 +138,38 @@ ENTRY %main (w: s8[20,4096,1024], i: s32[]) -> (f32[4096], s8[4194304]) {
 
 def test_hlo_bytes_through_relayout_and_async_slice():
     """A layer's slice of an 8-bit stack read through a nested re-tiling copy fusion (XLA:TPU's copy_fusion,
-    computed per element inside the fusion) counts the slice, 4 MiB of the 80 MiB stack, + 4 index bytes
-    + 16 KiB written; an async slice-start reads and writes its 4 MiB slice, not the stack."""
+    computed per element inside the fusion) or sliced inside a nested fusion counts the slice, 4 MiB of the
+    80 MiB stack (+ 4 index bytes, + 16 KiB written); an async slice-start reads and writes its 4 MiB slice."""
     rows = {r["name"]: r for r in hlo.top_ops(hlo.parse(RELAYOUT), 50)["ops"]}
     assert rows["fusion"]["bytes"] == 4096 * 1024 + 4 + 4096 * 4
     assert rows["slice-start"]["bytes"] == 2 * 4096 * 1024
     whole = RELAYOUT.replace("%copy = s8[20,4096,1024]{2,1,0:T(8,128)(4,1)} copy(%input)",
                              "%copy = s8[20,4096,1024]{2,1,0:T(8,128)(4,1)} negate(%input)")
     assert hlo.top_ops(hlo.parse(whole), 50)["ops"][0]["bytes"] == 20 * 4096 * 1024 + 4 + 4096 * 4
+    nested = """HloModule jit_step, is_scheduled=true
+
+%slice_fusion (input: s8[20,4096,1024], j: s32[]) -> s8[4096,1024] {
+  %input = s8[20,4096,1024]{2,1,0} parameter(0)
+  %j = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = s8[1,4096,1024]{2,1,0} dynamic-slice(%input, %j, %c, %c), dynamic_slice_sizes={1,4096,1024}
+  ROOT %bc = s8[4096,1024]{1,0} bitcast(%ds)
+}
+
+%fused (param_0: s8[20,4096,1024], param_1: s32[]) -> f32[4096,1024] {
+  %param_0 = s8[20,4096,1024]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %fusion.2 = s8[4096,1024]{1,0} fusion(%param_0, %param_1), kind=kLoop, calls=%slice_fusion
+  ROOT %convert.1 = f32[4096,1024]{1,0:S(1)} convert(%fusion.2)
+}
+
+ENTRY %main (w: s8[20,4096,1024], i: s32[]) -> f32[4096,1024] {
+  %w = s8[20,4096,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %fusion = f32[4096,1024]{1,0:S(1)} fusion(%w, %i), kind=kLoop, calls=%fused
+}
+"""
+    assert hlo.top_ops(hlo.parse(nested), 5)["ops"][0]["bytes"] == 4096 * 1024 + 4     # a nested fusion's slice
 
 
 def test_hlo_loops_scaled_by_trip_count():

@@ -278,10 +278,6 @@ def _fusion_read(module: Module, comp: Computation, fusion: Instruction) -> floa
     if body is None:
         return sum(hbm_bytes(comp.by_name[o].shape) for o in fusion.operands if o in comp.by_name)
     param = {ins.param: ins for ins in body.instructions if ins.opcode == "parameter"}
-    users: dict[str, list[Instruction]] = defaultdict(list)
-    for ins in body.instructions:
-        for o in ins.operands:
-            users[o].append(ins)
     in_place = _in_place_buffers(body)
     total = 0.0
     for k, op in enumerate(fusion.operands):
@@ -295,9 +291,17 @@ def _fusion_read(module: Module, comp: Computation, fusion: Instruction) -> floa
             continue
         if p.name in in_place:
             continue
-        sliced = _sliced_bytes(module, users, p.name)
+        sliced = _sliced_bytes(module, body, p.name)
         total += full if sliced is None else min(full, sliced)
     return total
+
+
+def _users(body: Computation) -> dict[str, list[Instruction]]:
+    users: dict[str, list[Instruction]] = defaultdict(list)
+    for ins in body.instructions:
+        for o in ins.operands:
+            users[o].append(ins)
+    return users
 
 
 def _layout_copy(module: Module, ins: Instruction) -> bool:
@@ -308,23 +312,32 @@ def _layout_copy(module: Module, ins: Instruction) -> bool:
             all(i.opcode in ("parameter", "copy", "bitcast") for i in body.instructions))
 
 
-def _sliced_bytes(module: Module, users: dict, name: str) -> float | None:
-    """Bytes read from `name` in a fused computation when every use slices it (through layout copies);
-    None when some use reads it whole."""
-    us = users.get(name, [])
+def _sliced_bytes(module: Module, body: Computation, name: str, depth: int = 0) -> float | None:
+    """Bytes read from `name` in the fused computation `body` when every use slices it — directly, behind a
+    nested fusion that only re-lays it out, or inside a nested fusion that slices it; None when some use
+    reads it whole."""
+    us = _users(body).get(name, []) if depth < 8 else []
     if not us:
         return None
     total = 0.0
     for u in us:
         if u.opcode in _SLICING and u.operands[0] == name:
-            total += logical_bytes(u.shape)
+            b = logical_bytes(u.shape)
         elif _layout_copy(module, u):
-            b = _sliced_bytes(module, users, u.name)
-            if b is None:
-                return None
-            total += b
+            b = _sliced_bytes(module, body, u.name, depth + 1)
+        elif u.opcode == "fusion" and u.called and u.called[0] in module.computations:
+            inner = module.computations[u.called[0]]
+            params = {i.param: i.name for i in inner.instructions if i.opcode == "parameter"}
+            b = 0.0
+            for j, o in enumerate(u.operands):
+                if o == name:
+                    bj = _sliced_bytes(module, inner, params[j], depth + 1) if j in params else None
+                    b = None if bj is None or b is None else b + bj
         else:
+            b = None
+        if b is None:
             return None
+        total += b
     return total
 
 
