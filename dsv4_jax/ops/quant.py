@@ -373,9 +373,10 @@ def matmul_blocks(x: jax.Array, q: QArray, groups: int = 0) -> jax.Array:
 
     The block scales multiply x, not W: x is copied once per row block of W and scaled per column block
     ([..., R/br, K], small while few tokens), then contracted with the codes converted to the compute dtype
-    as one matmul batched over the row blocks (one token: `_matvec_blocks`). W's values are code · 2^e and x's copies x · 2^e, so every
-    product equals the dequantized path's; only the float32 summation order differs. The dequantized
-    path broadcasts the [N/br, K/bc] scales to a [N, K] array first (experiments/results/aot_release_ep_2026-12-04.md)."""
+    as one matmul batched over the row blocks (one token: `_matvec_blocks`). W's values are code · 2^e and
+    x's copies x · 2^e, so every product equals the dequantized path's; only the float32 summation order
+    differs. The dequantized path broadcasts the [N/br, K/bc] scales to a [N, K] array first
+    (experiments/results/aot_release_ep_2026-12-04.md)."""
     n, k = q.shape
     br, bc = resolved_block(q.fmt, q.shape)
     g = groups or 1
