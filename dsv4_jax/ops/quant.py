@@ -373,9 +373,10 @@ def matmul_blocks(x: jax.Array, q: QArray, groups: int = 0) -> jax.Array:
 
     The block scales multiply x, not W: x is copied once per row block of W and scaled per column block
     ([..., R/br, K], small while few tokens), then contracted with the codes converted to the compute dtype
-    as one matmul batched over the row blocks (one token: `_matvec_blocks`). W's values are code · 2^e and
-    x's copies x · 2^e, so every product equals the dequantized path's; only the float32 summation order
-    differs. The dequantized path broadcasts the [N/br, K/bc] scales to a [N, K] array first
+    as one matmul batched over the row blocks. W's values are code · 2^e and x's copies x · 2^e, so every
+    product equals the dequantized path's; only the float32 summation order differs. The dequantized path
+    broadcasts the [N/br, K/bc] scales to a [N, K] array first; the contraction-blocked form (partial sums
+    [..., K/bc, N] × scales) and, for one token, a per-block multiply-reduce compile to more bytes on TPU
     (experiments/results/aot_release_ep_2026-12-04.md)."""
     n, k = q.shape
     br, bc = resolved_block(q.fmt, q.shape)
@@ -383,28 +384,11 @@ def matmul_blocks(x: jax.Array, q: QArray, groups: int = 0) -> jax.Array:
     r = n // g
     dt = jnp.result_type(x.dtype, q.dtype)
     lead = x.shape[:-2] if groups else x.shape[:-1]
-    if math.prod(lead) == 1:
-        y = _matvec_blocks(x.reshape(g, k), q, g)
-        return y.astype(dt).reshape(*lead, g, r) if groups else y.astype(dt).reshape(*lead, n)
     s = decode_scale(q.scale, q.fmt).astype(dt).reshape(g, r // br, k // bc, 1)         # [G, R/br, K/bc, 1]
     xs = (x.astype(dt).reshape(*lead, g, 1, k // bc, bc) * s).reshape(*lead, g, r // br, k)
     w = q.codes.astype(dt).reshape(g, r // br, br, k)                                   # [G, R/br, br, K]
     y = jnp.einsum("...gbk,gbjk->...gbj", xs, w, preferred_element_type=jnp.float32).astype(dt)
     return y.reshape(*lead, g, r) if groups else y.reshape(*lead, n)
-
-
-def _matvec_blocks(x: jax.Array, q: QArray, g: int) -> jax.Array:
-    """One token of `matmul_blocks`: x [G, K] -> float32 [G, R]. Per (row, column block) partial sums of
-    codes × x in float32 [G, R, K/bc] (a multiply-reduce, what XLA makes of a matrix-vector product anyway,
-    with x broadcast along the rows only), times the block scales, summed over the column blocks. The batched
-    form would be rewritten by XLA into x's copies broadcast over every row of W, [N, K] (in HBM on v5p)."""
-    n, k = q.shape
-    br, bc = resolved_block(q.fmt, q.shape)
-    r = n // g
-    part = (q.codes.astype(jnp.float32).reshape(g, r, k // bc, bc) *
-            x.astype(jnp.float32).reshape(g, 1, k // bc, bc)).sum(-1)                 # [G, R, K/bc]
-    s = decode_scale(q.scale, q.fmt).reshape(g, r // br, 1, k // bc)                 # [G, R/br, 1, K/bc]
-    return (part.reshape(g, r // br, br, k // bc) * s).sum(-1).reshape(g, r)
 
 
 def words_fit(q: QArray, group: int = 0) -> bool:
