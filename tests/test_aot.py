@@ -100,6 +100,78 @@ def test_hlo_bytes_per_op():
     assert "dynamic-slice.1" not in rows and "collective-permute-done" not in rows and "gte.3" not in rows
 
 
+RELAYOUT = """HloModule jit_step, is_scheduled=true
+
+%copy_fusion (input: s8[20,4096,1024]) -> s8[20,4096,1024] {
+  %input = s8[20,4096,1024]{2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %copy = s8[20,4096,1024]{2,1,0:T(8,128)(4,1)} copy(%input)
+}
+
+%fused_dot (param_0: s8[20,4096,1024], param_1: s32[]) -> f32[4096] {
+  %param_0 = s8[20,4096,1024]{2,1,0:T(32,128)(4,1)} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %fusion.2 = s8[20,4096,1024]{2,1,0:T(8,128)(4,1)} fusion(%param_0), kind=kLoop, calls=%copy_fusion
+  %constant.1 = s32[] constant(0)
+  %dynamic-slice.1 = s8[1,4096,1024]{2,1,0} dynamic-slice(%fusion.2, %param_1, %constant.1, %constant.1), dynamic_slice_sizes={1,4096,1024}
+  %convert.1 = f32[1,4096,1024]{2,1,0} convert(%dynamic-slice.1)
+  %constant.2 = f32[] constant(0)
+  ROOT %reduce.1 = f32[4096]{0} reduce(%convert.1, %constant.2), dimensions={0,2}, to_apply=%add
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+ENTRY %main (w: s8[20,4096,1024], i: s32[]) -> (f32[4096], s8[4194304]) {
+  %w = s8[20,4096,1024]{2,1,0:T(32,128)(4,1)} parameter(0)
+  %i = s32[] parameter(1)
+  %fusion = f32[4096]{0} fusion(%w, %i), kind=kLoop, calls=%fused_dot
+  %flat = s8[83886080]{0} bitcast(%w)
+  %slice-start = ((s8[83886080]{0}), s8[4194304]{0}, s32[]) slice-start(%flat), slice={[0:4194304]}
+  %slice-done = s8[4194304]{0} slice-done(%slice-start)
+  ROOT %out = (f32[4096]{0}, s8[4194304]{0}) tuple(%fusion, %slice-done)
+}
+"""
+
+
+def test_hlo_bytes_through_relayout_and_async_slice():
+    """A layer's slice of an 8-bit stack read through a nested re-tiling copy fusion (XLA:TPU's copy_fusion,
+    computed per element inside the fusion) or sliced inside a nested fusion counts the slice, 4 MiB of the
+    80 MiB stack (+ 4 index bytes, + 16 KiB written); an async slice-start reads and writes its 4 MiB slice."""
+    rows = {r["name"]: r for r in hlo.top_ops(hlo.parse(RELAYOUT), 50)["ops"]}
+    assert rows["fusion"]["bytes"] == 4096 * 1024 + 4 + 4096 * 4
+    assert rows["slice-start"]["bytes"] == 2 * 4096 * 1024
+    whole = RELAYOUT.replace("%copy = s8[20,4096,1024]{2,1,0:T(8,128)(4,1)} copy(%input)",
+                             "%copy = s8[20,4096,1024]{2,1,0:T(8,128)(4,1)} negate(%input)")
+    assert hlo.top_ops(hlo.parse(whole), 50)["ops"][0]["bytes"] == 20 * 4096 * 1024 + 4 + 4096 * 4
+    nested = """HloModule jit_step, is_scheduled=true
+
+%slice_fusion (input: s8[20,4096,1024], j: s32[]) -> s8[4096,1024] {
+  %input = s8[20,4096,1024]{2,1,0} parameter(0)
+  %j = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = s8[1,4096,1024]{2,1,0} dynamic-slice(%input, %j, %c, %c), dynamic_slice_sizes={1,4096,1024}
+  ROOT %bc = s8[4096,1024]{1,0} bitcast(%ds)
+}
+
+%fused (param_0: s8[20,4096,1024], param_1: s32[]) -> f32[4096,1024] {
+  %param_0 = s8[20,4096,1024]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %fusion.2 = s8[4096,1024]{1,0} fusion(%param_0, %param_1), kind=kLoop, calls=%slice_fusion
+  ROOT %convert.1 = f32[4096,1024]{1,0:S(1)} convert(%fusion.2)
+}
+
+ENTRY %main (w: s8[20,4096,1024], i: s32[]) -> f32[4096,1024] {
+  %w = s8[20,4096,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %fusion = f32[4096,1024]{1,0:S(1)} fusion(%w, %i), kind=kLoop, calls=%fused
+}
+"""
+    assert hlo.top_ops(hlo.parse(nested), 5)["ops"][0]["bytes"] == 4096 * 1024 + 4     # a nested fusion's slice
+
+
 def test_hlo_loops_scaled_by_trip_count():
     """The while loop runs 10 times (counter from constant 0, `< 10`): with scale_loops its body's bytes count
     10×; trip counts also come from XLA's known_trip_count or a reversed compare."""

@@ -183,6 +183,51 @@ def test_linear_embed_take_without_whole_dequant(fmt):
     np.testing.assert_array_equal(np.asarray(ops_moe.gather_experts(e, idx)), np.asarray(Q.dequantize(e)[idx]))
 
 
+def _blocky(n: int, k: int) -> jax.Array:
+    """Random [n, k] weight whose 128×128 blocks span 2^-6..2^6 in magnitude (distinct e8m0 scales)."""
+    mag = 2.0 ** rng.integers(-6, 7, size=(n // 128, k // 128))
+    return jnp.asarray(rng.standard_normal((n, k)) * np.kron(mag, np.ones((128, 128))), jnp.float32)
+
+
+@pytest.mark.parametrize("fmt", [Q.FP8, Q.QFormat("int8", (128, 128), "e8m0")], ids=lambda f: f.name)
+def test_block_scaled_matmul_exact_and_per_block(fmt):
+    """FP8 (and int8 with e8m0 128×128 blocks) at decode sizes: `matmul_blocks` equals x · numpy-dequantized
+    Wᵀ in float32, never forms a per-element scale, and long inputs keep the dequantized path."""
+    q = Q.quantize(_blocky(384, 256), fmt)
+    w = _np_dequant(q).astype(np.float64)
+    x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
+    assert Q.blocks_fit(q, 6) and Q.blocks_fit(q, 64) and not Q.blocks_fit(q, 65)
+    y = L.linear(x, q)
+    want = np.asarray(x, np.float64) @ w.T
+    assert y.shape == (2, 3, 384) and y.dtype == jnp.float32
+    assert np.max(np.abs(np.asarray(y) - want)) <= 1e-6 * np.max(np.abs(want))
+    # no scale applied per element of W (the dequantized path's [N, K] product); x is scaled per row block
+    muls = lambda xx: {tuple(v.aval.shape) for e in jax.make_jaxpr(L.linear)(xx, q).eqns
+                       if e.primitive.name == "mul" for v in e.outvars}
+    assert muls(x) == {(2, 3, 1, 3, 2, 128)}                               # [.., G, N/128, K/128, 128]
+    x1 = x[:1, :1]                                                        # one token
+    want1 = np.asarray(x1, np.float64) @ w.T
+    assert np.max(np.abs(np.asarray(L.linear(x1, q)) - want1)) <= 1e-6 * np.max(np.abs(want1))
+    long = jnp.asarray(rng.standard_normal((65, 256)), jnp.float32)       # prefill sizes: dequantized path
+    assert (384, 256) in muls(long)
+    np.testing.assert_allclose(np.asarray(L.linear(long, q)), np.asarray(long, np.float64) @ w.T, rtol=1e-5,
+                               atol=1e-5 * np.max(np.abs(w)))
+    # grouped O-LoRA: G = 3 groups of R = 128 rows
+    g = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
+    assert Q.blocks_fit(q, 2, 3) and not Q.blocks_fit(q, 2, 2)
+    got = L.grouped_linear(g, q, 3)
+    want = np.einsum("bgi,gri->bgr", np.asarray(g, np.float64), w.reshape(3, 128, 256))
+    assert got.shape == (2, 3, 128) and np.max(np.abs(np.asarray(got) - want)) <= 1e-6 * np.max(np.abs(want))
+    got1 = L.grouped_linear(g[:1], q, 3)
+    assert got1.shape == (1, 3, 128) and np.max(np.abs(np.asarray(got1) - want[:1])) <= 1e-6 * np.max(np.abs(want))
+    # bfloat16 compute: the same products as the dequantized bf16 path
+    qb, xb = q.astype(jnp.bfloat16), x.astype(jnp.bfloat16)
+    yb = L.linear(xb, qb)
+    assert yb.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(yb, np.float32), np.asarray(xb @ Q.dequantize(qb).T, np.float32),
+                               rtol=2e-2, atol=2e-2 * float(np.max(np.abs(want))))
+
+
 @pytest.mark.parametrize("fmt", [Q.FP4, pytest.param(Q.INT8, marks=pytest.mark.slow)], ids=lambda f: f.name)
 def test_expert_paths_on_qarrays(fmt):
     E, Dm, Im, T, k = 6, 64, 32, 9, 2

@@ -355,6 +355,42 @@ def matmul_words(x: jax.Array, q: QArray) -> jax.Array:
     return y.sum(-2).astype(x.dtype)
 
 
+def blocks_fit(q: QArray, rows: int, groups: int = 1) -> bool:
+    """Whether `matmul_blocks` takes x [rows, ..., K] · Wᵀ: a [N, K] weight with int8 / e4m3 codes and e8m0
+    scales (powers of two: scaling x by one is exact) over 2-D blocks (br, bc) that tile each of the
+    `groups` row groups of W and K exactly, and rows ≤ br / 2: then its scaled copies of x, [rows, N/br, K]
+    in a 16-bit dtype, are no larger than the 8-bit codes (beyond, e.g. at prefill, x · dequantize(W)ᵀ)."""
+    if q.ndim != 2 or q.fmt.codes not in ("e4m3", "int8") or q.fmt.scale != "e8m0":
+        return False
+    n, k = q.shape
+    br, bc = resolved_block(q.fmt, q.shape)
+    return br > 1 and bc > 1 and n % (groups * br) == 0 and k % bc == 0 and rows <= br // 2
+
+
+def matmul_blocks(x: jax.Array, q: QArray, groups: int = 0) -> jax.Array:
+    """x Wᵀ for a block-scaled [N, K] QArray (`blocks_fit`) without a per-element scale: x [..., K] ->
+    [..., N]; with groups G: x [..., G, K], W [G·R, K] -> [..., G, R] (u_g = W_g x_g).
+
+    The block scales multiply x, not W: x is copied once per row block of W and scaled per column block
+    ([..., R/br, K], small while few tokens), then contracted with the codes converted to the compute dtype
+    as one matmul batched over the row blocks. W's values are code · 2^e and x's copies x · 2^e, so every
+    product equals the dequantized path's; only the float32 summation order differs. The dequantized path
+    broadcasts the [N/br, K/bc] scales to a [N, K] array first; the contraction-blocked form (partial sums
+    [..., K/bc, N] × scales) and, for one token, a per-block multiply-reduce compile to more bytes on TPU
+    (experiments/results/aot_release_ep_2026-12-04.md)."""
+    n, k = q.shape
+    br, bc = resolved_block(q.fmt, q.shape)
+    g = groups or 1
+    r = n // g
+    dt = jnp.result_type(x.dtype, q.dtype)
+    lead = x.shape[:-2] if groups else x.shape[:-1]
+    s = decode_scale(q.scale, q.fmt).astype(dt).reshape(g, r // br, k // bc, 1)         # [G, R/br, K/bc, 1]
+    xs = (x.astype(dt).reshape(*lead, g, 1, k // bc, bc) * s).reshape(*lead, g, r // br, k)
+    w = q.codes.astype(dt).reshape(g, r // br, br, k)                                   # [G, R/br, br, K]
+    y = jnp.einsum("...gbk,gbjk->...gbj", xs, w, preferred_element_type=jnp.float32).astype(dt)
+    return y.reshape(*lead, g, r) if groups else y.reshape(*lead, n)
+
+
 def words_fit(q: QArray, group: int = 0) -> bool:
     """Whether `to_words(q, group)` converts q: FP4, groups (0: the last dim) a multiple of 256 dividing it."""
     k = q.shape[-1]

@@ -5,7 +5,8 @@ shape, opcode, operand names, attributes). On top of it:
 
   * `op_bytes`: the bytes a top-level instruction moves between memory and the core — its HBM operands plus
     its HBM result — with XLA's own refinements for partial accesses: an operand a fusion reads only
-    through slice / dynamic-slice / gather counts what those read, an in-place dynamic-update-slice or
+    through slice / dynamic-slice / gather (also behind a nested fusion that only re-lays it out) counts
+    what those read, an async slice (`slice-start`) the slice, an in-place dynamic-update-slice or
     scatter counts the update it writes, not the whole buffer. Arrays in on-chip memory spaces (layout
     `S(n)`, n ≠ 0: TPU VMEM / SMEM) are not HBM traffic and count 0. Layout padding is ignored.
   * `top_ops`: the top-level instructions of the entry computation (and of the computations it calls
@@ -277,10 +278,6 @@ def _fusion_read(module: Module, comp: Computation, fusion: Instruction) -> floa
     if body is None:
         return sum(hbm_bytes(comp.by_name[o].shape) for o in fusion.operands if o in comp.by_name)
     param = {ins.param: ins for ins in body.instructions if ins.opcode == "parameter"}
-    users: dict[str, list[Instruction]] = defaultdict(list)
-    for ins in body.instructions:
-        for o in ins.operands:
-            users[o].append(ins)
     in_place = _in_place_buffers(body)
     total = 0.0
     for k, op in enumerate(fusion.operands):
@@ -294,11 +291,53 @@ def _fusion_read(module: Module, comp: Computation, fusion: Instruction) -> floa
             continue
         if p.name in in_place:
             continue
-        us = users.get(p.name, [])
-        if us and all(u.opcode in _SLICING and u.operands[0] == p.name for u in us):
-            total += min(full, sum(logical_bytes(u.shape) for u in us))
+        sliced = _sliced_bytes(module, body, p.name)
+        total += full if sliced is None else min(full, sliced)
+    return total
+
+
+def _users(body: Computation) -> dict[str, list[Instruction]]:
+    users: dict[str, list[Instruction]] = defaultdict(list)
+    for ins in body.instructions:
+        for o in ins.operands:
+            users[o].append(ins)
+    return users
+
+
+def _layout_copy(module: Module, ins: Instruction) -> bool:
+    """A nested fusion that only re-lays out its one operand (parameter -> copy / bitcast, e.g. XLA:TPU's
+    `copy_fusion` re-tiling an 8-bit stack): inside a fusion it is computed per element on demand, not written."""
+    body = module.computations.get(ins.called[0]) if ins.opcode == "fusion" and ins.called else None
+    return (body is not None and len(ins.operands) == 1 and
+            all(i.opcode in ("parameter", "copy", "bitcast") for i in body.instructions))
+
+
+def _sliced_bytes(module: Module, body: Computation, name: str, depth: int = 0) -> float | None:
+    """Bytes read from `name` in the fused computation `body` when every use slices it — directly, behind a
+    nested fusion that only re-lays it out, or inside a nested fusion that slices it; None when some use
+    reads it whole."""
+    us = _users(body).get(name, []) if depth < 8 else []
+    if not us:
+        return None
+    total = 0.0
+    for u in us:
+        if u.opcode in _SLICING and u.operands[0] == name:
+            b = logical_bytes(u.shape)
+        elif _layout_copy(module, u):
+            b = _sliced_bytes(module, body, u.name, depth + 1)
+        elif u.opcode == "fusion" and u.called and u.called[0] in module.computations:
+            inner = module.computations[u.called[0]]
+            params = {i.param: i.name for i in inner.instructions if i.opcode == "parameter"}
+            b = 0.0
+            for j, o in enumerate(u.operands):
+                if o == name:
+                    bj = _sliced_bytes(module, inner, params[j], depth + 1) if j in params else None
+                    b = None if bj is None or b is None else b + bj
         else:
-            total += full
+            b = None
+        if b is None:
+            return None
+        total += b
     return total
 
 
@@ -332,6 +371,9 @@ def op_bytes(module: Module, comp: Computation, ins: Instruction) -> float:
     upd = _update_operand(ins)
     if upd is not None:                   # in place: reads the update and indices, writes the update
         return sum(shape_of(o) for o in ins.operands[1:]) + shape_of(upd)
+    if ins.opcode == "slice-start":       # async slice: reads the slice it returns from an HBM source
+        src_in_hbm = bool(ins.operands) and shape_of(ins.operands[0]) > 0
+        return (sum(a.nbytes for a in _async_results(comp, ins)) if src_in_hbm else 0.0) + _async_written(comp, ins)
     read = sum(shape_of(o) for o in ins.operands)
     if ins.opcode.endswith("-start"):
         return read + _async_written(comp, ins)
@@ -341,14 +383,20 @@ def op_bytes(module: Module, comp: Computation, ins: Instruction) -> float:
 def _async_written(comp: Computation, ins: Instruction) -> float:
     """HBM bytes an async `-start` writes: its result tuple holds the operands again (aliases) next to the
     output and small context scalars; count the arrays left after removing one equal array per operand."""
-    left = [a for a in arrays(ins.shape) if a.dims]               # drop scalar context words
+    return sum(a.nbytes for a in _async_results(comp, ins) if a.memory_space == 0)
+
+
+def _async_results(comp: Computation, ins: Instruction) -> list[Array]:
+    """The arrays an async `-start` makes: its result tuple less one equal array per operand (the aliased
+    operands) and scalar context words."""
+    left = [a for a in arrays(ins.shape) if a.dims]
     for o in ins.operands:
         if o not in comp.by_name:
             continue
         for a in arrays(comp.by_name[o].shape):
             if a in left:
                 left.remove(a)
-    return sum(a.nbytes for a in left if a.memory_space == 0)
+    return left
 
 
 _CONTROL = ("while", "conditional", "call", "call-start", "async-start")
