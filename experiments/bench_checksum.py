@@ -33,7 +33,7 @@ from dsv4_jax.io.integrity import checksum_np, checksums
 
 
 def flash_layer(experts: int, rng) -> dict[str, np.ndarray]:
-    """Stored arrays of one Flash MoE layer (docs/weight_formats.md §3 shapes), random bytes."""
+    """Stored arrays of one Flash MoE layer (docs/checkpoint_formats.md §3 shapes), random bytes."""
     D, I, H, Q, O = 4096, 2048, 64 * 512, 1024, 8 * 1024
     u8 = lambda *s: rng.integers(0, 256, s, dtype=np.uint8)  # noqa: E731
     bf = lambda *s: rng.standard_normal(s, dtype=np.float32).astype("bfloat16")  # noqa: E731

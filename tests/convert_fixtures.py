@@ -1,7 +1,7 @@
 """Test fixtures for the converters: a tiny random HF model, written as an official FP8/FP4 release,
 as llama.cpp / ds4 GGUF files, plus random MTP and DSpark tensors.
 
-Tensor names here are spelled out independently of `dsv4_jax.model.names` (from docs/weight_formats.md §1.2 /
+Tensor names here are spelled out independently of `dsv4_jax.model.names` (from docs/checkpoint_formats.md §1.2 /
 §3 and docs/drafter_math.md §1.1 / §2.2), so the tests check the name table rather than reuse it. Each writer
 returns the HF state dict of the values it actually stored (dequantized), which the tests load back
 into the HF model to get reference logits.
@@ -272,7 +272,7 @@ def write_official(d, tensors: dict, config: dict | None) -> None:
 
 # ---- GGUF ------------------------------------------------------------------------------------------
 
-# GGUF suffix of each official block suffix (docs/weight_formats.md §1.2 table)
+# GGUF suffix of each official block suffix (docs/checkpoint_formats.md §1.2 table)
 GGUF_SUFFIX = {
     "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
     "hc_attn_fn": "hc_attn_fn.weight", "hc_attn_base": "hc_attn_base.weight", "hc_attn_scale": "hc_attn_scale.weight",
@@ -375,7 +375,7 @@ def write_gguf_keys(w: gguf.GGUFWriter, arch: str = "deepseek4", n_blocks: int =
     w.add_uint32("tokenizer.ggml.eos_token_id", 1)
 
 
-# GGUF types per tensor role (docs/weight_formats.md §1.2): llama.cpp converter defaults plus K-quants, and ds4
+# GGUF types per tensor role (docs/checkpoint_formats.md §1.2): llama.cpp converter defaults plus K-quants, and ds4
 LLAMACPP_TYPES = {"fp8": T.Q8_0, "bf16": T.BF16, "f32": T.F32, "embed": T.BF16, "exps_gate_up": T.MXFP4,
                   "exps_down": T.Q6_K, "shexp_gate_up": T.Q4_K}
 DS4_TYPES = {"fp8": T.Q8_0, "bf16": T.F16, "f32": T.F32, "embed": T.F16, "exps_gate_up": T.IQ2_XXS,

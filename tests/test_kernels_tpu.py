@@ -24,7 +24,7 @@ from dsv4_jax.ops import quant
 
 
 
-# ---- numpy references (the spec, docs/model_math.md §2.8; docs/weight_formats.md) ----
+# ---- numpy references (the spec, docs/model_math.md §2.8; docs/checkpoint_formats.md) ----
 
 
 def np_dequant(fmt, codes, scale):

@@ -284,7 +284,7 @@ def test_abstract_trees_shardings_and_memplan_share_one_description():
     plan = M.plan(config, devices=1, weights="quantized", drafter="none")
     assert plan["weights_total"] == pytest.approx(nbytes, rel=0.05)
     assert plan["weights_total"] == nbytes                       # one description: exactly equal
-    assert abs(nbytes / 2 ** 30 - 145.3) < 0.1                    # docs/weight_formats.md §6
+    assert abs(nbytes / 2 ** 30 - 145.3) < 0.1                    # docs/checkpoint_formats.md §6
     # shardings: codes split like the dense twin, scales with them when whole 128-blocks land on each shard
     sizes = {"data": 1, "expert": 8, "model": 8}
     dense = P.flatten(S.param_partition_specs(config, sizes))

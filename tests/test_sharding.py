@@ -189,7 +189,7 @@ def test_memplan_flash_bf16_one_device():
     specs = P.flatten(P.param_specs(config))
     f32 = sum(math.prod(s.shape) for s in specs.values() if s.kind != "weight")
     assert p["weights_total"] == 2 * (n - f32) + 4 * f32
-    assert abs(p["weights_total"] / GIB - 529.7) < 0.1                      # docs/weight_formats.md §6
+    assert abs(p["weights_total"] / GIB - 529.7) < 0.1                      # docs/checkpoint_formats.md §6
     assert p["parts"]["decode state"]["total"] == cache.state_bytes(config, 1, 4096, 8, jnp.bfloat16)["total"]
     assert p["per_device"] == p["total"]
 
@@ -197,7 +197,7 @@ def test_memplan_flash_bf16_one_device():
 def test_memplan_flash_quantized_and_per_device():
     config = C.flash()
     q1 = M.plan(config, devices=1, weights="quantized", drafter="mtp")
-    assert abs((q1["weights_total"] - q1["parts"]["drafter (mtp)"]["total"]) / GIB - 145.3) < 0.1   # docs/weight_formats.md §0 / §6
+    assert abs((q1["weights_total"] - q1["parts"]["drafter (mtp)"]["total"]) / GIB - 145.3) < 0.1   # docs/checkpoint_formats.md §0 / §6
     assert abs(q1["parts"]["drafter (mtp)"]["total"] / GIB - 3.3) < 0.1
     experts = q1["parts"]["routed experts"]["total"]
     assert experts == pytest.approx(43 * 3 * 256 * 2048 * 4096 * (0.5 + 1 / 32), rel=1e-12)

@@ -9,7 +9,7 @@ divisibility fallback to replication), so the plan is what `load_checkpoint(...,
 Weight storage (`--dtype`):
     f32        every weight float32
     bf16       every weight bfloat16 (HC, norms, sinks, `ape`, router bias stay float32; tid2eid int32)
-    quantized  the official release (`params.release_format`, docs/weight_formats.md §6): routed experts FP4
+    quantized  the official release (`params.release_format`, docs/checkpoint_formats.md §6): routed experts FP4
                e2m1 codes (½ byte) + e8m0 scale per 32; attention projections, indexer `wq_b`, shared
                expert (and the MTP / DSpark projections) FP8 e4m3 codes + e8m0 scale per 128×128 block;
                embedding, head, router, compressor and indexer `weights_proj` bf16; the float32 leaves as above.
@@ -38,7 +38,7 @@ from ..parallel import (DEFAULT_REPLICATED, MESH_AXES, default_mesh_shape,
 
 GIB = 1024 ** 3
 FORMATS = ("f32", "bf16", "quantized")
-H200_GIB = 139.0   # usable HBM of one H200 (docs/weight_formats.md §6)
+H200_GIB = 139.0   # usable HBM of one H200 (docs/checkpoint_formats.md §6)
 
 _EMBED_LEAF = re.compile(r"^(embed|head)$")
 

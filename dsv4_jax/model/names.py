@@ -5,10 +5,10 @@ top-level tree and of the drafter trees (`params.mtp_specs`, `params.dspark_spec
 gives the name in every checkpoint naming ("scheme"):
 
   official   DeepSeek's inference/model.py module tree, as in the safetensors release
-             (docs/weight_formats.md §3; docs/drafter_math.md §1.1, §2.2)
+             (docs/checkpoint_formats.md §3; docs/drafter_math.md §1.1, §2.2)
   hf         transformers' `DeepseekV4ForCausalLM.state_dict()` (docs/model_math.md §2.10); no drafters
   llamacpp   llama.cpp GGUF (`blk.N.*`; MTP as `blk.{n_layer}.*` + `nextn.*` in the `--mtp` file;
-             DSpark as the `dflash` architecture) (docs/weight_formats.md §1.2)
+             DSpark as the `dflash` architecture) (docs/checkpoint_formats.md §1.2)
   ds4        antirez/ds4 GGUF: target as llama.cpp; MTP as `mtp.0.*`, DSpark as `dspark.*` (§1.2, docs/drafter_math.md §5.3)
 
 Block leaves (a decoder layer, an MTP block or a DSpark stage) are suffixes appended to a block
@@ -101,7 +101,7 @@ TOP_NAMES: dict[str, tuple[str, str, str]] = {
     "hc_head.scale": ("hc_head_scale", "model.hc_head.hc_scale", "output_hc_scale.weight"),
 }
 
-# MTP head leaves (docs/drafter_math.md §1.1; docs/weight_formats.md §1.2): leaf -> (official, llamacpp, ds4) templates.
+# MTP head leaves (docs/drafter_math.md §1.1; docs/checkpoint_formats.md §1.2): leaf -> (official, llamacpp, ds4) templates.
 # llama.cpp fuses e_proj/h_proj as eh_proj = cat([e_proj, h_proj], dim=1) (e first) and stores the
 # MTP's own hc_head as the `--mtp` file's top-level output_hc_* (docs/drafter_math.md §9).
 MTP_NAMES: dict[str, tuple[str, str | FusedPart, str]] = {
@@ -115,7 +115,7 @@ MTP_NAMES: dict[str, tuple[str, str | FusedPart, str]] = {
     "hc_head.scale": ("{p}hc_head_scale", "output_hc_scale.weight", "{p}hc_head_scale.weight"),
 }
 
-# DSpark head leaves (docs/drafter_math.md §2.2, §5.2-5.3; docs/weight_formats.md §1.2, §3): (official, llamacpp dflash, ds4).
+# DSpark head leaves (docs/drafter_math.md §2.2, §5.2-5.3; docs/checkpoint_formats.md §1.2, §3): (official, llamacpp dflash, ds4).
 DSPARK_NAMES: dict[str, tuple[str, str, str]] = {
     "main_proj": ("{first}main_proj.weight", "fc.weight", "dspark.main_proj.weight"),
     "main_norm": ("{first}main_norm.weight", "enc.output_norm.weight", "dspark.main_norm.weight"),
@@ -146,7 +146,7 @@ IGNORED_HF = ("rotary_emb.", "mtp.")
 IGNORED = {
     "official": ("rotary_emb.",),
     "hf": ("rotary_emb.",),
-    # exp_probs_b_vl: the Vision-Exp checkpoint's optional second bias (docs/weight_formats.md §1.2)
+    # exp_probs_b_vl: the Vision-Exp checkpoint's optional second bias (docs/checkpoint_formats.md §1.2)
     "llamacpp": ("rope_freqs.", "exp_probs_b_vl."),
     "ds4": ("rope_freqs.", "exp_probs_b_vl."),
 }

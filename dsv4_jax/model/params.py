@@ -283,7 +283,7 @@ def dspark_specs(c: ModelConfig, n_stages: int, n_taps: int, markov_rank: int, c
 
 # ---- quantized storage ---------------------------------------------------------------------------------------
 
-# The official release (docs/weight_formats.md §3, §6): FP8 e4m3 + e8m0 per 128×128 for the attention projections,
+# The official release (docs/checkpoint_formats.md §3, §6): FP8 e4m3 + e8m0 per 128×128 for the attention projections,
 # indexer wq_b, shared expert and the drafters' projections; FP4 e2m1 + e8m0 per 32 for the routed experts;
 # everything else (embedding, head, router, compressors, indexer weights_proj, Markov heads) bf16.
 RELEASE_FP8 = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"

@@ -18,7 +18,7 @@ split of K into shards of whole groups leaves each shard in the same layout):
     scale  "e8m0x4" uint32 [..., N, K/128]: in group g, byte b of word m holds the e8m0 scale of the
            32-column block g·G/32 + b·G/128 + m
 
-Named formats (docs/weight_formats.md §1.3, §3, §6):
+Named formats (docs/checkpoint_formats.md §1.3, §3, §6):
 
     fp8_e4m3_b128  e4m3, (128, 128), e8m0   the official FP8 linears
     fp4_e2m1_b32   e2m1, (1, 32), e8m0      the official FP4 routed experts (= GGML MXFP4, nibbles reordered)
@@ -223,7 +223,7 @@ def abstract(fmt: QFormat | str, shape, dtype, codes_sharding=None, scale_shardi
 # ---- decoding (jnp; also used inside the Pallas kernels: plain integer / bitcast ops) -------------------
 
 def decode_e8m0(s: jax.Array) -> jax.Array:
-    """uint8 b -> float32 2^(b − 127), exact: b = 0 is the subnormal 2^-127, b = 255 NaN (docs/weight_formats.md §3)."""
+    """uint8 b -> float32 2^(b − 127), exact: b = 0 is the subnormal 2^-127, b = 255 NaN (docs/checkpoint_formats.md §3)."""
     b = s.astype(jnp.int32)
     bits = jnp.where(b == 0, 0x00400000, b << 23)
     bits = jnp.where(b == 255, 0x7FC00000, bits)

@@ -2,7 +2,7 @@
 
 `GGUFSource(path)` opens one file or every shard of a `*-0000k-of-0000n.gguf` set through
 `gguf.GGUFReader` (memory-mapped). Tensors come back in numpy order (= reversed GGUF `ne`,
-docs/weight_formats.md §1.2): dense types as typed arrays (BF16 viewed as ml_dtypes.bfloat16), Q8_0 split
+docs/checkpoint_formats.md §1.2): dense types as typed arrays (BF16 viewed as ml_dtypes.bfloat16), Q8_0 split
 into (codes, scale), MXFP4 repacked into the official FP4 layout, other quant types as raw blocks.
 `config_dict` turns the `deepseek4.*` keys (§1.1) into a config.json-style dict for `from_hf_config`.
 """
@@ -178,13 +178,13 @@ def _meta(src: GGUFSource, key: str, kind: str, default=_REQ, warn: bool = True)
     return out if kind in ("ints", "floats") else out[0]
 
 
-# Required keys: every key llama.cpp's DeepseekV4 converter always writes (docs/weight_formats.md §1.1),
+# Required keys: every key llama.cpp's DeepseekV4 converter always writes (docs/checkpoint_formats.md §1.1),
 # swiglu_clamp_exp and rope.scaling.type included (V4 always has the clamp and YaRN; a silent default
 # would change the model). Optional ones (defaults warned): head_count_kv (must be 1), expert_shared_count,
 # expert_weights_norm, expert_gating_func, the YaRN betas, tokenizer bos / eos ids; nextn_predict_layers
 # (only MTP files) and vocab_size (token_embd's rows) default silently.
 def config_dict(src: GGUFSource, arch: str = "deepseek4") -> dict:
-    """config.json-style dict (DeepSeek legacy keys) from the `{arch}.*` metadata (docs/weight_formats.md §1.1)."""
+    """config.json-style dict (DeepSeek legacy keys) from the `{arch}.*` metadata (docs/checkpoint_formats.md §1.1)."""
     a = arch + "."
     m = lambda k, kind, d=_REQ, warn=True: _meta(src, a + k, kind, d, warn)  # noqa: E731
     nextn = m("nextn_predict_layers", "int", 0, warn=False)

@@ -1,6 +1,6 @@
 """A bounds-checked walk over the layout of a GGUF file, to say why it cannot be read.
 
-GGUF (v2/v3, docs/weight_formats.md §1): header (magic, version u32, tensor count u64, metadata count u64),
+GGUF (v2/v3, docs/checkpoint_formats.md §1): header (magic, version u32, tensor count u64, metadata count u64),
 metadata entries (key string, value type u32, value), the tensor-info table (name string, n_dims u32,
 dims u64 × n_dims, ggml type u32, data offset u64), padding to `general.alignment` (default 32),
 then the tensor data. gguf-py's reader fails on a cut-short file with raw numpy errors; `diagnose`

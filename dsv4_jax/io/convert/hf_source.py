@@ -2,7 +2,7 @@
 
 Official FP8 linears are `<x>.weight` F8_E4M3 + `<x>.scale` F8_E8M0 (128×128 blocks); FP4 experts are
 `<x>.weight` I8 (two e2m1 per byte) + `<x>.scale` F8_E8M0 (1×32 blocks). The expert format is
-detected from the stored dtype (docs/weight_formats.md §3: I8 -> FP4, F8_E4M3 -> FP8). NeMo's
+detected from the stored dtype (docs/checkpoint_formats.md §3: I8 -> FP4, F8_E4M3 -> FP8). NeMo's
 `.weight_scale_inv` suffix is accepted for the scale too.
 """
 from __future__ import annotations

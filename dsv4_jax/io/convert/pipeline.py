@@ -182,7 +182,7 @@ def plan_gguf(path: str) -> tuple[ModelConfig, list[Job]]:
 
 
 def plan_gguf_mtp(path: str, config: ModelConfig, src: gguf_io.GGUFSource | None = None) -> Job:
-    """llama.cpp `--mtp` file (blk.{n_layer}.* + nextn.*) or ds4 MTP file (mtp.0.*) (docs/weight_formats.md §1.2)."""
+    """llama.cpp `--mtp` file (blk.{n_layer}.* + nextn.*) or ds4 MTP file (mtp.0.*) (docs/checkpoint_formats.md §1.2)."""
     src = src or gguf_io.GGUFSource(path)
     _gguf_arch(src, "deepseek4")
     _check_dims(src, config)

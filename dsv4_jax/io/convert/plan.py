@@ -56,7 +56,7 @@ def _block_leaves(scheme: str, prefix: str, specs) -> list[Leaf]:
 
 
 def target_units(config: ModelConfig, scheme: str) -> list[Unit]:
-    """The top-level unit, then one unit per decoder layer (docs/weight_formats.md §4 tree)."""
+    """The top-level unit, then one unit per decoder layer (docs/checkpoint_formats.md §4 tree)."""
     col = {"official": 0, "hf": 1}.get(scheme, 2)
     top_specs = _flat({k: v for k, v in P.param_specs(config).items() if k != "segments"})
     top = Unit("target", (), tuple(Leaf(k, s, names.TOP_NAMES[k][col]) for k, s in top_specs.items()))

@@ -1,7 +1,7 @@
 """Quantized tensors on the host (numpy): the official FP8 / FP4 releases and GGML blocks.
 
 A quantized source tensor becomes the model's own leaf type, `dsv4_jax.ops.quant.QArray`, with numpy
-children (format tables in `ops.quant`; docs/weight_formats.md §1.3, §3, §4):
+children (format tables in `ops.quant`; docs/checkpoint_formats.md §1.3, §3, §4):
 
   fp8_e4m3_b128  codes float8_e4m3fn [..., out, in], scale uint8 (ue8m0) [..., ⌈out/128⌉, ⌈in/128⌉]
   fp4_e2m1_b32   codes uint8 [..., out, in/2] (low nibble = element 2k), scale uint8 (ue8m0) [..., out, in/32]
@@ -33,7 +33,7 @@ E8M0_F32 = _U8.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
 E4M3_F32 = _U8.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 FP4_F32 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
-# GGML types read as raw blocks (docs/weight_formats.md §2: those gguf-py can dequantize)
+# GGML types read as raw blocks (docs/checkpoint_formats.md §2: those gguf-py can dequantize)
 GGML_RAW_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ1_S,
                             T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS,
                             T.TQ1_0, T.TQ2_0, T.NVFP4})

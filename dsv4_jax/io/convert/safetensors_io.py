@@ -1,6 +1,6 @@
 """A raw, memory-mapped safetensors reader for every dtype of the DeepSeek-V4 releases.
 
-The `safetensors` package cannot hand BF16 / F8_E4M3 / F8_E8M0 to numpy (docs/weight_formats.md §3);
+The `safetensors` package cannot hand BF16 / F8_E4M3 / F8_E8M0 to numpy (docs/checkpoint_formats.md §3);
 this reader parses the header itself and views the mapped bytes with ml_dtypes types.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ Checkpoint directory layout (format_version 2):
 
 Quantized leaves are the model's own leaf type, `dsv4_jax.ops.quant.QArray` (numpy children): Orbax stores
 the node as {"codes", "scale"} in exactly the device dtypes (float8_e4m3fn / uint8 / int8 codes, uint8 e8m0 /
-float16 / float32 scales; never float8_e8m0fnu or float4, docs/weight_formats.md §4) and dsv4.json names its format. Everything is written to a temporary directory `<OUT>.incomplete-<pid>` next to the
+float16 / float32 scales; never float8_e8m0fnu or float4, docs/checkpoint_formats.md §4) and dsv4.json names its format. Everything is written to a temporary directory `<OUT>.incomplete-<pid>` next to the
 target, which is renamed only when complete; on any error (or Ctrl-C) the temporary directory is removed
 (`dsv4_jax.io.outdir.AtomicDir`, the rule shared with dsv4-sweep: OUT may be missing or empty).
 """
