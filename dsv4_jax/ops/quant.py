@@ -87,13 +87,15 @@ FP8 = QFormat("e4m3", (128, 128), "e8m0")
 FP4 = QFormat("e2m1", (1, 32), "e8m0")
 Q8_0 = QFormat("int8", (1, 32), "f16")
 INT8 = QFormat("int8", (1, 0), "f32")
-FP4_WORDS = QFormat("e2m1x8", (1, 0), "e8m0x4")      # FP4 as uint32 words over the whole K (not a file format)
 FORMATS = {"fp8_e4m3_b128": FP8, "fp4_e2m1_b32": FP4, "q8_0": Q8_0, "int8_channel": INT8}
 
 
 def words_format(group: int = 0) -> QFormat:
     """FP4 in uint32 words laid out within groups of `group` columns (0: the whole K; module docstring)."""
     return QFormat("e2m1x8", (1, group), "e8m0x4")
+
+
+FP4_WORDS = words_format()                           # FP4 as uint32 words over the whole K (not a file format)
 
 
 def qformat(fmt: str | QFormat) -> QFormat:
@@ -223,7 +225,8 @@ def abstract(fmt: QFormat | str, shape, dtype, codes_sharding=None, scale_shardi
 # ---- decoding (jnp; also used inside the Pallas kernels: plain integer / bitcast ops) -------------------
 
 def decode_e8m0(s: jax.Array) -> jax.Array:
-    """uint8 b -> float32 2^(b − 127), exact: b = 0 is the subnormal 2^-127, b = 255 NaN (docs/checkpoint_formats.md §3)."""
+    """uint8 b -> float32 2^(b − 127), exact: b = 0 is the subnormal 2^-127, b = 255 NaN
+    (docs/checkpoint_formats.md §3)."""
     b = s.astype(jnp.int32)
     bits = jnp.where(b == 0, 0x00400000, b << 23)
     bits = jnp.where(b == 255, 0x7FC00000, bits)

@@ -5,7 +5,7 @@ times of a TPU topology), or given as a JSON file.
 
     table = cost_table.calibrate(params, config, prepared)           # a prepared auto run (generate.prepare)
     table = cost_table.cached_or_calibrate(params, config, prepared)  # the same, cached under ~/.cache
-    table = engine.calibrate()                                        # a continuous-batching engine's rounds
+    table, how = engine.calibrate()                                   # a continuous-batching engine's rounds
     table.save("costs.json"); CostTable.load("costs.json")
     table.predicted_speedup(mean_accepted_length, w)
 """

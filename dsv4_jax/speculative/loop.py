@@ -22,8 +22,8 @@ from ..drafters import registry
 from ..drafters.base import MODE_AUTO, MODE_PLAIN, Bound, DraftSetup, Knobs
 from ..ops import verification, width
 
-__all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "rounds_loop", "run_rounds",
-           "run_rounds_python"]
+__all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "rounds_loop",
+           "run_rounds", "run_rounds_python"]
 
 
 @struct.dataclass
@@ -301,18 +301,17 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
                                                      jnp.maximum(n_commit, 1))
     s = c.stats
     if plain:                   # the other statistics of plain rounds: `_fold_plain`
-        return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
-                     target=tstate, drafter=dstate, key=key, stats=s.replace(rounds=s.rounds + active),
-                     round=c.round + 1)
-    kk = jnp.arange(s.per_position.shape[1])[None, :]   # the carry may be sized for a wider bound than w
-    stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
-                  accepted=s.accepted + jnp.where(active, a, 0),
-                  per_position=s.per_position + ((kk < a[:, None]) & active[:, None]),
-                  proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]),
-                  length_hist=s.length_hist + ((jnp.arange(s.length_hist.shape[1])[None, :] == n_draft[:, None])
-                                               & active[:, None]),
-                  **_extra_stats(s, outcome, conf, n_draft, active),
-                  **_width_stats(s, knobs, est, raw, n_draft, a, active, w))
+        stats = s.replace(rounds=s.rounds + active)
+    else:
+        kk = jnp.arange(s.per_position.shape[1])[None, :]   # the carry may be sized for a wider bound than w
+        stats = Stats(rounds=s.rounds + active, drafted=s.drafted + n_draft,
+                      accepted=s.accepted + jnp.where(active, a, 0),
+                      per_position=s.per_position + ((kk < a[:, None]) & active[:, None]),
+                      proposed_at=s.proposed_at + ((kk < n_draft[:, None]) & active[:, None]),
+                      length_hist=s.length_hist + ((jnp.arange(s.length_hist.shape[1])[None, :]
+                                                    == n_draft[:, None]) & active[:, None]),
+                      **_extra_stats(s, outcome, conf, n_draft, active),
+                      **_width_stats(s, knobs, est, raw, n_draft, a, active, w))
     return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
                  target=tstate,
                  drafter=dstate, key=key, stats=stats, round=c.round + 1)

@@ -28,7 +28,8 @@ length incl. the bonus token).
 
     engine = SlotEngine.build(params, config, prompts, max_new_tokens=[...], batch=4, drafter="mtp")
     run = engine.run("continuous")            # RunResult: results in request order, wall_s, tokens_per_s
-    table, how = engine.calibrate()           # draft_n_max="auto": price the width scheduler by this engine's rounds
+    table, how = engine.calibrate()           # draft_n_max="auto": measure this engine's rounds per width,
+    engine.priced(table)                      # and let the width scheduler choose by them
 """
 from __future__ import annotations
 
@@ -342,8 +343,8 @@ class SlotEngine:
         its first 2·B requests under `schedule` at each fixed width and plain (`cost_table.measure`; seconds
         per round = decode time outside admission / rounds), so the table prices the rounds this engine runs —
         its chunked dispatch and partly filled batches — not a static `generate`'s. Cached like
-        `cached_or_calibrate` (the key adds the engine's batch, chunking and schedule). Then the engine's
-        rounds are priced by it (`priced`). -> (table, "cached" | "measured")."""
+        `cached_or_calibrate` (the key adds the engine's batch, chunking and schedule); `priced` then prices
+        the engine's auto rounds by it. -> (table, "cached" | "measured")."""
         if not self.opts.adaptive or int(self.knobs.width_mode) != MODE_AUTO:
             raise ValueError("calibrate needs an engine built with draft_n_max='auto'")
         drafter = drafter or self.opts.drafter
@@ -361,11 +362,9 @@ class SlotEngine:
                 self.requests, self.knobs = saved
             return run.decode_s / max(run.rounds, 1)
 
-        table, how = cost_table.cached(key, lambda: cost_table.measure(
+        return cost_table.cached(key, lambda: cost_table.measure(
             time_at, self.knobs, self.opts.k, repeats=repeats, progress=progress, drafter=drafter, batch=self.batch,
             key=key), cache_dir, refresh)
-        self.priced(table)
-        return table, how
 
     def priced(self, table: CostTable) -> None:
         """Price this engine's auto rounds by table (the width scheduler's knobs, `generate.width_knobs`)."""
