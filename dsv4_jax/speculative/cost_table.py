@@ -219,19 +219,26 @@ def measure(time_at, knobs, k_program: int, *, repeats: int = 3, progress=None, 
             key: Any = None) -> CostTable:
     """A measured table: time_at(knobs) -> seconds per round of one timed run of a program with the width
     scheduler, at each fixed width w = 0..k (MODE_FIXED; k = the knobs' draft_n, else k_program) and plain
-    (MODE_PLAIN), after one untimed warm-up; the median of `repeats` timings, then `physical`."""
+    (MODE_PLAIN), after one untimed warm-up. The widths are timed in passes (every width and plain once per
+    pass, `repeats` passes) and each width is priced by its median ratio to plain within a pass times plain's
+    median: a machine whose speed drifts between passes (a shared or throttled host) shifts every width of a
+    pass alike, so the ratios the scheduler decides by stay put. Then `physical`."""
     k = k_program if knobs.draft_n is None else int(knobs.draft_n)
     base = knobs.replace(width_cost=jnp.ones((k_program + 1,), jnp.float32), plain_cost=jnp.float32(1.0))
-    fixed = lambda w: base.replace(width_mode=jnp.int32(MODE_FIXED), draft_n=jnp.int32(w))
-    time_at(fixed(k))                                                   # compile + warm up
-    times = {}
-    for w in list(range(k + 1)) + ["plain"]:
-        at = base.replace(width_mode=jnp.int32(MODE_PLAIN)) if w == "plain" else fixed(w)
-        times[w] = [time_at(at) for _ in range(repeats)]
+    at = lambda w: base.replace(width_mode=jnp.int32(MODE_PLAIN)) if w == "plain" else \
+        base.replace(width_mode=jnp.int32(MODE_FIXED), draft_n=jnp.int32(w))
+    time_at(at(k))                                                      # compile + warm up
+    order = ["plain"] + list(range(k + 1))
+    times = {w: [] for w in order}
+    for r in range(repeats):
+        for w in order:
+            times[w].append(time_at(at(w)))
         if progress:
-            progress(f"calibration: width {w}: {statistics.median(times[w]) * 1e3:.3f} ms/round")
-    raw = tuple(statistics.median(times[w]) for w in range(k + 1))
+            progress(f"calibration pass {r + 1}/{repeats}: plain {times['plain'][-1] * 1e3:.3f} ms/round, widths "
+                     + " ".join(f"{times[w][-1] * 1e3:.3f}" for w in range(k + 1)))
     plain = statistics.median(times["plain"])
+    ratio = lambda w: statistics.median(t / p for t, p in zip(times[w], times["plain"]))
+    raw = tuple(ratio(w) * plain for w in range(k + 1))
     return CostTable(seconds=physical(raw, plain), plain_seconds=plain, drafter=drafter, raw_seconds=raw,
                      batch=batch, source="measured", spread=tuple((min(times[w]), max(times[w])) for w in range(k + 1)),
                      key=key)

@@ -77,6 +77,7 @@ class Stats:
     predicted: jax.Array = None     # [B] Σ over rounds of the expected tokens T_w of the verified width
     raw_sum: jax.Array = None       # [B,K] Σ raw acceptance estimates of drafts verified with their prefix accepted
     cost_sum: jax.Array = None      # [B] Σ over active rounds of the round's cost (cost table seconds)
+    offered: jax.Array = None       # [B] drafting rounds in which the drafter proposed at least one draft
 
 
 @struct.dataclass
@@ -138,7 +139,8 @@ def _fresh_extra(B: int, k: int) -> dict:
 def _fresh_width(B: int, k: int) -> dict:
     """Zeroed width-scheduler statistics (Stats.width_hist ... cost_sum)."""
     return dict(width_hist=jnp.zeros((B, k + 2), jnp.int32), predicted=jnp.zeros((B,), jnp.float32),
-                raw_sum=jnp.zeros((B, k), jnp.float32), cost_sum=jnp.zeros((B,), jnp.float32))
+                raw_sum=jnp.zeros((B, k), jnp.float32), cost_sum=jnp.zeros((B,), jnp.float32),
+                offered=jnp.zeros((B,), jnp.int32))
 
 
 def _verify(key, logits, drafts, q, n_draft, knobs: Knobs, opts: Options) -> verification.Outcome:
@@ -189,11 +191,27 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
 
 
 def _realised_rate_below_plain(s: Stats, knobs: Knobs, rounds: jax.Array) -> jax.Array:
-    """MODE_AUTO's switch to plain decoding (docs/width_scheduler.md §3): after WARMUP_ROUNDS rounds, the run's
-    committed tokens per cost-table second so far not above plain decoding's 1 / plain_cost (a tie goes to plain:
-    its rounds skip the drafter's work). bool []."""
-    committed = jnp.sum(s.rounds + s.accepted).astype(jnp.float32)
-    return (rounds >= WARMUP_ROUNDS) & (committed * knobs.plain_cost <= jnp.sum(s.cost_sum))
+    """MODE_AUTO's switch to plain decoding (docs/width_scheduler.md §3), bool []: at once when no width can pay
+    even with every draft accepted (`_no_width_can_pay`); else once the run's committed tokens per cost-table
+    second so far are not above plain decoding's 1 / plain_cost (a tie goes to plain: its rounds skip the
+    drafter's work) — after one round if the scheduler's own forecast for the rounds so far (Σ expected tokens of
+    drafts offered every round) agrees, else after WARMUP_ROUNDS rounds (realised evidence against a forecast that said drafting pays)."""
+    cost = jnp.sum(s.cost_sum)
+    realised_low = jnp.sum(s.rounds + s.accepted).astype(jnp.float32) * knobs.plain_cost <= cost
+    # the forecast counts only where the drafter offered drafts every round (an n-gram without a match yet
+    # offers none: no judgement of drafting to agree with)
+    drafting_rounds = jnp.sum(s.rounds) - jnp.sum(s.width_hist[:, -1])
+    forecast_low = (jnp.sum(s.predicted) * knobs.plain_cost <= cost) & (jnp.sum(s.offered) >= drafting_rounds)
+    return _no_width_can_pay(knobs) | (realised_low & (rounds >= jnp.where(forecast_low, 1, WARMUP_ROUNDS)))
+
+
+def _no_width_can_pay(knobs: Knobs) -> jax.Array:
+    """Whether every width w <= the run's bound costs at least w + 1 plain rounds (its most tokens per round):
+    then no acceptance makes drafting pay and the run decodes plainly from its first round. bool []."""
+    w = jnp.arange(knobs.width_cost.shape[0])
+    bound = knobs.width_cost.shape[0] - 1 if knobs.draft_n is None else knobs.draft_n
+    pays = (w <= bound) & (knobs.width_cost < (w + 1) * knobs.plain_cost)
+    return ~jnp.any(pays)
 
 
 WARMUP_ROUNDS = 4
@@ -265,22 +283,25 @@ def _speculative_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
     raw = jnp.where(conf >= 0, conf, width.draft_probability(drafts, q))
     est = width.calibrated(raw, factors)
     n_draft = jnp.minimum(n_draft, knobs.draft_n)
+    offered = n_draft > 0
     chosen = width.choose(est, n_draft, ~c.done, knobs.width_cost, knobs.draft_n)
     w_round = jnp.where(knobs.width_mode == MODE_AUTO, chosen, jnp.clip(knobs.draft_n, 0, K))
     n_draft = jnp.minimum(n_draft, w_round)
     # conf −1 (no confidence head) is never binned (ops.verification.calibration_counts)
     branches = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
-                                  drafts[:, :w], q[:, :w], conf=conf[:, :w], est=est[:, :w], raw=raw[:, :w])
+                                  drafts[:, :w], q[:, :w], conf=conf[:, :w], est=est[:, :w], raw=raw[:, :w],
+                                  offered=offered)
                 for w in range(K + 1)]
     return jax.lax.switch(w_round, branches, n_draft)
 
 
 def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options, key, k_acc,
                        drafts: jax.Array, q: jax.Array, n_draft: jax.Array, conf: jax.Array | None = None,
-                       est: jax.Array | None = None, raw: jax.Array | None = None, plain: bool = False) -> Carry:
+                       est: jax.Array | None = None, raw: jax.Array | None = None, plain: bool = False,
+                       offered: jax.Array | None = None) -> Carry:
     """Verify [last, drafts] (drafts [B,w], q [B,w,V], n_draft [B] <= w; conf [B,w] the drafter's confidences
     or None), accept, emit, commit, observe. Width scheduler (Options.adaptive): est / raw [B,w] the drafts'
-    calibrated / raw acceptance estimates; plain: a round without the drafter (w = 0, no observe)."""
+    calibrated / raw acceptance estimates, offered [B] whether the drafter proposed any draft; plain: a round without the drafter (w = 0, no observe)."""
     drafter = registry.get(opts.drafter)
     pos = c.target.pos
     B, w = drafts.shape
@@ -311,20 +332,21 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
                       length_hist=s.length_hist + ((jnp.arange(s.length_hist.shape[1])[None, :]
                                                     == n_draft[:, None]) & active[:, None]),
                       **_extra_stats(s, outcome, conf, n_draft, active),
-                      **_width_stats(s, knobs, est, raw, n_draft, a, active, w))
+                      **_width_stats(s, knobs, est, raw, n_draft, a, active, w, offered))
     return Carry(out=out, out_len=out_len, limit=c.limit, last=jnp.where(active, nxt, c.last), done=done,
                  target=tstate,
                  drafter=dstate, key=key, stats=stats, round=c.round + 1)
 
 
-def _width_stats(s: Stats, knobs: Knobs, est, raw, n_draft, a, active, w: int) -> dict:
+def _width_stats(s: Stats, knobs: Knobs, est, raw, n_draft, a, active, w: int, offered) -> dict:
     """The width scheduler's statistics of a drafting round of width w (docs/width_scheduler.md; plain rounds:
     `_fold_plain`), for carries that hold them."""
     if s.width_hist is None:
         return {}
     K = s.raw_sum.shape[1]
     hist = s.width_hist.at[:, w].add(active.astype(jnp.int32))
-    out = dict(width_hist=hist, cost_sum=s.cost_sum + jnp.where(active, knobs.width_cost[w], 0.0))
+    out = dict(width_hist=hist, cost_sum=s.cost_sum + jnp.where(active, knobs.width_cost[w], 0.0),
+               offered=s.offered + (active & offered))
     if w == 0:
         return dict(out, predicted=s.predicted + active, raw_sum=s.raw_sum)
     j = jnp.arange(w)[None, :]
