@@ -172,6 +172,28 @@ ENTRY %main (w: s8[20,4096,1024], i: s32[]) -> f32[4096,1024] {
     assert hlo.top_ops(hlo.parse(nested), 5)["ops"][0]["bytes"] == 4096 * 1024 + 4     # a nested fusion's slice
 
 
+def test_hlo_text_from_xla_dump_when_as_text_fails():
+    """A compiled module whose text `as_text()` cannot rebuild (libtpu's verify programs: "async-update
+    instruction should have 1 operands but sees 4") is read from XLA's own dump instead: compiled again with
+    `xla_dump_to`, the same ops and bytes as the printed text; without the program, an empty analysis with
+    the error."""
+    prog = PR.Program("tiny", jax.jit(lambda a: jnp.tanh(a @ a.T).sum(0)),
+                      (jax.ShapeDtypeStruct((16, 32), jnp.float32),), {}, 1)
+    printed = hlo.top_ops(hlo.parse(prog.lower().compile().as_text()))
+    dumped = hlo.top_ops(hlo.parse(AC.dumped_text(prog, None)))
+    assert dumped["total_bytes"] == printed["total_bytes"] > 16 * 32 * 4
+    assert dumped["instructions"] == printed["instructions"]
+
+    class Unprintable:
+        def as_text(self):
+            raise RuntimeError("RET_CHECK failure async-update instruction should have 1 operands but sees 4")
+
+    h = AC._analyse(Unprintable(), 5, None, prog, None)
+    assert h["text_source"] == "xla_dump" and h["top_ops"]["total_bytes"] == printed["total_bytes"]
+    empty = AC._analyse(Unprintable(), 5, None)
+    assert empty["chars"] == 0 and "async-update" in empty["error"] and empty["top_ops"]["total_bytes"] == 0
+
+
 def test_hlo_loops_scaled_by_trip_count():
     """The while loop runs 10 times (counter from constant 0, `< 10`): with scale_loops its body's bytes count
     10×; trip counts also come from XLA's known_trip_count or a reversed compare."""

@@ -204,7 +204,7 @@ def test_block_scaled_matmul_exact_and_per_block(fmt):
     # no scale applied per element of W (the dequantized path's [N, K] product); x is scaled per row block
     muls = lambda xx: {tuple(v.aval.shape) for e in jax.make_jaxpr(L.linear)(xx, q).eqns
                        if e.primitive.name == "mul" for v in e.outvars}
-    assert muls(x) == {(2, 3, 1, 3, 2, 128)}                               # [.., G, N/128, K/128, 128]
+    assert muls(x) == {(8, 1, 3, 2, 128)}             # [T' = 6 rows padded to 8, G, N/128, K/128, 128]
     x1 = x[:1, :1]                                                        # one token
     want1 = np.asarray(x1, np.float64) @ w.T
     assert np.max(np.abs(np.asarray(L.linear(x1, q)) - want1)) <= 1e-6 * np.max(np.abs(want1))
@@ -226,6 +226,29 @@ def test_block_scaled_matmul_exact_and_per_block(fmt):
     assert yb.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(yb, np.float32), np.asarray(xb @ Q.dequantize(qb).T, np.float32),
                                rtol=2e-2, atol=2e-2 * float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("rows", [1, 6, 8, 9])
+def test_block_scaled_matmul_row_padding(rows):
+    """`matmul_blocks` pads x's rows (tokens) to a multiple of `row_tile` with zeros and drops them again: the
+    padded path (1, 6, 9 rows -> 8, 8, 16; 8 rows unpadded) equals x · numpy-dequantized Wᵀ in float32, for
+    plain and grouped weights, the same as row_tile 0 (no padding), and the matmul sees the padded rows."""
+    q = Q.quantize(_blocky(256, 384), Q.FP8)
+    w = _np_dequant(q).astype(np.float64)
+    x = jnp.asarray(rng.standard_normal((rows, 384)), jnp.float32)
+    want = np.asarray(x, np.float64) @ w.T
+    padded = -(-rows // 8) * 8
+    for tile in (8, 0):
+        y = Q.matmul_blocks(x, q, row_tile=tile)
+        assert y.shape == (rows, 256)
+        assert np.max(np.abs(np.asarray(y) - want)) <= 1e-6 * np.max(np.abs(want))
+        dots = [e for e in jax.make_jaxpr(lambda a: Q.matmul_blocks(a, q, row_tile=tile))(x).eqns
+                if e.primitive.name == "dot_general"]
+        assert [int(np.prod(d.outvars[0].aval.shape)) for d in dots] == [(padded if tile else rows) * 256]
+    g = jnp.asarray(rng.standard_normal((rows, 2, 384)), jnp.float32)      # grouped: G = 2 groups of 128 rows
+    got = Q.matmul_blocks(g, q, groups=2)
+    want_g = np.einsum("bgi,gri->bgr", np.asarray(g, np.float64), w.reshape(2, 128, 384))
+    assert got.shape == (rows, 2, 128) and np.max(np.abs(np.asarray(got) - want_g)) <= 1e-6 * np.max(np.abs(want_g))
 
 
 @pytest.mark.parametrize("fmt", [Q.FP4, pytest.param(Q.INT8, marks=pytest.mark.slow)], ids=lambda f: f.name)

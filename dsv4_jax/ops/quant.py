@@ -358,6 +358,9 @@ def matmul_words(x: jax.Array, q: QArray) -> jax.Array:
     return y.sum(-2).astype(x.dtype)
 
 
+ROW_TILE = 8      # `matmul_blocks` pads x's rows to a multiple of this (the TPU sublane count)
+
+
 def blocks_fit(q: QArray, rows: int, groups: int = 1) -> bool:
     """Whether `matmul_blocks` takes x [rows, ..., K] · Wᵀ: a [N, K] weight with int8 / e4m3 codes and e8m0
     scales (powers of two: scaling x by one is exact) over 2-D blocks (br, bc) that tile each of the
@@ -370,13 +373,14 @@ def blocks_fit(q: QArray, rows: int, groups: int = 1) -> bool:
     return br > 1 and bc > 1 and n % (groups * br) == 0 and k % bc == 0 and rows <= br // 2
 
 
-def matmul_blocks(x: jax.Array, q: QArray, groups: int = 0) -> jax.Array:
+def matmul_blocks(x: jax.Array, q: QArray, groups: int = 0, row_tile: int = ROW_TILE) -> jax.Array:
     """x Wᵀ for a block-scaled [N, K] QArray (`blocks_fit`) without a per-element scale: x [..., K] ->
     [..., N]; with groups G: x [..., G, K], W [G·R, K] -> [..., G, R] (u_g = W_g x_g).
 
     The block scales multiply x, not W: x is copied once per row block of W and scaled per column block
     ([..., R/br, K], small while few tokens), then contracted with the codes converted to the compute dtype
-    as one matmul batched over the row blocks. W's values are code · 2^e and x's copies x · 2^e, so every
+    as one matmul batched over the row blocks, x's rows (tokens) zero-padded to a multiple of `row_tile`
+    (0: none). W's values are code · 2^e and x's copies x · 2^e, so every
     product equals the dequantized path's; only the float32 summation order differs. The dequantized path
     broadcasts the [N/br, K/bc] scales to a [N, K] array first; the contraction-blocked form (partial sums
     [..., K/bc, N] × scales) and, for one token, a per-block multiply-reduce compile to more bytes on TPU
@@ -387,10 +391,15 @@ def matmul_blocks(x: jax.Array, q: QArray, groups: int = 0) -> jax.Array:
     r = n // g
     dt = jnp.result_type(x.dtype, q.dtype)
     lead = x.shape[:-2] if groups else x.shape[:-1]
+    t = math.prod(lead)
+    tp = -(-t // row_tile) * row_tile if row_tile else t
+    # the rows padded to a multiple of row_tile (zeros, sliced off): XLA:TPU rewrites a batched dot with
+    # fewer rows (one decode token) into x broadcast over W's rows, [R/br, br, K] f32 in HBM on v5p
+    xt = jnp.pad(x.astype(dt).reshape(t, g, k), ((0, tp - t), (0, 0), (0, 0)))            # [T', G, K]
     s = decode_scale(q.scale, q.fmt).astype(dt).reshape(g, r // br, k // bc, 1)         # [G, R/br, K/bc, 1]
-    xs = (x.astype(dt).reshape(*lead, g, 1, k // bc, bc) * s).reshape(*lead, g, r // br, k)
+    xs = (xt.reshape(tp, g, 1, k // bc, bc) * s).reshape(tp, g, r // br, k)             # [T', G, R/br, K]
     w = q.codes.astype(dt).reshape(g, r // br, br, k)                                   # [G, R/br, br, K]
-    y = jnp.einsum("...gbk,gbjk->...gbj", xs, w, preferred_element_type=jnp.float32).astype(dt)
+    y = jnp.einsum("tgbk,gbjk->tgbj", xs, w, preferred_element_type=jnp.float32).astype(dt)[:t]
     return y.reshape(*lead, g, r) if groups else y.reshape(*lead, n)
 
 

@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import glob
+import os
+import tempfile
 import time
 
 from . import extrapolate, hlo
@@ -117,22 +120,50 @@ def _failed(row: dict, error: str) -> dict:
     return row
 
 
-def _analyse(compiled, top: int, dump: str | None) -> dict:
+def dumped_text(program: Program, options: dict | None) -> str:
+    """The compiled HLO text of `program` as XLA's own dump writes it: compiled again with
+    `xla_dump_to` (a temporary folder) and `xla_dump_hlo_as_text`, the module's `*.after_codegen.txt`
+    (libtpu: what `Compiled.as_text()` returns when it can; the CPU backend: `*after_optimizations.txt`). For programs whose text `as_text()` cannot rebuild
+    (libtpu: "async-update instruction should have 1 operands but sees 4", e.g. the verify programs)."""
+    with tempfile.TemporaryDirectory(prefix="dsv4_hlo_dump_") as d:
+        program.lower().compile(compiler_options={**(options or {}), "xla_dump_to": d,
+                                                  "xla_dump_hlo_as_text": True})
+        files = (glob.glob(os.path.join(d, "*.after_codegen.txt"))                      # TPU
+                 or glob.glob(os.path.join(d, "*after_optimizations.txt")))               # CPU
+        if not files:
+            raise RuntimeError("XLA's dump holds no optimized module text (*.after_codegen.txt)")
+        with open(max(files, key=os.path.getsize)) as f:
+            return f.read()
+
+
+def _analyse(compiled, top: int, dump: str | None, program: Program | None = None,
+             options: dict | None = None) -> dict:
     """HLO analysis of a compiled program, while bodies × trip counts (`hlo.analyse`); text saved to `dump`.
-    When libtpu cannot print the compiled module (seen with Mosaic kernels under shard_map: "async-update
-    instruction should have 1 operands"), an empty analysis with the error: the costs still stand."""
+    When libtpu cannot print the compiled module (seen with Mosaic kernels under shard_map and the verify
+    programs: "async-update instruction should have 1 operands"), the text of XLA's dump (`dumped_text`, one
+    more compile) when `program` is given, else an empty analysis with the error: the costs still stand."""
+    source = "as_text"
     try:
         text = compiled.as_text()
     except Exception as e:  # noqa: BLE001 - the HLO text is diagnostics; its absence is reported, not fatal
-        empty = {"ops": [], "groups": [], "total_bytes": 0.0, "instructions": 0}
-        return {"top_ops": empty, "collectives": {"ops": [], "by_opcode": {}, "total_operand_bytes": 0.0,
-                                                  "count": 0},
-                "scale_loops": True, "chars": 0, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+        error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        text = None
+        if program is not None:
+            try:
+                text, source = dumped_text(program, options), "xla_dump"
+            except Exception as e2:  # noqa: BLE001 - as above
+                error += f"; XLA dump: {type(e2).__name__}: {' '.join(str(e2).split())[:300]}"
+        if text is None:
+            empty = {"ops": [], "groups": [], "total_bytes": 0.0, "instructions": 0}
+            return {"top_ops": empty, "collectives": {"ops": [], "by_opcode": {}, "total_operand_bytes": 0.0,
+                                                      "count": 0},
+                    "scale_loops": True, "chars": 0, "error": error}
     if dump:
         with open(dump, "w") as f:
             f.write(text)
     out = hlo.analyse(text, top, scale_loops=True)
     out["chars"] = len(text)
+    out["text_source"] = source
     del text
     gc.collect()
     return out
@@ -209,7 +240,8 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
             return _failed(row, error)
         row["memory_as_run"] = memory(compiled)
         row["cost_as_run"] = cost(compiled)        # repeated layers counted once: for comparison only
-        run_hlo = _analyse(compiled, top, hlo_dump and hlo_dump.replace(".hlo.txt", ".as_run.hlo.txt"))
+        run_hlo = _analyse(compiled, top, hlo_dump and hlo_dump.replace(".hlo.txt", ".as_run.hlo.txt"), as_run,
+                           options)
         del compiled
         peak = row["memory_as_run"].get("peak")
         if not count_if_unfit and peak is not None and peak > hbm:
@@ -224,7 +256,7 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
     row["cost"] = cost(compiled)
     row["cost_counts_every_layer"] = unrolled
     row["cost_method"] = "unrolled" if unrolled else "scan"
-    text_hlo = _analyse(compiled, top, hlo_dump)
+    text_hlo = _analyse(compiled, top, hlo_dump, None if run_hlo else program, options)
     del compiled
     # bytes, top ops and collectives: the program as run, loop bodies × trip counts (the unrolled text has
     # copies of the stacked layer weights a run does not make); the unrolled text's totals for comparison
@@ -269,7 +301,7 @@ def _extrapolated(row: dict, program: Program, counting: Counting, chip: Chip, c
             return _failed(row, error)
         row["memory"] = memory(compiled)
         row["cost_as_run"] = cost(compiled)        # repeated layers counted once: for comparison only
-        row["hlo"] = _analyse(compiled, top, hlo_dump)
+        row["hlo"] = _analyse(compiled, top, hlo_dump, program, options)
         del compiled
     row["fit_from"] = "as run (layer scans)"
     peak = row["memory"].get("peak")
