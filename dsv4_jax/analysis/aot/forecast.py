@@ -13,17 +13,15 @@ Profiles: `given` (a list of conditional rates), `from_sweep` (a `dsv4-sweep` su
 per_position_accept_rate[j] is P(draft j+1 accepted) over the rounds that proposed it, i.e. the cumulative
 product; converted to conditional rates), or a named published one (`PUBLISHED`). Times per k come from
 `round_times`: the compiled program's roofline time at the report's k, and at other k the same
-XLA-bytes / bound ratio applied to that k's bound (`bounds`), so only one verify and one round per drafter
-need compiling.
+roofline-seconds / bound-byte ratio applied to that k's bound (the rows' `bound["by_k"]`, `programs`), so
+only one verify and one round per drafter need compiling. `report_forecast` does this for every run of a
+`dsv4-aot` report that compiled decode, verify and a round; `section` and `plot_report` render it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from typing import Callable, Sequence
-
-from ...config import ModelConfig
-from . import bounds as BD
 
 K_RANGE = tuple(range(1, 8))
 
@@ -53,6 +51,7 @@ PUBLISHED = {
                                   "llama.cpp PR #25784: MTP, 0.65 aggregate acceptance, taken as a_i = 0.65 "
                                   "for every position"),
 }
+DEFAULT_PROFILE = "mtp-llamacpp-25784"
 
 
 def given(rates: Sequence[float], name: str = "given") -> Profile:
@@ -68,24 +67,40 @@ def conditional(cumulative: Sequence[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def from_sweep(path: str, drafter: str | None = None) -> Profile:
-    """The profile of a `dsv4-sweep` summary.json: the setting (of `drafter`, if given) with the most
-    measured positions."""
-    with open(path) as f:
-        summary = json.load(f)
-    best = None
+def _drafter_of(setting: dict) -> str | None:
+    return setting.get("spec_type", setting.get("drafter"))
+
+
+def from_sweep(path: str, drafter: str | None = None, temperature: float = 0.0) -> Profile:
+    """The profile of a `dsv4-sweep` summary.json: among the settings of `drafter` (if given) at
+    `temperature` (when the summary records one; the report's rounds verify greedily), the one with a
+    numeric draft_n_max measuring the most positions (ties: the larger k)."""
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read acceptance profile {path}: {e}") from None
+    best, best_key = None, None
     for s in summary.get("settings", []):
         rates = s.get("per_position_accept_rate") or []
-        if drafter and s.get("drafter") != drafter:
+        if not rates or not isinstance(s.get("draft_n_max"), int):
             continue
-        if rates and (best is None or len(rates) > len(best.get("per_position_accept_rate", []))):
-            best = s
+        if drafter and _drafter_of(s) != drafter:
+            continue
+        if s.get("temperature") is not None and float(s["temperature"]) != temperature:
+            continue
+        key = (len(rates), s["draft_n_max"])
+        if best_key is None or key > best_key:
+            best, best_key = s, key
     if best is None:
         raise ValueError(f"{path}: no setting with per_position_accept_rate" + (f" for drafter {drafter!r}"
-                                                                                if drafter else ""))
-    label = best.get("drafter", "drafter")
+                                                                                if drafter else "")
+                         + f" at temperature {temperature:g}")
+    label = _drafter_of(best) or "drafter"
+    model = (summary.get("meta", {}).get("model") or {}).get("name")
     return Profile(f"sweep:{label}", conditional(best["per_position_accept_rate"]),
-                   f"dsv4-sweep {path}, drafter {label}, draft_n_max {best.get('draft_n_max')}")
+                   f"dsv4-sweep {path}" + (f" (model {model})" if model else "") + f", drafter {label}, "
+                   f"draft_n_max {best['draft_n_max']}, temperature {temperature:g}")
 
 
 def profile(spec: str | Sequence[float], drafter: str | None = None) -> Profile:
@@ -97,10 +112,11 @@ def profile(spec: str | Sequence[float], drafter: str | None = None) -> Profile:
     if spec.endswith(".json"):
         return from_sweep(spec, drafter)
     try:
-        return given([float(v) for v in spec.split(",")])
+        rates = [float(v) for v in spec.split(",")]
     except ValueError:
         raise ValueError(f"unknown acceptance profile {spec!r}: a published name ({sorted(PUBLISHED)}), a "
                          "dsv4-sweep summary.json, or comma-separated rates") from None
+    return given(rates)
 
 
 def expected_accepted(p: Profile, k: int) -> float:
@@ -138,55 +154,113 @@ def _seconds(row: dict) -> float:
 
 
 def _ratio(row: dict) -> float:
-    """The compiled program's time per byte of its bound (its roofline time / bound time at the same k)."""
+    """The compiled program's time per byte of its bound (its roofline time / bound at the same k)."""
     return _seconds(row) / row["bound"]["total"]
 
 
-def round_times(programs: dict, config: ModelConfig, weights: str, batch: int, context: int,
-                bound_fns: dict | None = None) -> tuple[float, Callable, dict]:
-    """(decode_s, verify_s(k), {drafter: drafter_s(k)}) from a report run's compiled rows by program name
-    ("decode", "verify", "spec-mtp", "spec-dspark"): each compiled row's seconds per bound byte scaled to
-    k's bound; a drafter's own time is its round minus the verify step at the same k."""
+def _by_k(row: dict) -> dict[int, float]:
+    by_k = row["bound"].get("by_k")
+    if not by_k:
+        raise ValueError(f"program {row['program']}: the report has no bound per k (compiled before the "
+                         "payoff forecast; compile it again)")
+    return {int(k): float(v) for k, v in by_k.items()}
+
+
+def round_times(programs: dict) -> tuple[float, Callable[[int], float], dict[str, tuple[list[int], Callable]]]:
+    """(decode_s, verify_s(k), {drafter: (ks, drafter_s(k))}) from a report run's compiled rows by program
+    name ("decode", "verify", "spec-mtp", "spec-dspark"): each compiled row's seconds per bound byte scaled
+    to k's bound (`bound["by_k"]`); a drafter's own time is its round minus the verify step at the same k;
+    ks = the k its bound covers (DSpark: at most its block size)."""
     decode = _seconds(programs["decode"])
-    v_ratio = _ratio(programs["verify"])
-    verify = lambda k: v_ratio * BD.target_bound(config, weights, batch, context, k + 1)["total"]
+    v_ratio, v_bound = _ratio(programs["verify"]), _by_k(programs["verify"])
+    verify = lambda k: v_ratio * v_bound[k]
     drafters = {}
-    fns = bound_fns or {}
     for name in ("spec-mtp", "spec-dspark"):
         row = programs.get(name)
-        if not row or not row.get("compiled") or name not in fns:
+        if not row or not row.get("compiled"):
             continue
-        r_ratio = _ratio(row)
-        drafters[name.split("-")[1]] = (lambda rr, fn: lambda k: max(0.0, rr * fn(k)["total"] - verify(k)))(
-            r_ratio, fns[name])
+        r_bound = _by_k(row)
+        ks = [k for k in sorted(r_bound) if k in v_bound]
+        drafters[name.split("-")[1]] = (ks, (lambda rr, rb: lambda k: max(0.0, rr * rb[k] - verify(k)))(
+            _ratio(row), r_bound))
     return decode, verify, drafters
+
+
+def _compiled(run: dict) -> dict:
+    return {r["program"]: r for r in run["programs"] if r.get("compiled")}
+
+
+def report_forecast(report: dict, spec: str | Sequence[float]) -> dict | None:
+    """The forecast of every run of a `dsv4-aot` report that compiled decode, verify and at least one round
+    (None if none did): per run and drafter the profile used (`profile(spec, drafter)`) and `forecast` rows
+    for its k. ValueError on a bad profile."""
+    runs = []
+    for run in report["runs"]:
+        rows = _compiled(run)
+        if not {"decode", "verify"} <= set(rows) or not {"spec-mtp", "spec-dspark"} & set(rows):
+            continue
+        decode, verify, drafters = round_times(rows)
+        out = {"topology": run["topology"], "weights": run["weights"], "mesh_text": run["mesh_text"],
+               "sharding": run.get("sharding"), "decode_s": decode, "drafters": {}}
+        for d, (ks, drafter_s) in drafters.items():
+            p = profile(spec, d)
+            out["drafters"][d] = {"profile": dataclasses.asdict(p),
+                                  "rows": forecast(p, decode, verify, drafter_s, ks)}
+        runs.append(out)
+    if not runs:
+        return None
+    return {"spec": spec if isinstance(spec, str) else ",".join(map(str, spec)), "batch": report["shapes"]["batch"],
+            "context": report["shapes"]["context"], "runs": runs}
 
 
 # ---- rendering -----------------------------------------------------------------------------------------
 
-def markdown(title: str, p: Profile, rows_by_drafter: dict[str, list[dict]]) -> str:
-    L = [f"### {title}", "", f"Acceptance profile **{p.name}**: {p.source}; a_i = "
-         + ", ".join(f"{r:.2f}" for r in p.rates), "",
-         "| drafter | k | E[accepted] | tokens/round | round ms | tokens/s/seq | plain decode tokens/s | speed-up |",
-         "|---|---|---|---|---|---|---|---|"]
-    for d, rows in rows_by_drafter.items():
-        for r in rows:
-            L.append(f"| {d} | {r['k']} | {r['expected_accepted']:.2f} | {r['tokens_per_round']:.2f} | "
-                     f"{r['round_s'] * 1e3:.2f} | {r['tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}× |")
-    return "\n".join(L)
+def _rate_text(p: dict) -> str:
+    return f"**{p['name']}** (a_i = " + ", ".join(f"{r:.2f}" for r in p["rates"]) + f"; {p['source']})"
 
 
-def plot(title: str, rows_by_drafter: dict[str, list[dict]], path: str) -> None:
+def section(fc: dict | None) -> list[str]:
+    """Markdown lines of a report's forecast (`report_forecast`), one table per run."""
+    if not fc:
+        return []
+    L = ["## Speculation payoff forecast", "",
+         f"Batch {fc['batch']}, context {fc['context']}. tokens/round = 1 + E[accepted] = "
+         "1 + Σ_(j≤k) Π_(i≤j) a_i; round ms = drafter(k) + verify(k+1), each the compiled program's "
+         "roofline seconds per bound byte "
+         "applied to k's bound; tokens/s/seq = tokens/round / round; speed-up = that × plain decode ms "
+         "(`dsv4_jax.analysis.aot.forecast`, docs/aot.md). DSpark drafts at most its block size.", ""]
+    for run in fc["runs"]:
+        L += [f"### {run['topology']}, {run['weights']} weights, mesh {run['mesh_text']}"
+              + (f" ({run['sharding']} preset)" if run.get("sharding") else ""), ""]
+        L += [f"- {d}: acceptance profile {_rate_text(v['profile'])}" for d, v in run["drafters"].items()]
+        L += ["", "| drafter | k | E[accepted] | tokens/round | verify ms | drafter ms | round ms | tokens/s/seq | "
+              "plain decode tokens/s | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for d, v in run["drafters"].items():
+            for r in v["rows"]:
+                L.append(f"| {d} | {r['k']} | {r['expected_accepted']:.2f} | {r['tokens_per_round']:.2f} | "
+                         f"{r['verify_s'] * 1e3:.2f} | {r['drafter_s'] * 1e3:.2f} | {r['round_s'] * 1e3:.2f} | "
+                         f"{r['tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}× |")
+        bests = [f"{d} k = {best(v['rows'])['k']} ({best(v['rows'])['speedup']:.2f}×)"
+                 for d, v in run["drafters"].items() if v["rows"]]
+        L += ["", "Best: " + "; ".join(bests) + ".", ""]
+    return L
+
+
+def plot_report(fc: dict, path: str) -> None:
+    """Speed-up over plain decoding against k, one line per run × drafter."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for d, rows in rows_by_drafter.items():
-        ax.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="o", label=d)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in fc["runs"]:
+        for d, v in run["drafters"].items():
+            rows = v["rows"]
+            ax.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="o",
+                    label=f"{run['topology']} {run['weights']} {d} ({v['profile']['name']})")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="draft_n_max k", ylabel="speed-up over plain decoding", title=title)
-    ax.legend()
+    ax.set(xlabel="draft_n_max k", ylabel="speed-up over plain decoding",
+           title=f"speculation payoff forecast, batch {fc['batch']}, context {fc['context']}")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -196,5 +270,5 @@ def best(rows: list[dict]) -> dict:
     return max(rows, key=lambda r: (r["speedup"], -r["k"])) if rows else {}
 
 
-__all__ = ["Profile", "PUBLISHED", "given", "conditional", "from_sweep", "profile", "expected_accepted",
-           "forecast_row", "forecast", "round_times", "markdown", "plot", "best"]
+__all__ = ["Profile", "PUBLISHED", "DEFAULT_PROFILE", "K_RANGE", "given", "conditional", "from_sweep", "profile",
+           "expected_accepted", "forecast_row", "forecast", "round_times", "report_forecast", "section", "plot_report", "best"]
