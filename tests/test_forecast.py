@@ -67,20 +67,22 @@ def test_bad_profile_is_named():
 
 # ---- the report wiring: a tiny fake dsv4-aot report, no compile -------------------------------------------
 
-def _row(program: str, roofline_s: float, bound: float, by_k: dict | None = None) -> dict:
+def _row(program: str, roofline_s: float, bound: float, by_k: dict | None = None, bound_s: float | None = None) -> dict:
     b = {"total": bound}
     if by_k:
         b["by_k"] = {str(k): v for k, v in by_k.items()}
     return {"program": program, "compiled": True, "fits": True, "cost_method": "unrolled",
             "argument_bytes_per_device": 1e9, "memory": {"peak": 2e9, "temp": 1e9, "output": 0},
             "cost": {"flops": 1e12, "bytes_accessed": 2 * bound}, "hlo": {"top_ops": {"total_bytes": bound}},
-            "bound": b, "estimate": {"roofline_s": roofline_s, "bound_s": roofline_s / 2},
+            "bound": b, "estimate": {"roofline_s": roofline_s, "bound_s": bound_s or roofline_s / 2,
+                                     "roofline_limit": "memory", "hlo_op_bytes_s": roofline_s},
             "tokens_per_sequence": 1}
 
 
 def _fake_report() -> dict:
     # seconds per bound byte: verify 0.020 s / 200 B = 1e-4; MTP round 0.025 / 250 = 1e-4; DSpark 0.03 / 200
-    programs = [_row("decode", 0.010, 100.0),
+    # at the bound (bound_s): decode 4 ms, the others half their roofline time
+    programs = [_row("decode", 0.010, 100.0, bound_s=0.004),
                 _row("verify", 0.020, 200.0, {1: 100.0, 2: 150.0, 3: 200.0}),
                 _row("spec-mtp", 0.025, 250.0, {1: 120.0, 2: 170.0, 3: 250.0}),
                 _row("spec-dspark", 0.030, 200.0, {1: 110.0, 2: 160.0})]        # block size 2 here
@@ -111,7 +113,9 @@ def test_report_forecast_hand_computed_and_rendered(tmp_path):
     from dsv4_jax.analysis.aot import cli
     rep = _fake_report()
     fc = F.report_forecast(rep, "0.8,0.5")
-    (run,) = fc["runs"]                                      # the run without a round has no forecast
+    run, at_bound = fc["runs"]                               # the run without a round has no forecast
+    assert (run["basis"], at_bound["basis"]) == ("roofline", "bound")
+    assert run["steps"]["verify"]["from"] == "HLO-op bytes" and run["steps"]["decode"]["s"] == 0.010
     assert run["topology"] == "v6e:2x4" and set(run["drafters"]) == {"mtp", "dspark"}
     r2 = run["drafters"]["mtp"]["rows"][1]
     # k = 2: 1 + 0.8 + 0.8·0.5 = 2.2 tokens per round in 0.002 + 0.015 s: 129.41 tokens/s; decode 10 ms ->
@@ -121,6 +125,11 @@ def test_report_forecast_hand_computed_and_rendered(tmp_path):
     assert r2["tokens_per_s"] == pytest.approx(2.2 / 0.017)
     assert r2["speedup"] == pytest.approx(1.2941176)
     assert [r["k"] for r in run["drafters"]["dspark"]["rows"]] == [1, 2]
+    # at the bound: verify(2) = 0.010 / 200 · 150 = 7.5 ms, round(2) = 0.0125 / 250 · 170 = 8.5 ms; decode 4 ms:
+    # 2.2 / 0.0085 = 258.82 tokens/s, speed-up 258.82 · 0.004 = 1.0353
+    b2 = at_bound["drafters"]["mtp"]["rows"][1]
+    assert b2["verify_s"] == pytest.approx(0.0075) and b2["drafter_s"] == pytest.approx(0.001)
+    assert b2["speedup"] == pytest.approx(2.2 / 0.0085 * 0.004)
     path = tmp_path / "r.json"
     path.write_text(json.dumps(rep))
     out = tmp_path / "fc.json"

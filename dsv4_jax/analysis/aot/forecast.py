@@ -149,13 +149,30 @@ def forecast(p: Profile, decode_s: float, verify_s: Callable[[int], float], draf
 
 # ---- step times from a report's compiled programs ------------------------------------------------------
 
-def _seconds(row: dict) -> float:
-    return row["estimate"]["roofline_s"]
+# Step-time bases: "roofline" = the report's estimate per program (max(HLO-op HBM bytes, or XLA's bytes
+# accessed where the HLO could not be read, at the HBM bandwidth; flops at the peak rate)); "bound" = the
+# program's bytes bound at the HBM bandwidth (every program at its bound: the ideal payoff).
+BASES = ("roofline", "bound")
 
 
-def _ratio(row: dict) -> float:
-    """The compiled program's time per byte of its bound (its roofline time / bound at the same k)."""
-    return _seconds(row) / row["bound"]["total"]
+def _seconds(row: dict, basis: str = "roofline") -> float:
+    e = row["estimate"]
+    if basis not in BASES:
+        raise ValueError(f"unknown forecast basis {basis!r}; choose from {BASES}")
+    return e["roofline_s"] if basis == "roofline" else e["bound_s"]
+
+
+def step_source(row: dict) -> str:
+    """What the report's roofline time of a row rests on: HLO-op bytes, XLA bytes or flops."""
+    e = row["estimate"]
+    if e.get("roofline_limit") == "flops":
+        return "flops"
+    return "HLO-op bytes" if "hlo_op_bytes_s" in e else "XLA bytes"
+
+
+def _ratio(row: dict, basis: str = "roofline") -> float:
+    """The compiled program's time per byte of its bound (its time / bound at the same k)."""
+    return _seconds(row, basis) / row["bound"]["total"]
 
 
 def _by_k(row: dict) -> dict[int, float]:
@@ -166,13 +183,14 @@ def _by_k(row: dict) -> dict[int, float]:
     return {int(k): float(v) for k, v in by_k.items()}
 
 
-def round_times(programs: dict) -> tuple[float, Callable[[int], float], dict[str, tuple[list[int], Callable]]]:
+def round_times(programs: dict, basis: str = "roofline") -> tuple[float, Callable[[int], float],
+                                                                  dict[str, tuple[list[int], Callable]]]:
     """(decode_s, verify_s(k), {drafter: (ks, drafter_s(k))}) from a report run's compiled rows by program
     name ("decode", "verify", "spec-mtp", "spec-dspark"): each compiled row's seconds per bound byte scaled
     to k's bound (`bound["by_k"]`); a drafter's own time is its round minus the verify step at the same k;
-    ks = the k its bound covers (DSpark: at most its block size)."""
-    decode = _seconds(programs["decode"])
-    v_ratio, v_bound = _ratio(programs["verify"]), _by_k(programs["verify"])
+    ks = the k its bound covers (DSpark: at most its block size); basis: one of BASES."""
+    decode = _seconds(programs["decode"], basis)
+    v_ratio, v_bound = _ratio(programs["verify"], basis), _by_k(programs["verify"])
     verify = lambda k: v_ratio * v_bound[k]
     drafters = {}
     for name in ("spec-mtp", "spec-dspark"):
@@ -182,7 +200,7 @@ def round_times(programs: dict) -> tuple[float, Callable[[int], float], dict[str
         r_bound = _by_k(row)
         ks = [k for k in sorted(r_bound) if k in v_bound]
         drafters[name.split("-")[1]] = (ks, (lambda rr, rb: lambda k: max(0.0, rr * rb[k] - verify(k)))(
-            _ratio(row), r_bound))
+            _ratio(row, basis), r_bound))
     return decode, verify, drafters
 
 
@@ -190,23 +208,27 @@ def _compiled(run: dict) -> dict:
     return {r["program"]: r for r in run["programs"] if r.get("compiled")}
 
 
-def report_forecast(report: dict, spec: str | Sequence[float]) -> dict | None:
+def report_forecast(report: dict, spec: str | Sequence[float], bases: Sequence[str] = BASES) -> dict | None:
     """The forecast of every run of a `dsv4-aot` report that compiled decode, verify and at least one round
-    (None if none did): per run and drafter the profile used (`profile(spec, drafter)`) and `forecast` rows
-    for its k. ValueError on a bad profile."""
+    (None if none did): per run and step-time basis (`BASES`) the profile used per drafter
+    (`profile(spec, drafter)`) and `forecast` rows for its k. ValueError on a bad profile."""
     runs = []
     for run in report["runs"]:
         rows = _compiled(run)
         if not {"decode", "verify"} <= set(rows) or not {"spec-mtp", "spec-dspark"} & set(rows):
             continue
-        decode, verify, drafters = round_times(rows)
-        out = {"topology": run["topology"], "weights": run["weights"], "mesh_text": run["mesh_text"],
-               "sharding": run.get("sharding"), "decode_s": decode, "drafters": {}}
-        for d, (ks, drafter_s) in drafters.items():
-            p = profile(spec, d)
-            out["drafters"][d] = {"profile": dataclasses.asdict(p),
-                                  "rows": forecast(p, decode, verify, drafter_s, ks)}
-        runs.append(out)
+        for basis in bases:
+            decode, verify, drafters = round_times(rows, basis)
+            out = {"topology": run["topology"], "weights": run["weights"], "mesh_text": run["mesh_text"],
+                   "sharding": run.get("sharding"), "basis": basis, "decode_s": decode, "drafters": {},
+                   "steps": {n: {"s": _seconds(r, basis), "from": step_source(r) if basis == "roofline" else "bound",
+                                 "bound_bytes_per_chip": r["bound"]["total"] / run["chips"]}
+                             for n, r in rows.items() if n in ("decode", "verify", "spec-mtp", "spec-dspark")}}
+            for d, (ks, drafter_s) in drafters.items():
+                p = profile(spec, d)
+                out["drafters"][d] = {"profile": dataclasses.asdict(p),
+                                      "rows": forecast(p, decode, verify, drafter_s, ks)}
+            runs.append(out)
     if not runs:
         return None
     return {"spec": spec if isinstance(spec, str) else ",".join(map(str, spec)), "batch": report["shapes"]["batch"],
@@ -217,6 +239,10 @@ def report_forecast(report: dict, spec: str | Sequence[float]) -> dict | None:
 
 def _rate_text(p: dict) -> str:
     return f"**{p['name']}** (a_i = " + ", ".join(f"{r:.2f}" for r in p["rates"]) + f"; {p['source']})"
+
+
+_BASIS_TEXT = {"roofline": "step times = the report's roofline estimates (as compiled)",
+               "bound": "step times = each program's bytes bound at HBM bandwidth (the ideal payoff)"}
 
 
 def section(fc: dict | None) -> list[str]:
@@ -230,8 +256,12 @@ def section(fc: dict | None) -> list[str]:
          "applied to k's bound; tokens/s/seq = tokens/round / round; speed-up = that × plain decode ms "
          "(`dsv4_jax.analysis.aot.forecast`, docs/aot.md). DSpark drafts at most its block size.", ""]
     for run in fc["runs"]:
+        basis = run.get("basis", "roofline")
         L += [f"### {run['topology']}, {run['weights']} weights, mesh {run['mesh_text']}"
-              + (f" ({run['sharding']} preset)" if run.get("sharding") else ""), ""]
+              + (f" ({run['sharding']} preset)" if run.get("sharding") else "") + f": {_BASIS_TEXT[basis]}", ""]
+        L += ["- compiled steps: " + "; ".join(f"{n} {v['s'] * 1e3:.3g} ms ({v['from']}, bound "
+                                               f"{v['bound_bytes_per_chip'] / 1e9:.3g} GB/chip)"
+                                               for n, v in run.get("steps", {}).items())]
         L += [f"- {d}: acceptance profile {_rate_text(v['profile'])}" for d, v in run["drafters"].items()]
         L += ["", "| drafter | k | E[accepted] | tokens/round | verify ms | drafter ms | round ms | tokens/s/seq | "
               "plain decode tokens/s | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -255,8 +285,10 @@ def plot_report(fc: dict, path: str) -> None:
     for run in fc["runs"]:
         for d, v in run["drafters"].items():
             rows = v["rows"]
+            basis = run.get("basis", "roofline")
             ax.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="o",
-                    label=f"{run['topology']} {run['weights']} {d} ({v['profile']['name']})")
+                    ls="-" if basis == "roofline" else ":",
+                    label=f"{run['topology']} {run['weights']} {d} ({v['profile']['name']}; {basis})")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="draft_n_max k", ylabel="speed-up over plain decoding",
            title=f"speculation payoff forecast, batch {fc['batch']}, context {fc['context']}")
@@ -271,4 +303,5 @@ def best(rows: list[dict]) -> dict:
 
 
 __all__ = ["Profile", "PUBLISHED", "DEFAULT_PROFILE", "K_RANGE", "given", "conditional", "from_sweep", "profile",
-           "expected_accepted", "forecast_row", "forecast", "round_times", "report_forecast", "section", "plot_report", "best"]
+           "expected_accepted", "forecast_row", "forecast", "BASES", "step_source", "round_times",
+           "report_forecast", "section", "plot_report", "best"]
