@@ -252,8 +252,8 @@ def section(fc: dict | None) -> list[str]:
     L = ["## Speculation payoff forecast", "",
          f"Batch {fc['batch']}, context {fc['context']}. tokens/round = 1 + E[accepted] = "
          "1 + Σ_(j≤k) Π_(i≤j) a_i; round ms = drafter(k) + verify(k+1), each the compiled program's "
-         "roofline seconds per bound byte "
-         "applied to k's bound; tokens/s/seq = tokens/round / round; speed-up = that × plain decode ms "
+         "seconds (basis: per table) per bound byte applied to k's bound, drafter(k) = round(k) − verify(k); "
+         "tokens/s/seq = tokens/round / round ms; speed-up = that × plain decode ms "
          "(`dsv4_jax.analysis.aot.forecast`, docs/aot.md). DSpark drafts at most its block size.", ""]
     for run in fc["runs"]:
         basis = run.get("basis", "roofline")
