@@ -75,7 +75,8 @@ def _row(program: str, roofline_s: float, bound: float, by_k: dict | None = None
             "argument_bytes_per_device": 1e9, "memory": {"peak": 2e9, "temp": 1e9, "output": 0},
             "cost": {"flops": 1e12, "bytes_accessed": 2 * bound}, "hlo": {"top_ops": {"total_bytes": bound}},
             "bound": b, "estimate": {"roofline_s": roofline_s, "bound_s": bound_s or roofline_s / 2,
-                                     "roofline_limit": "memory", "hlo_op_bytes_s": roofline_s},
+                                     "roofline_limit": "memory", "hlo_op_bytes_s": roofline_s,
+                                     "xla_bytes_s": 3 * roofline_s, "flops_s": 1e-6},
             "tokens_per_sequence": 1}
 
 
@@ -145,6 +146,20 @@ def test_report_forecast_hand_computed_and_rendered(tmp_path):
     assert cli.main(["--render", str(out), "--out", str(tmp_path / "again.json"), "--no-plot"]) == 0
     assert json.loads((tmp_path / "again.json").read_text())["forecast"]["spec"] == "0.8,0.5"
     assert cli.main(["--render", str(path), "--acceptance", "1.5", "--out", str(out)]) == 2
+
+
+def test_mixed_step_measures_add_the_xla_basis():
+    """A verify whose HLO could not be read (roofline from XLA's bytes) next to a decode with HLO-op bytes:
+    the forecast adds the one-measure "xla" basis."""
+    rep = _fake_report()
+    verify = rep["runs"][0]["programs"][1]
+    del verify["estimate"]["hlo_op_bytes_s"]
+    run = {r["basis"]: r for r in F.report_forecast(rep, "0.8,0.5")["runs"]}
+    assert set(run) == {"roofline", "xla", "bound"}
+    assert run["roofline"]["steps"]["verify"]["from"] == "XLA bytes"
+    # every step 3× its roofline time: speed-ups as on the roofline basis
+    assert run["xla"]["drafters"]["mtp"]["rows"][1]["speedup"] == pytest.approx(1.2941176)
+    assert run["xla"]["decode_s"] == pytest.approx(0.030)
 
 
 def test_report_without_bounds_per_k_is_named():

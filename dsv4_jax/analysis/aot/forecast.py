@@ -150,16 +150,26 @@ def forecast(p: Profile, decode_s: float, verify_s: Callable[[int], float], draf
 # ---- step times from a report's compiled programs ------------------------------------------------------
 
 # Step-time bases: "roofline" = the report's estimate per program (max(HLO-op HBM bytes, or XLA's bytes
-# accessed where the HLO could not be read, at the HBM bandwidth; flops at the peak rate)); "bound" = the
+# accessed where the HLO could not be read, at the HBM bandwidth; flops at the peak rate)); "xla" = XLA's
+# bytes accessed (on-chip traffic included) for every program, one measure throughout; "bound" = the
 # program's bytes bound at the HBM bandwidth (every program at its bound: the ideal payoff).
-BASES = ("roofline", "bound")
+BASES = ("roofline", "xla", "bound")
 
 
 def _seconds(row: dict, basis: str = "roofline") -> float:
     e = row["estimate"]
     if basis not in BASES:
         raise ValueError(f"unknown forecast basis {basis!r}; choose from {BASES}")
+    if basis == "xla":
+        return max(e["xla_bytes_s"], e.get("flops_s", 0.0))
     return e["roofline_s"] if basis == "roofline" else e["bound_s"]
+
+
+def default_bases(rows: dict) -> tuple[str, ...]:
+    """roofline and bound; and "xla" when the roofline times rest on different measures (a program whose
+    HLO could not be read next to one whose could), which would bias the comparison."""
+    sources = {step_source(r) for r in rows.values()} - {"flops"}
+    return ("roofline", "xla", "bound") if len(sources) > 1 else ("roofline", "bound")
 
 
 def step_source(row: dict) -> str:
@@ -208,22 +218,23 @@ def _compiled(run: dict) -> dict:
     return {r["program"]: r for r in run["programs"] if r.get("compiled")}
 
 
-def report_forecast(report: dict, spec: str | Sequence[float], bases: Sequence[str] = BASES) -> dict | None:
+def report_forecast(report: dict, spec: str | Sequence[float], bases: Sequence[str] | None = None) -> dict | None:
     """The forecast of every run of a `dsv4-aot` report that compiled decode, verify and at least one round
-    (None if none did): per run and step-time basis (`BASES`) the profile used per drafter
+    (None if none did): per run and step-time basis (`BASES`; default `default_bases`) the profile used per drafter
     (`profile(spec, drafter)`) and `forecast` rows for its k. ValueError on a bad profile."""
     runs = []
     for run in report["runs"]:
         rows = _compiled(run)
         if not {"decode", "verify"} <= set(rows) or not {"spec-mtp", "spec-dspark"} & set(rows):
             continue
-        for basis in bases:
+        steps = {n: r for n, r in rows.items() if n in ("decode", "verify", "spec-mtp", "spec-dspark")}
+        for basis in bases or default_bases(steps):
             decode, verify, drafters = round_times(rows, basis)
             out = {"topology": run["topology"], "weights": run["weights"], "mesh_text": run["mesh_text"],
                    "sharding": run.get("sharding"), "basis": basis, "decode_s": decode, "drafters": {},
-                   "steps": {n: {"s": _seconds(r, basis), "from": step_source(r) if basis == "roofline" else "bound",
+                   "steps": {n: {"s": _seconds(r, basis), "from": step_source(r) if basis == "roofline" else basis,
                                  "bound_bytes_per_chip": r["bound"]["total"] / run["chips"]}
-                             for n, r in rows.items() if n in ("decode", "verify", "spec-mtp", "spec-dspark")}}
+                             for n, r in steps.items()}}
             for d, (ks, drafter_s) in drafters.items():
                 p = profile(spec, d)
                 out["drafters"][d] = {"profile": dataclasses.asdict(p),
@@ -242,6 +253,7 @@ def _rate_text(p: dict) -> str:
 
 
 _BASIS_TEXT = {"roofline": "step times = the report's roofline estimates (as compiled)",
+               "xla": "step times = XLA's bytes accessed at HBM bandwidth (one measure for every program)",
                "bound": "step times = each program's bytes bound at HBM bandwidth (the ideal payoff)"}
 
 
@@ -287,7 +299,7 @@ def plot_report(fc: dict, path: str) -> None:
             rows = v["rows"]
             basis = run.get("basis", "roofline")
             ax.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="o",
-                    ls="-" if basis == "roofline" else ":",
+                    ls={"roofline": "-", "xla": "--"}.get(basis, ":"),
                     label=f"{run['topology']} {run['weights']} {d} ({v['profile']['name']}; {basis})")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="draft_n_max k", ylabel="speed-up over plain decoding",
@@ -303,5 +315,5 @@ def best(rows: list[dict]) -> dict:
 
 
 __all__ = ["Profile", "PUBLISHED", "DEFAULT_PROFILE", "K_RANGE", "given", "conditional", "from_sweep", "profile",
-           "expected_accepted", "forecast_row", "forecast", "BASES", "step_source", "round_times",
+           "expected_accepted", "forecast_row", "forecast", "BASES", "default_bases", "step_source", "round_times",
            "report_forecast", "section", "plot_report", "best"]
