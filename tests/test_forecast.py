@@ -162,8 +162,15 @@ def test_mixed_step_measures_add_the_xla_basis():
     assert run["xla"]["decode_s"] == pytest.approx(0.030)
 
 
-def test_report_without_bounds_per_k_is_named():
+def test_report_without_bounds_per_k_is_named(tmp_path, capsys):
+    """A report saved before the forecast (no bound per k): named; --render still writes it, without one."""
+    from dsv4_jax.analysis.aot import cli
     rep = _fake_report()
     del rep["runs"][0]["programs"][1]["bound"]["by_k"]
     with pytest.raises(ValueError, match="no bound per k"):
         F.report_forecast(rep, F.DEFAULT_PROFILE)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(rep))
+    assert cli.main(["--render", str(path), "--out", str(tmp_path / "r.json"), "--no-plot"]) == 0
+    assert "no bound per k" in capsys.readouterr().err
+    assert "forecast" not in json.loads((tmp_path / "r.json").read_text())
