@@ -293,7 +293,7 @@ def plot_report(fc: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     for run in fc["runs"]:
         for d, v in run["drafters"].items():
             rows = v["rows"]
@@ -304,7 +304,7 @@ def plot_report(fc: dict, path: str) -> None:
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="draft_n_max k", ylabel="speed-up over plain decoding",
            title=f"speculation payoff forecast, batch {fc['batch']}, context {fc['context']}")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
