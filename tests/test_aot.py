@@ -302,6 +302,25 @@ def test_plan_needs_no_libtpu(monkeypatch, capsys):
 
 # ---- programs from abstract shapes (no compile) ---------------------------------------------------
 
+def test_programs_carry_the_forecast_bounds_per_k():
+    """verify and the rounds carry their bound at every k of the payoff forecast (DSpark: k ≤ its block);
+    at the compiled k it is the program's own bound (no compile: abstract mesh)."""
+    from jax.sharding import AbstractMesh
+    from dsv4_jax.analysis.aot import bounds as BD, forecast as F
+    cfg = runner.model_config("flash", small=True, platform="cpu")
+    mesh, sh = AbstractMesh((1, 1, 1), parallel.MESH_AXES), I.Shapes(1, 4096, 3, 16)
+    verify = PR.build("verify", cfg, mesh, "release", sh).bound
+    assert [int(k) for k in verify["by_k"]] == list(F.K_RANGE)
+    assert verify["by_k"]["3"] == verify["total"]
+    assert verify["by_k"]["6"] == BD.target_bound(cfg, "release", 1, 4096, 7)["total"] > verify["total"]
+    mtp = PR.build("spec-mtp", cfg, mesh, "release", sh).bound
+    assert [int(k) for k in mtp["by_k"]] == list(F.K_RANGE) and mtp["by_k"]["3"] == mtp["total"]
+    assert mtp["by_k"]["5"] == BD.mtp_round_bound(cfg, "release", 1, 4096, 5)["total"]
+    dspark = PR.build("spec-dspark", cfg, mesh, "release", sh).bound
+    assert [int(k) for k in dspark["by_k"]] == [1, 2, 3, 4, 5] and dspark["by_k"]["3"] == dspark["total"]
+    assert "by_k" not in PR.build("decode", cfg, mesh, "release", sh).bound
+
+
 SHAPES = I.Shapes(batch=2, context=64, draft_n_max=2, prefill_chunk=8)
 
 

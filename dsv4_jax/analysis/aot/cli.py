@@ -5,7 +5,8 @@ prefill chunk, the decode step, the verify block (k+1 tokens) and one speculativ
 DSpark, from abstract sharded inputs (nothing is allocated, no TPU is needed: libtpu compiles on this CPU),
 and reports per program: fits or not (HBM per chip), argument / temp / output bytes, compile time, flops,
 bytes accessed against the bytes bound, estimated time at the chip's bandwidth and peak rate, top HLO ops by
-bytes and collectives. JSON + Markdown + a plot (`--out`).
+bytes and collectives; when decode, verify and a speculative round compiled, the speculation payoff forecast
+for k = 1..7 under an acceptance profile (`--acceptance`). JSON + Markdown + plots (`--out`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import jax
 
 from ... import backends as B, cli
 from .. import libtpu
-from . import chips, ep as EP, extrapolate as X, inputs as I, programs as PR, report as R, runner
+from . import chips, ep as EP, extrapolate as X, forecast as F, inputs as I, programs as PR, report as R, runner
 
 EXAMPLES = """examples:
   dsv4-aot --topology v5p:2x2x2 --weights bf16 --batch 8 --context 32768 --out aot_v5p8.json
@@ -28,6 +29,7 @@ EXAMPLES = """examples:
   dsv4-aot --small --topology v5p:2x2x1 --programs decode,verify                        # seconds: a quick check
   dsv4-aot --topology cpu --small                                                         # without libtpu
   dsv4-aot --render a.json b.json --out merged.json                                       # re-render / merge
+  dsv4-aot --render dec.json ver.json mtp.json --acceptance 0.9,0.7,0.5 --out fc.json   # forecast, other profile
 
 Full flash() compiles take minutes per program on 2 cores. Every layer is counted by default from the program
 as run plus two small unrolled compiles (3 + 2 and 3 + 3 layers of Flash), extrapolated to all 20 HCA/CSA
@@ -106,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="aot_report.json",
                    help="report JSON path; the Markdown and plot go next to it (x.md, x.png); default "
                         "aot_report.json")
+    p.add_argument("--acceptance", default=None, metavar="PROFILE",
+                   help="acceptance profile of the speculation payoff forecast (per-position conditional rates): a "
+                        f"published name ({', '.join(sorted(F.PUBLISHED))}), a dsv4-sweep summary.json (each "
+                        "drafter's own greedy setting with the most positions), or comma rates '0.8,0.6,0.5'; "
+                        f"default {F.DEFAULT_PROFILE} (with --render: the first report's)")
     p.add_argument("--render", nargs="+", metavar="JSON", default=None,
                    help="compile nothing: re-render (and merge) saved reports into --out")
     return p
@@ -124,7 +131,28 @@ def _use_cpu_backend() -> None:
             pass
 
 
-def render(paths: list[str], out: str, plot: bool) -> int:
+def check_acceptance(spec: str | None) -> None:
+    """A bad --acceptance fails before anything compiles (cli.OptionError naming the problem)."""
+    if spec is None:
+        return
+    try:
+        F.profile(spec)
+    except ValueError as e:
+        raise cli.OptionError(f"--acceptance: {e}") from None
+
+
+def with_forecast(report: dict, spec: str) -> dict:
+    """The report with its speculation payoff forecast under profile `spec` (none when no run compiled
+    decode, verify and a round)."""
+    report = dict(report)
+    report.pop("forecast", None)
+    fc = F.report_forecast(report, spec)
+    if fc:
+        report["forecast"] = fc
+    return report
+
+
+def render(paths: list[str], out: str, plot: bool, acceptance: str | None = None) -> int:
     reports = []
     for p in paths:
         try:
@@ -136,6 +164,11 @@ def render(paths: list[str], out: str, plot: bool) -> int:
         merged = R.merge(reports, paths)
     except ValueError as e:
         return _fail(str(e))
+    spec = acceptance or (reports[0].get("forecast") or {}).get("spec") or F.DEFAULT_PROFILE
+    try:
+        merged = with_forecast(merged, spec)
+    except ValueError as e:      # e.g. rows saved before the forecast's bounds per k: rendered without it
+        print(f"dsv4-aot: no forecast: {e}", file=sys.stderr)
     for p in R.write(merged, out, plot):
         print(f"wrote {p}")
     print(R.fit_table(merged))
@@ -198,8 +231,12 @@ def parse_request(a: argparse.Namespace, argv: list[str] | None) -> runner.AotRe
 def main(argv: Iterable[str] | None = None) -> int:
     argv = None if argv is None else list(argv)
     a = build_parser().parse_args(argv)
+    try:
+        check_acceptance(a.acceptance)
+    except cli.OptionError as e:
+        return _fail(str(e))
     if a.render:
-        return render(a.render, a.out, not a.no_plot)
+        return render(a.render, a.out, not a.no_plot, a.acceptance)
     try:
         req = parse_request(a, argv)
     except cli.OptionError as e:
@@ -223,6 +260,10 @@ def main(argv: Iterable[str] | None = None) -> int:
         rep = runner.run(req, checkpoint=checkpoint)
     except (chips.TopologyError, chips.LibtpuMissing) as e:
         return _fail(str(e))
+    try:
+        rep = with_forecast(rep, a.acceptance or F.DEFAULT_PROFILE)
+    except ValueError as e:      # e.g. a sweep summary without this drafter: the report is written without it
+        print(f"dsv4-aot: no forecast: {e}", file=sys.stderr)
     for p in R.write(rep, a.out, not a.no_plot):
         print(f"wrote {p}")
     if os.path.exists(partial):

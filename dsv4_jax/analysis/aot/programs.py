@@ -8,8 +8,10 @@
                   `while_loop`, whose body XLA's cost analysis would count once whatever the trip count
     spec-dspark   the same with the DSpark drafter (3 stages, 3 taps, Markov rank 256; k ≤ block size 5)
 
-The config passed in carries the backends; the report sets `unroll_layers=True` so every layer is in the
-program text. The speculative round's options (`spec.loop.Options`) and carry are built in `_round` only.
+`bound["by_k"]` (verify and the rounds) holds the bound at every k of the speculation payoff forecast
+(`forecast.round_times`). The config passed in carries the backends; the report sets `unroll_layers=True`
+so every layer is in the program text. The speculative round's options (`spec.loop.Options`) and carry
+are built in `_round` only.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ...drafters import registry
 from ...drafters.base import Bound, Knobs
 from ...speculative import loop
 from . import bounds
+from . import forecast as F
 from . import inputs as I
 
 PROGRAMS = ("prefill", "decode", "verify", "spec-mtp", "spec-dspark")
@@ -70,6 +73,9 @@ def _block(name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, S: 
     tokens = I.batch_array(mesh, (sh.batch, S), jnp.int32, rules=rules)
     n_valid = I.replicated(mesh, (sh.batch,), jnp.int32)
     bound = bounds.target_bound(config, weights, sh.batch, sh.context, S)
+    if name == "verify":        # the verify step over k + 1 tokens for every k of the payoff forecast
+        bound["by_k"] = {str(k): bounds.target_bound(config, weights, sh.batch, sh.context, k + 1)["total"]
+                         for k in F.K_RANGE}
     return Program(name, process_block, (params, config, state, tokens, n_valid), bound, S)
 
 
@@ -95,11 +101,16 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
     opts = loop.Options(drafter=drafter_name, k=k, greedy=True, max_new_tokens=MAX_NEW_TOKENS,
                         eos_token_id=config.eos_token_id, taps=setup.taps, settings=setup.settings)
     if drafter_name == "mtp":
-        bound = bounds.mtp_round_bound(config, weights, B, sh.context, k)
+        round_bound = lambda kk: bounds.mtp_round_bound(config, weights, B, sh.context, kk)
+        ks = F.K_RANGE
     else:
         dp = params["dspark"]
-        bound = bounds.dspark_round_bound(config, weights, B, sh.context, k, setup.settings.block_size,
-                                          len(dp["stages"]), len(setup.taps), dp["markov_w1"].shape[1])
+        round_bound = lambda kk: bounds.dspark_round_bound(config, weights, B, sh.context, kk,
+                                                           setup.settings.block_size, len(dp["stages"]),
+                                                           len(setup.taps), dp["markov_w1"].shape[1])
+        ks = [kk for kk in F.K_RANGE if kk <= setup.settings.block_size]     # DSpark drafts at most a block
+    bound = round_bound(k)
+    bound["by_k"] = {str(kk): round_bound(kk)["total"] for kk in ks}     # the payoff forecast's rounds
     ints = lambda *shape: I.batch_array(mesh, shape, jnp.int32, rules=rules)
     carry = loop.Carry(
         out=ints(B, MAX_NEW_TOKENS + k + 1), out_len=ints(B), limit=ints(B), last=ints(B),

@@ -1,8 +1,9 @@
 """The report: JSON (everything), Markdown (tables) and a plot (bytes and estimated time per program).
 
 `fit_table` is the compact "will it fit, and how fast could it be" view (one row per topology × weight
-format) that README.md shows. Files are written next to each other (`x.json`, `x.md`, `x.png`), each to a
-temporary name first and renamed when complete.
+format) that README.md shows; the speculation payoff forecast (`report["forecast"]`, `forecast.report_forecast`)
+gets its own section and plot. Files are written next to each other (`x.json`, `x.md`, `x.png`,
+`x.forecast.png`), each to a temporary name first and renamed when complete.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import tempfile
 
+from . import forecast as F
 from .chips import GIB
 from .kernel_hook import COLUMNS
 
@@ -261,6 +263,7 @@ def markdown(report: dict) -> str:
          "HLO-op bytes behind the estimates count every layer).",
          "",
          fit_table(report), ""]
+    L += F.section(report.get("forecast"))
     for run in report["runs"]:
         L += [f"## {run['topology']}, {run['weights']} weights", "",
               f"{run['chips']} chips on {run['hosts']} host(s), {run['chip']['device_kind']}; mesh (data, expert, "
@@ -341,7 +344,7 @@ def _atomic_write(path: str, write) -> None:
 
 
 def write(report: dict, json_path: str, plot_too: bool = True) -> list[str]:
-    """Write x.json, x.md (and x.png): all rendered first, then each renamed into place."""
+    """Write x.json, x.md (and x.png, x.forecast.png): all rendered first, then each renamed into place."""
     stem = os.path.splitext(json_path)[0]
     text = markdown(report)
     paths = [json_path, stem + ".md"]
@@ -359,4 +362,7 @@ def write(report: dict, json_path: str, plot_too: bool = True) -> list[str]:
     if plot_too and any(r.get("compiled") for run in report["runs"] for r in run["programs"]):
         _atomic_write(stem + ".png", lambda p: plot(report, p))
         paths.append(stem + ".png")
+    if plot_too and report.get("forecast"):
+        _atomic_write(stem + ".forecast.png", lambda p: F.plot_report(report["forecast"], p))
+        paths.append(stem + ".forecast.png")
     return paths
