@@ -368,9 +368,14 @@ def rounds_loop(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, o
         return jax.lax.while_loop(cond, lambda c: round_step(params, config, c, knobs, opts), carry)
     carry = jax.lax.while_loop(lambda c: cond(c) & ~_plain_now(c, knobs),
                                lambda c: _speculative_round(params, config, c, knobs, opts), carry)
-    before = carry.stats.rounds
-    carry = jax.lax.while_loop(cond, lambda c: _plain_step(params, config, c, knobs, opts), carry)
-    return carry.replace(stats=_fold_plain(carry.stats, carry.stats.rounds - before, knobs))
+    # the plain loop carries what a plain step reads and writes: the drafter state (no longer fed) and the
+    # statistics other than `rounds` wait outside it, so its body's state is plain decoding's
+    held = carry.stats
+    lean = carry.replace(drafter=None, stats=Stats(rounds=held.rounds, drafted=None, accepted=None,
+                                                   per_position=None, proposed_at=None, length_hist=None))
+    lean = jax.lax.while_loop(cond, lambda c: _plain_step(params, config, c, knobs, opts), lean)
+    stats = _fold_plain(held.replace(rounds=lean.stats.rounds), lean.stats.rounds - held.rounds, knobs)
+    return lean.replace(drafter=carry.drafter, stats=stats)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
