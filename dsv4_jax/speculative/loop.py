@@ -137,7 +137,7 @@ def _fresh_extra(B: int, k: int) -> dict:
 
 
 def _fresh_width(B: int, k: int) -> dict:
-    """Zeroed width-scheduler statistics (Stats.width_hist ... cost_sum)."""
+    """Zeroed width-scheduler statistics (Stats.width_hist ... offered)."""
     return dict(width_hist=jnp.zeros((B, k + 2), jnp.int32), predicted=jnp.zeros((B,), jnp.float32),
                 raw_sum=jnp.zeros((B, k), jnp.float32), cost_sum=jnp.zeros((B,), jnp.float32),
                 offered=jnp.zeros((B,), jnp.int32))
@@ -194,8 +194,9 @@ def _realised_rate_below_plain(s: Stats, knobs: Knobs, rounds: jax.Array) -> jax
     """MODE_AUTO's switch to plain decoding (docs/width_scheduler.md §3), bool []: at once when no width can pay
     even with every draft accepted (`_no_width_can_pay`); else once the run's committed tokens per cost-table
     second so far are not above plain decoding's 1 / plain_cost (a tie goes to plain: its rounds skip the
-    drafter's work) — after one round if the scheduler's own forecast for the rounds so far (Σ expected tokens of
-    drafts offered every round) agrees, else after WARMUP_ROUNDS rounds (realised evidence against a forecast that said drafting pays)."""
+    drafter's work) — after one round if the scheduler's own forecast for the rounds so far (Σ expected tokens,
+    drafts offered every round) agrees, else after WARMUP_ROUNDS rounds (realised evidence against a forecast
+    that said drafting pays)."""
     cost = jnp.sum(s.cost_sum)
     realised_low = jnp.sum(s.rounds + s.accepted).astype(jnp.float32) * knobs.plain_cost <= cost
     # the forecast counts only where the drafter offered drafts every round (an n-gram without a match yet
@@ -301,7 +302,8 @@ def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
                        offered: jax.Array | None = None) -> Carry:
     """Verify [last, drafts] (drafts [B,w], q [B,w,V], n_draft [B] <= w; conf [B,w] the drafter's confidences
     or None), accept, emit, commit, observe. Width scheduler (Options.adaptive): est / raw [B,w] the drafts'
-    calibrated / raw acceptance estimates, offered [B] whether the drafter proposed any draft; plain: a round without the drafter (w = 0, no observe)."""
+    calibrated / raw acceptance estimates, offered [B] whether the drafter proposed any draft; plain: a round
+    without the drafter (w = 0, no observe)."""
     drafter = registry.get(opts.drafter)
     pos = c.target.pos
     B, w = drafts.shape

@@ -123,8 +123,9 @@ def _failed(row: dict, error: str) -> dict:
 def dumped_text(program: Program, options: dict | None) -> str:
     """The compiled HLO text of `program` as XLA's own dump writes it: compiled again with
     `xla_dump_to` (a temporary folder) and `xla_dump_hlo_as_text`, the module's `*.after_codegen.txt`
-    (libtpu: what `Compiled.as_text()` returns when it can; the CPU backend: `*after_optimizations.txt`). For programs whose text `as_text()` cannot rebuild
-    (libtpu: "async-update instruction should have 1 operands but sees 4", e.g. the verify programs)."""
+    (libtpu: what `Compiled.as_text()` returns when it can; the CPU backend: `*after_optimizations.txt`).
+    For programs whose text `as_text()` cannot rebuild (libtpu: "async-update instruction should have 1
+    operands but sees 4", e.g. the verify programs)."""
     with tempfile.TemporaryDirectory(prefix="dsv4_hlo_dump_") as d:
         program.lower().compile(compiler_options={**(options or {}), "xla_dump_to": d,
                                                   "xla_dump_hlo_as_text": True})

@@ -222,7 +222,7 @@ def report_forecast(report: dict, spec: str | Sequence[float], bases: Sequence[s
     """The forecast of every run of a `dsv4-aot` report that compiled decode, verify and at least one round
     (None if none did): per run and step-time basis (`BASES`; default `default_bases`) the profile used per drafter
     (`profile(spec, drafter)`) and `forecast` rows for its k. ValueError on a bad profile."""
-    runs = []
+    runs, profiles = [], {}
     for run in report["runs"]:
         rows = _compiled(run)
         if not {"decode", "verify"} <= set(rows) or not {"spec-mtp", "spec-dspark"} & set(rows):
@@ -236,7 +236,7 @@ def report_forecast(report: dict, spec: str | Sequence[float], bases: Sequence[s
                                  "bound_bytes_per_chip": r["bound"]["total"] / run["chips"]}
                              for n, r in steps.items()}}
             for d, (ks, drafter_s) in drafters.items():
-                p = profile(spec, d)
+                p = profiles[d] = profiles.get(d) or profile(spec, d)     # a summary.json read once per drafter
                 out["drafters"][d] = {"profile": dataclasses.asdict(p),
                                       "rows": forecast(p, decode, verify, drafter_s, ks)}
             runs.append(out)
