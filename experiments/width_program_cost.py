@@ -7,7 +7,7 @@ the variants in one process (ratios; this VM is noisy):
   width1    an MTP round verifying one draft, B = 8: in its own program, with the state sized for blocks of
             8, inside the dynamic_draft_n program (widths 1..7), inside the scheduler program (0..7 + plain)
 
-    PYTHONPATH=. python experiments/width_program_cost.py --out OUT.json [--repeats 6]
+    PYTHONPATH=. python experiments/width_program_cost.py --out OUT.json [--repeats 6] [--temperature 0.8]
 Prints a table (ms per round, median [min–max] over repeats after one untimed warm-up) and writes JSON.
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ from dsv4_jax.speculative.generate import prepare
 from dsv4_jax.training.evaluate import heldout_prompts
 
 
-def plain_variants(demo) -> dict:
-    """name -> callable() giving seconds per round."""
+def plain_variants(demo, temperature: float = 0.0) -> dict:
+    """name -> callable() giving seconds per round (temperature > 0: sampled rounds)."""
     prompts = heldout_prompts(1, prompt_len=120, seed=4)
-    kw = dict(eos_token_id=-1, max_len=776, pad_to=128)
+    kw = dict(eos_token_id=-1, max_len=776, pad_to=128, temperature=temperature)
     none = prepare(demo.params, demo.config, prompts, 64, **kw)
     none8 = prepare(demo.params, demo.config, prompts, 64, max_block=8, **kw)
     out = {"plain: none program": lambda: cost_table.seconds_per_round(demo.params, demo.config, none, none.knobs),
@@ -44,9 +44,9 @@ def plain_variants(demo) -> dict:
     return out
 
 
-def width1_variants(demo) -> dict:
+def width1_variants(demo, temperature: float = 0.0) -> dict:
     prompts = heldout_prompts(8, prompt_len=64, seed=4)
-    kw = dict(eos_token_id=-1, max_len=200, pad_to=64, drafter="mtp", draft_n_max=1)
+    kw = dict(eos_token_id=-1, max_len=200, pad_to=64, drafter="mtp", draft_n_max=1, temperature=temperature)
     shapes = {"width 1: own program": {}, "width 1: state for blocks of 8": dict(max_block=8),
               "width 1: dynamic_draft_n program": dict(max_block=8, dynamic_draft_n=True),
               "width 1: scheduler program": dict(max_block=8, adaptive_widths=True)}
@@ -62,11 +62,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--groups", default="plain,width1", help="comma-separated: plain, width1")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy rounds; > 0: sampled rounds")
     a = p.parse_args(argv)
     demo = tiny_demo()
     rows = {}
     groups = {"plain": plain_variants, "width1": width1_variants}
-    for group in (groups[g](demo) for g in a.groups.split(",")):
+    for group in (groups[g](demo, a.temperature) for g in a.groups.split(",")):
         times = {name: [] for name in group}
         for rep in range(a.repeats + 1):
             for name, fn in group.items():
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     for name, r in rows.items():
         print(f"{name:40s} {r['ms_per_round']:9.3f} [{r['min']:6.3f}-{r['max']:6.3f}] {r['vs_first']:8.2f}x")
     with open(a.out, "w") as f:
-        json.dump({"rows": rows, "repeats": a.repeats}, f, indent=1)
+        json.dump({"rows": rows, "repeats": a.repeats, "temperature": a.temperature}, f, indent=1)
     return 0
 
 

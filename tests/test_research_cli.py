@@ -7,10 +7,12 @@ each compilation short.
 """
 import json
 import os
+import types
 
 import jax.numpy as jnp
 from jax import monitoring
 import numpy as np
+
 import pytest
 
 import dsv4_jax as d
@@ -254,6 +256,44 @@ def test_repeat_spread_and_speedup_ranges():
                                 {"spec_type": "mtp", "temperature": 0, "batch_size": 1, **spec}])
     assert rows[1]["decode_speedup"] == pytest.approx(16 / (16 / 3))
     assert rows[1]["decode_speedup_lo"] == pytest.approx(8 / 8) and rows[1]["decode_speedup_hi"] == pytest.approx(32 / 3.2)
+
+
+def test_paired_speedups_take_the_ratio_within_each_pass():
+    """Interleaved repeats (`--order interleaved`): the speed-up is the median [min–max] over the passes of the
+    rate in pass r over the baseline's in pass r — a pass where the machine ran 2× slower for both counts 1×."""
+    rec = lambda decodes: {"n": 1, "predicted": 17, "draft": 0, "accepted": 0, "rounds": 16, "wall_s": 0,
+                           "decode_s": 0, "prefill_s": 0.0, "decodes": decodes, "walls": decodes,
+                           "per_position_accepted": [], "per_position_proposed": []}
+    base = report.aggregate([rec([1.0, 2.0, 1.0])])            # 16, 8, 16 tokens/s
+    spec = report.aggregate([rec([0.8, 1.6, 0.5])])            # 20, 10, 32 tokens/s: ratios 1.25, 1.25, 2.0
+    row = lambda spec_type, agg: {"spec_type": spec_type, "temperature": 0, "batch_size": 1, **agg}
+    paired = report.add_speedups([row("none", base), row("mtp", spec)], paired=True)[1]
+    assert (paired["decode_speedup"], paired["decode_speedup_lo"], paired["decode_speedup_hi"]) == \
+        (pytest.approx(1.25), pytest.approx(1.25), pytest.approx(2.0))
+    unpaired = report.add_speedups([row("none", base), row("mtp", spec)])[1]
+    assert unpaired["decode_speedup"] == pytest.approx(20 / 16)
+    assert (unpaired["decode_speedup_lo"], unpaired["decode_speedup_hi"]) == (pytest.approx(10 / 16), pytest.approx(4.0))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_sweep_times_settings_in_passes(interleaved, monkeypatch):
+    """time_settings warms every setting up first, then (interleaved) runs pass by pass, every setting once
+    per pass — or (grouped) each setting's repeats back to back; each batch gets one result per repeat."""
+    from dsv4_jax.research import sweep
+    calls = []
+    monkeypatch.setattr(sweep, "warm_up", lambda model, g, s, plan, table: calls.append(("warm", s)) or 0.5)
+    monkeypatch.setattr(sweep, "run_batch", lambda model, g, s, plan, n, table: calls.append(("run", s)) or {"s": s})
+    monkeypatch.setattr(sweep, "shapes", lambda prompts, size, plan: [prompts[:size]])
+    settings = [types.SimpleNamespace(name=n, batch_size=1, auto=False) for n in ("none", "mtp")]
+
+    class Bar:
+        update = staticmethod(lambda n: None)
+    runs, warm = sweep.time_settings(None, [{"id": 0}, {"id": 1}], settings, None, 2, Bar(), {}, interleaved)
+    names = [(kind, s.name) for kind, s in calls]
+    assert names[:2] == [("warm", "none"), ("warm", "mtp")] and warm == [0.5, 0.5]
+    timed = [n for kind, n in names[2:]]
+    assert timed == ((["none"] * 2 + ["mtp"] * 2) * 2 if interleaved else ["none"] * 4 + ["mtp"] * 4)
+    assert [[len(reps) for reps in per_setting] for per_setting in runs] == [[2, 2], [2, 2]]
 
 
 @pytest.mark.parametrize("args, message", [

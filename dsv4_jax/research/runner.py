@@ -284,6 +284,14 @@ def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, rep
             "decode_s": statistics.median(decodes), "pad_to": pad_to}
 
 
+def merge_runs(runs: Sequence[dict]) -> dict[str, Any]:
+    """One `run_batch` result from several (each of one or more repeats, in order): the timings of all,
+    medians over them, tokens and stats of the last."""
+    walls, prefills, decodes = ([t for r in runs for t in r[key]] for key in ("walls", "prefills", "decodes"))
+    return {**runs[-1], "walls": walls, "prefills": prefills, "decodes": decodes, "wall_s": statistics.median(walls),
+            "prefill_s": statistics.median(prefills), "decode_s": statistics.median(decodes)}
+
+
 def warm_up(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, cost_table=None) -> float:
     """One untimed run of the batch shape (compilation, when its programs are new); returns its wall time."""
     t0 = time.perf_counter()

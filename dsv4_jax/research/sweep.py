@@ -2,9 +2,9 @@
 
 Grid: spec type {none, mtp, dspark} × draft_n_max × p_min (MTP) / confidence threshold (DSpark) ×
 temperature × batch size. Every setting runs one untimed warm-up per batch shape (compilation, when its
-programs are new) and then every batch of prompts `--repeats` times (default 5) with the same seed;
-speed-ups are against the no-speculation baseline measured in the same run with the same temperature
-and batch size. The headline figures are decode-only (tokens of the decode loop / its time); end to
+programs are new) and then every batch of prompts `--repeats` times (default 5) with the same seed, in
+passes (each pass every setting once in turn, `--order interleaved`, the default): speed-ups are against the
+no-speculation baseline measured in the same run with the same temperature and batch size, pass by pass. The headline figures are decode-only (tokens of the decode loop / its time); end to
 end and the prefill are reported beside them; rates are medians over the repeats with min and max.
 
 --draft-n-max auto adds, per drafter, a run whose verify width is chosen each round on the device by the
@@ -39,7 +39,8 @@ from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
 from .prompts import PromptError
 from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, calibrate_setting, effective_draft_n_max,
-                     grid_settings, per_sequence, plan_shapes, pool_for, precompile, run_batch, shapes, warm_up)
+                     grid_settings, merge_runs, per_sequence, plan_shapes, pool_for, precompile, run_batch, shapes,
+                     warm_up)
 
 # one program at a time: XLA:CPU already compiles one program on both cores of the 2-core VM, two at once
 # were no faster (experiments/results/sweep_speed_2026-12-02_v6.md)
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_width_args(p.add_argument_group("width scheduler (--draft-n-max auto; docs/width_scheduler.md)"))
     common.add_prompt_args(p, default_per_category=2)
     common.add_run_args(p, default_repeats=REPEATS)
+    p.add_argument("--order", choices=("interleaved", "grouped"), default="interleaved",
+                   help="interleaved (default): the repeats in passes, each pass running every setting once, so "
+                        "that a drift of the machine's speed hits every setting alike and speed-ups pair each "
+                        "pass with the baseline's same pass; grouped: each setting's repeats back to back")
     g = p.add_argument_group("compilation")
     g.add_argument("--compile-threads", type=int, default=COMPILE_THREADS, metavar="N",
                    help=f"compile the sweep's distinct programs before the first run, N at a time (default "
@@ -178,19 +183,38 @@ def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: R
     return out
 
 
-def run_setting(model, prompts: list[dict], setting: Setting, plan: RunPlan, repeats: int, log, bar,
-                cost_table=None) -> tuple:
-    """Warm up every batch shape, then time each batch (cost_table: an auto setting's).
-    -> (per-prompt records, batch records, warm-up seconds)."""
-    groups = batches(prompts, setting.batch_size)
-    warm = 0.0
-    for g in shapes(prompts, setting.batch_size, plan):
-        warm += warm_up(model, g, setting, plan, cost_table)
-        bar.update(1)
-    log(f"== {setting.label}  (warm-up/compile {warm:.1f} s)")
+def time_settings(model, prompts: list[dict], settings: Sequence[Setting], plan: RunPlan, repeats: int, bar,
+                  tables: dict, interleaved: bool = True) -> tuple[list, list]:
+    """Warm up every setting's batch shapes, then time every batch `repeats` times. interleaved (default): in
+    passes, each pass running every setting once in turn, so that a change of the machine's speed during the
+    sweep hits every setting alike (pass r of two settings are neighbours in time: `report.add_speedups`
+    pairs them); else each setting's repeats back to back.
+    -> (runs [setting][batch] = one `run_batch` result per repeat, warm-up seconds per setting)."""
+    table = lambda s: tables[s.table_key]["table"] if s.auto else None
+    warm = []
+    for s in settings:
+        seconds = 0.0
+        for g in shapes(prompts, s.batch_size, plan):
+            seconds += warm_up(model, g, s, plan, table(s))
+            bar.update(1)
+        warm.append(seconds)
+    runs = [[[] for _ in batches(prompts, s.batch_size)] for s in settings]
+    order = [(r, i) for r in range(repeats) for i in range(len(settings))] if interleaved else \
+        [(r, i) for i in range(len(settings)) for r in range(repeats)]
+    for _, i in order:
+        s = settings[i]
+        for g, group in enumerate(batches(prompts, s.batch_size)):
+            runs[i][g].append(run_batch(model, group, s, plan, 1, table(s)))
+            bar.update(1)
+    return runs, warm
+
+
+def setting_records(model, prompts: list[dict], setting: Setting, runs: list[list[dict]], log) -> tuple:
+    """The per-prompt and per-batch records of a setting's timed runs (runs [batch] = one `run_batch` result
+    per repeat, `time_settings`). -> (per-prompt records, batch records)."""
     records, batch_records = [], []
-    for group in groups:
-        r = run_batch(model, group, setting, plan, repeats, cost_table)
+    for group, reps in zip(batches(prompts, setting.batch_size), runs):
+        r = merge_runs(reps)
         st = r["stats"]
         batch_records.append({"n": len(group), "predicted": st["generated"], "draft": st["drafted"],
                               "accepted": st["accepted"], "rounds": st["rounds"], "wall_s": r["wall_s"],
@@ -205,8 +229,7 @@ def run_setting(model, prompts: list[dict], setting: Setting, plan: RunPlan, rep
             seq = per_sequence(st, b)
             log(prompt_line(p, seq, r["wall_s"], r["decode_s"]))
             records.append(prompt_record(model, p, setting, seq, r, b))
-        bar.update(repeats)
-    return records, batch_records, warm
+    return records, batch_records
 
 
 def prompt_record(model, p: dict, setting: Setting, seq: dict, r: dict, b: int) -> dict:
@@ -368,21 +391,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if pre:
             log(f"== compiled {pre['programs']} programs in {pre['wall_s']:.1f} s ({a.compile_threads} at a time)")
         tables = cost_tables(model, prompts, settings, plan, a, bar)
+        runs, warms = time_settings(model, prompts, settings, plan, a.repeats, bar, tables, a.order == "interleaved")
         all_records, rows, baselines = [], [], {}
-        for setting in settings:
-            table = tables[setting.table_key]["table"] if setting.auto else None
-            records, batch_records, warm = run_setting(model, prompts, setting, plan, a.repeats, log, bar, table)
+        for setting, setting_runs, warm in zip(settings, runs, warms):
+            log(f"== {setting.label}  (warm-up/compile {warm:.1f} s)")
+            records, batch_records = setting_records(model, prompts, setting, setting_runs, log)
             if setting.spec == BASELINE:
                 baselines[setting.group] = records
             row = {**setting.as_dict(), "effective_draft_n_max": effective_draft_n_max(setting, model),
                    **report.aggregate(batch_records), "warmup_s": warm, "per_category": per_category(records),
                    "outputs_match_baseline": match_baseline(records, baselines.get(setting.group))}
             rows.append(row)
-            report.add_speedups(rows)
+            report.add_speedups(rows, a.order == "interleaved")
             log(aggregate_line(row))
             all_records += records
         report.add_width_predictions(rows, {key: t["table"] for key, t in tables.items()}, a.cost_table_obj)
-        summary = {"meta": run_meta(a, argv, model, suite, prompts, plan), "settings": report.add_speedups(rows)}
+        summary = {"meta": run_meta(a, argv, model, suite, prompts, plan),
+                   "settings": report.add_speedups(rows, a.order == "interleaved")}
         summary["meta"]["cost_tables"] = [report.cost_table_meta(key, t["table"], t["how"])
                                           for key, t in tables.items()]
         summary["meta"]["env"].update(load_average=load_start, load_average_end=list(os.getloadavg()))
@@ -408,7 +433,7 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> 
             "suite": suite,
             "categories": sorted({p["category"] for p in prompts}), "n_prompts": len(prompts),
             "prompt_ids": [p["id"] for p in prompts], "max_new_tokens": plan.max_new_tokens,
-            "repeats": a.repeats, "seed": plan.seed, "top_p": plan.top_p, "ignore_eos": a.ignore_eos,
+            "repeats": a.repeats, "order": a.order, "seed": plan.seed, "top_p": plan.top_p, "ignore_eos": a.ignore_eos,
             "pad_to": plan.pad_to, "max_len": plan.max_len, "max_block": plan.max_block,
             "drafter_pool": list(plan.drafter_pool) if plan.drafter_pool else None,
             "dynamic_draft_n": plan.dynamic_draft_n, "verify": plan.verify,
