@@ -31,7 +31,8 @@ from dsv4_jax import parallel as S  # noqa: E402
 from dsv4_jax.config import tiny_flash_like  # noqa: E402
 
 DEFAULT_MESHES = ((1, 8, 1), (1, 1, 8), (2, 2, 2))
-CHECKS = ("forward", "decode", "restore", "generate")
+CHECKS = ("forward", "decode", "restore", "generate")   # the default --only
+EXTRA_CHECKS = ("expert_words",)                          # run only when named
 
 
 def test_config():
@@ -263,6 +264,58 @@ def _check_quantized_restore(ckpt, config, mesh, single, tokens, want_logits) ->
     return r
 
 
+# ---- routed FP4 experts as words ------------------------------------------------------------------------
+
+def _flat(tree) -> dict:
+    """{dot path: leaf} of a parameter tree with its drafters (QArrays as leaves)."""
+    from dsv4_jax.ops import quant
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=quant.is_qarray)[0]
+    return {".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path): v for path, v in leaves}
+
+
+def words_config():
+    """A 3-layer config whose routed experts' contraction dims (hidden 256, moe_intermediate 256) hold whole
+    256-column groups of the FP4 word layout, 8 experts."""
+    from dsv4_jax.config import _tiny_base
+    return _tiny_base(name="words-test", ratios=[0, 4, 8], n_hash=1, vocab_size=128, hidden_size=256,
+                      moe_intermediate_size=256)
+
+
+def check_expert_words(presets=("latency", "throughput")) -> dict:
+    """load_checkpoint(keep_quantized=True, sharding=preset) with expert_words True vs False: which routed leaves
+    became words, their partition specs and dequantized values against the uint8 codes' (exact), and the
+    forward logits of both against the single-device dense model."""
+    from dsv4_jax.ops import quant
+    config = words_config()
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "ckpt")
+        write_checkpoint(ckpt, config)
+        _, single = dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32)
+        tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (2, 16), 0, config.vocab_size), np.int32)
+        want = np.asarray(dsv4_jax.forward({k: v for k, v in single.items() if k != "mtp"}, config, tokens))
+        for name in presets:
+            mesh = S.preset(name).make_mesh()
+            loaded = {ew: dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32, sharding=name, keep_quantized=True,
+                                                   expert_words=ew) for ew in (False, True)}
+            codes, words = (_flat(loaded[ew][1]) for ew in (False, True))
+            converted, bad = [], []
+            for k, v in words.items():
+                if isinstance(v, quant.QArray) and v.fmt != codes[k].fmt:
+                    converted.append(k)
+                    same = np.array_equal(np.asarray(quant.dequantize(v)), np.asarray(quant.dequantize(codes[k])))
+                    if not (same and v.codes.sharding.spec == codes[k].codes.sharding.spec
+                            and v.fmt.name.startswith("e2m1x8") and "experts.w" in k):
+                        bad.append(k)
+            logits = {ew: np.asarray(dsv4_jax.forward({k: v for k, v in p.items() if k != "mtp"}, cfg.target,
+                                                      S.shard_batch(tokens, mesh)))
+                      for ew, (cfg, p) in loaded.items()}
+            out[name] = {"converted": len(converted), "converted_mtp": sum(k.startswith("mtp") for k in converted),
+                         "bad": bad[:10], "words_vs_codes": _maxdiff(logits[True], logits[False]),
+                         "words_vs_single": _maxdiff(logits[True], want), "logit_scale": float(np.max(np.abs(want)))}
+    return out
+
+
 # ---- speculative loop ---------------------------------------------------------------------------------
 
 def check_generate(meshes) -> dict:
@@ -290,7 +343,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--meshes", default=",".join("x".join(map(str, m)) for m in DEFAULT_MESHES),
                     help="mesh shapes data x expert x model, comma separated")
-    ap.add_argument("--only", default=",".join(CHECKS), help=f"subset of {','.join(CHECKS)}")
+    ap.add_argument("--only", default=",".join(CHECKS), help=f"subset of {','.join(CHECKS + EXTRA_CHECKS)}")
     ap.add_argument("--fast", action="store_true",
                     help="forward on every mesh; decode and restore (no forward) on the last mesh only")
     a = ap.parse_args(argv)
@@ -311,6 +364,9 @@ def main(argv=None) -> dict:
     if "restore" in only:
         res["restore"] = check_restore(some, with_forward=not a.fast)
         lap("restore")
+    if "expert_words" in only:
+        res["expert_words"] = check_expert_words()
+        lap("expert_words")
     if "generate" in only and not a.fast:
         res["generate"] = check_generate(meshes)
         lap("generate")

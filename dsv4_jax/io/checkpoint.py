@@ -31,7 +31,7 @@ from ..bundle import CheckpointConfig, DSparkMeta
 from ..config import ConfigError, ModelConfig
 from ..ops import quant
 from ..model.schedule import segments
-from ..parallel import preset as sharding_preset, spec_sharding
+from ..parallel import preset as sharding_preset, routed_experts_as_words, spec_sharding, wants_words
 from .integrity import ChecksumError, checksums
 
 META_FILE = "dsv4.json"
@@ -358,7 +358,7 @@ def _load_dspark(path: str, config: ModelConfig, item: dict, dtype, sharding, ve
 
 
 def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=None, keep_quantized: bool = False,
-                    sharding=None, verify: bool = True):
+                    sharding=None, verify: bool = True, expert_words: bool | None = None):
     """(config, params) of a checkpoint written by `dsv4-convert`.
 
     dtype: compute dtype of the weight leaves (default: the dtype chosen at conversion; bfloat16 for kept
@@ -373,6 +373,10 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
     sharding: a preset name ("latency", "throughput": `dsv4_jax.parallel.PRESETS`) or `ShardingPreset`:
     its rules and, unless `mesh` is given, its mesh over all devices; the returned config carries the
     preset's backends (the expert-parallel MoE on that mesh).
+    expert_words (keep_quantized only): routed FP4 experts in the uint32 word layout per shard
+    (`parallel.routed_experts_as_words`; the same values). None (default): when the run's expert-parallel
+    local matmul reads words (`parallel.wants_words`: the XLA one a TPU preset resolves to); True / False: always /
+    never.
 
     verify (default): dsv4.json is cross-checked against the stored leaves (names, shapes, dtypes, the
     layer count of the config) and every restored array against the checksum recorded when it was written
@@ -407,6 +411,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
         mtp_layers = len(params["mtp"])
     if "dspark" in items:
         params["dspark"], dspark = _load_dspark(path, config, items["dspark"], dtype, sharding, version, keep)
+    if keep and (expert_words if expert_words is not None else wants_words(config.backends)):
+        params = routed_experts_as_words(params)
     if mtp_layers or dspark is not None:
         return CheckpointConfig(config, mtp_layers, dspark), params
     return config, params

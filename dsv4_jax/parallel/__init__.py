@@ -35,6 +35,7 @@ from __future__ import annotations
 from ..ops.partitioning import (DEFAULT_RULES, constrain, constrain_logical, constrain_rows, constrain_state_rows,
                                 leaf_partition_spec, logical_rules, mesh_sizes, partition_spec, state_batch_entry,
                                 state_split_beyond_tokens)
+from .expert_words import routed_experts_as_words, wants_words
 from .meshes import MESH_AXES, default_mesh_shape, make_mesh, parse_mesh_shape
 from .multihost import initialize_distributed, to_host
 from .presets import LATENCY_SPLIT, PRESETS, ShardingPreset, preset
@@ -46,6 +47,6 @@ __all__ = ["DEFAULT_REPLICATED", "DEFAULT_RULES", "LATENCY_SPLIT", "MESH_AXES", 
            "constrain", "constrain_logical", "constrain_rows", "constrain_state_rows",
            "default_mesh_shape", "logical_rules", "state_batch_entry", "state_split_beyond_tokens",
            "describe", "drafter_shardings", "init_sharded_state", "initialize_distributed", "leaf_partition_spec", "make_mesh", "mesh_sizes",
-           "param_partition_specs", "param_shardings", "partition_spec", "preset", "shard_batch", "shard_params",
+           "param_partition_specs", "routed_experts_as_words", "wants_words", "param_shardings", "partition_spec", "preset", "shard_batch", "shard_params",
            "shard_state", "shardings_like", "spec_sharding", "spec_tree_partition_specs", "state_partition_specs",
            "state_shardings", "to_host"]

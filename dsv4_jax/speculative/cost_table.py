@@ -31,6 +31,9 @@ from .prefill import start
 
 FORMAT = "dsv4_jax.cost_table/1"
 DEFAULT_CACHE = "~/.cache/dsv4_jax/cost_tables"    # measured tables (`cache_path`); callers may pass another
+# passes of a one-batch calibration (`calibrate`): a pass times one short run per width (≈ 1 s for the bundled
+# model at B = 1); 5 medians keep a noisy pass from setting a width's price (widths after it inherit it: `physical`)
+CALIBRATION_PASSES = 5
 
 
 class CostTableError(ValueError):
@@ -200,7 +203,7 @@ def seconds_per_round(params, config, r, knobs) -> float:
     return (time.perf_counter() - t0) / max(int(carry.round), 1)
 
 
-def calibrate(params: dict, config, prepared, *, repeats: int = 3, progress=None,
+def calibrate(params: dict, config, prepared, *, repeats: int = CALIBRATION_PASSES, progress=None,
               drafter: str | None = None) -> CostTable:
     """Measure a table with the prepared run's own program (generate.prepare of an auto run, or any run with
     the width scheduler): `measure` with the loop run once per timing (prefill untimed). progress: a
@@ -257,7 +260,8 @@ def physical(seconds, plain: float) -> tuple[float, ...]:
 
 
 def cached_or_calibrate(params: dict, config, prepared, *, cache_dir: str | None = None, refresh: bool = False,
-                        repeats: int = 3, progress=None, drafter: str | None = None) -> tuple[CostTable, str]:
+                        repeats: int = CALIBRATION_PASSES, progress=None,
+                        drafter: str | None = None) -> tuple[CostTable, str]:
     """The cached table for this machine, program shapes and versions, or a fresh calibration saved there.
     drafter: as in `calibrate`. -> (table, "cached" | "measured")."""
     drafter = drafter or prepared.opts.drafter

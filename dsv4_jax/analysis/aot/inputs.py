@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ...model import params as P
 from ... import parallel
+from ...parallel.expert_words import ROUTED_EXPERTS
 from ...model.state import state_shapes
 from ...config import ModelConfig
 from ...ops import quant
@@ -33,7 +33,6 @@ from ...ops import quant
 WEIGHTS = ("bf16", "fp8", "release")
 COMPUTE_DTYPE = jnp.bfloat16
 DSPARK_STAGES, DSPARK_TAPS, DSPARK_MARKOV_RANK = 3, 3, 256   # the released Flash drafter (docs/drafter_math.md §2.1)
-_ROUTED_EXPERTS = re.compile(r"(^|\.)ffn\.experts\.w[123]$")
 
 
 class WeightFormatError(ValueError):
@@ -54,7 +53,7 @@ def fp8_expert_format(shape) -> quant.QFormat:
 def leaf_format(weights: str, path: str, spec: P.ParamSpec) -> quant.QFormat | None:
     """Storage of the leaf at flat `path` in weight format `weights` (None: dense)."""
     if weights == "fp8":
-        return fp8_expert_format(spec.shape) if spec.kind == "weight" and _ROUTED_EXPERTS.search(path) else None
+        return fp8_expert_format(spec.shape) if spec.kind == "weight" and ROUTED_EXPERTS.search(path) else None
     if weights == "release":
         return P.release_format(path, spec)
     return None
@@ -120,12 +119,12 @@ def experts_k_major(params: dict, words: bool = True) -> dict:
     `words` (not for the Pallas kernels, which read uint8 codes) and `quant.words_fit` (not in small test
     models), in the uint32 word layout (`as_words`). In that layout XLA:TPU fuses the per-expert slice +
     decode into the decode matmul (`quant.matmul_codes`) without re-tiling the uint8 stack
-    (experiments/results/aot_release_ep_2026-12-04.md). A run converts FP4 experts with
-    `quant.to_words(q, words_group(q))` and places these leaves with the same `Format`
-    (`jax.device_put(codes, fmt)`)."""
+    (experiments/results/aot_release_ep_2026-12-04.md). A run's loader converts them the same way
+    (`parallel.routed_experts_as_words`, called by `load_checkpoint` on a TPU preset); the k-major `Format` is
+    not applied at run time (XLA picks the layout of arguments it is handed)."""
     def one(path, x):
         flat = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-        if isinstance(x, quant.QArray) and _ROUTED_EXPERTS.search(flat):
+        if isinstance(x, quant.QArray) and ROUTED_EXPERTS.search(flat):
             x = as_words(x) if words and quant.words_fit(x, words_group(x)) else x
             return quant.QArray(k_major(x.codes), k_major(x.scale), x.fmt, x.dtype)
         return x
