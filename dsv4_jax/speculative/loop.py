@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..model.decode import advance, process_block
 from ..drafters import registry
 from ..drafters.base import MODE_AUTO, MODE_PLAIN, Bound, DraftSetup, Knobs
-from ..ops import verification, width
+from ..ops import branch, verification, width
 
 __all__ = ["Carry", "Knobs", "Options", "Stats", "emit", "initial_carry", "round_jit", "round_step", "rounds_loop",
            "run_rounds", "run_rounds_python"]
@@ -170,8 +170,9 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
     """One draft → verify → accept → commit round for every active sequence.
 
     With a run-time bound (`Knobs.draft_n`, RunShape.dynamic_draft_n) the verify and everything after it
-    run at the run's own width, draft_n + 1: a `lax.switch` over the widths 2..k + 1 the program holds, so a
-    run costs per round what a program compiled for its draft_n_max costs (only the drafting is shared).
+    run at the run's own width, draft_n + 1: a switch over the widths 2..k + 1 the program holds
+    (`ops.branch.switch_in_place`: the decode state updated in place, never copied through a conditional), so
+    a run costs per round what a program compiled for its draft_n_max costs (only the drafting is shared).
     With the width scheduler (`Options.adaptive`) the switch also holds width 1 (no drafts) and the width
     is the run's fixed one or chosen per round (`_scheduled_round`)."""
     if opts.adaptive:
@@ -184,10 +185,10 @@ def round_step(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: 
         n_draft = jnp.minimum(n_draft, knobs.draft_n)
     if knobs.draft_n is None or opts.k <= 1:
         return _verify_and_commit(params, config, c, knobs, opts, key, k_acc, drafts, q, n_draft, conf)
-    widths = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
-                                drafts[:, :w], q[:, :w], conf=None if conf is None else conf[:, :w])
+    widths = [lambda c, w=w: _verify_and_commit(params, config, c, knobs, opts, key, k_acc, drafts[:, :w], q[:, :w],
+                                                n_draft, conf=None if conf is None else conf[:, :w])
               for w in range(1, opts.k + 1)]
-    return jax.lax.switch(jnp.clip(knobs.draft_n, 1, opts.k) - 1, widths, n_draft)
+    return branch.switch_in_place(jnp.clip(knobs.draft_n, 1, opts.k) - 1, widths, c)
 
 
 def _realised_rate_below_plain(s: Stats, knobs: Knobs, rounds: jax.Array) -> jax.Array:
@@ -260,17 +261,19 @@ def _scheduled_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, 
     """A round of a program with the width scheduler (docs/width_scheduler.md): a plain round once
     `_plain_now` holds, else `_speculative_round`. The loops (`rounds_loop`) do not go through this
     conditional: they run the speculative rounds until the switch and then the plain rounds in a second
-    while loop whose body is the plain round alone, so that a plain round costs what plain decoding's costs."""
-    return jax.lax.cond(_plain_now(c, knobs), lambda c: _plain_round(params, config, c, knobs, opts),
-                        lambda c: _speculative_round(params, config, c, knobs, opts), c)
+    while loop whose body is the plain round alone, so that a plain round costs what plain decoding's costs.
+    The conditional is `ops.branch.switch_in_place` (the carry updated in place)."""
+    return branch.switch_in_place(_plain_now(c, knobs).astype(jnp.int32),
+                                  [lambda c: _speculative_round(params, config, c, knobs, opts),
+                                   lambda c: _plain_round(params, config, c, knobs, opts)], c)
 
 
 def _speculative_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options) -> Carry:
     """A drafting round of the scheduler's program: the drafter proposes (its knobs carry the calibration
     factors, so a sequential drafter can stop early), and the round verifies w drafts, w = knobs.draft_n
     (MODE_FIXED) or the width with the most expected tokens per cost-table second (MODE_AUTO;
-    `ops.width.choose`) — one flat `lax.switch` over the widths 0..k, so the decode state passes through a
-    single conditional, as in the dynamic_draft_n program."""
+    `ops.width.choose`) — one switch over the widths 0..k whose branches update the decode state in place
+    (`ops.branch.switch_in_place`; a `lax.switch` copied the whole state each round: docs/width_scheduler.md §1)."""
     s = c.stats
     factors = width.scale(s.per_position, s.raw_sum)
     knobs = knobs.replace(accept_scale=factors)
@@ -289,11 +292,11 @@ def _speculative_round(params: dict, config: ModelConfig, c: Carry, knobs: Knobs
     w_round = jnp.where(knobs.width_mode == MODE_AUTO, chosen, jnp.clip(knobs.draft_n, 0, K))
     n_draft = jnp.minimum(n_draft, w_round)
     # conf −1 (no confidence head) is never binned (ops.verification.calibration_counts)
-    branches = [functools.partial(_verify_and_commit, params, config, c, knobs, opts, key, k_acc,
-                                  drafts[:, :w], q[:, :w], conf=conf[:, :w], est=est[:, :w], raw=raw[:, :w],
-                                  offered=offered)
+    branches = [lambda c, w=w: _verify_and_commit(params, config, c, knobs, opts, key, k_acc, drafts[:, :w],
+                                                  q[:, :w], n_draft, conf=conf[:, :w], est=est[:, :w],
+                                                  raw=raw[:, :w], offered=offered)
                 for w in range(K + 1)]
-    return jax.lax.switch(w_round, branches, n_draft)
+    return branch.switch_in_place(w_round, branches, c)
 
 
 def _verify_and_commit(params: dict, config: ModelConfig, c: Carry, knobs: Knobs, opts: Options, key, k_acc,
