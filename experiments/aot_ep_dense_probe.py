@@ -9,6 +9,7 @@ at B = 8), three ways:
     dequant   the whole stack dequantized as one expression feeding three einsums (main before this step)
     batched   one batched matmul over all experts against the decoded word planes (`quant.word_planes`)
     loop      one `quant.matmul_words` per expert on its slice (the decode slot path, E slots)
+    scan      the same as a `lax.fori_loop` over the experts (one body)
     chunkC    `batched` on static chunks of C experts, summed
     package   `moe_ep.experts_dense` as the package has it (= loop since the fifth step)
 
@@ -101,12 +102,27 @@ def chunks(x, idx, w, w1, w2, w3, size):
     return y
 
 
+def scanned(x, idx, w, w1, w2, w3):
+    """The per-expert loop as a `lax.fori_loop` over the experts (one loop body, dynamic expert index)."""
+    T, E = x.shape[0], w1.shape[0]
+    cw = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
+    pick = lambda q, e: quant.QArray(jax.lax.dynamic_index_in_dim(q.codes, e, 0, keepdims=False),
+                                     jax.lax.dynamic_index_in_dim(q.scale, e, 0, keepdims=False), q.fmt, q.dtype)
+
+    def one(e, y):
+        h = ops.swiglu(quant.matmul_words(x, pick(w1, e)), quant.matmul_words(x, pick(w3, e)), LIMIT)
+        c = jax.lax.dynamic_slice_in_dim(cw, e, 1, axis=1)
+        h = (h.astype(jnp.float32) * c).astype(x.dtype)
+        return y + quant.matmul_words(h, pick(w2, e)).astype(jnp.float32)
+    return jax.lax.fori_loop(0, E, one, jnp.zeros((T, w2.shape[1]), jnp.float32))
+
+
 def layer_fn(variant):
     if variant.startswith("chunk"):
         return lambda *a: chunks(*a, int(variant[5:]))
     if variant == "package":
         return lambda x, idx, w, w1, w2, w3: moe_ep.experts_dense(x, idx, w, w1, w2, w3, LIMIT)
-    return {"dequant": dequant, "batched": batched, "loop": loop}[variant]
+    return {"dequant": dequant, "batched": batched, "loop": loop, "scan": scanned}[variant]
 
 
 def program(variant):
