@@ -31,7 +31,8 @@ along a split dim; tiny configs only, e.g. FP8's 128-row blocks over a 6-row sha
 takes this shard's scale rows. The local matmuls dequantize one expert tile at a time (the sliced
 path, the expert-pure row tiles of `ops.moe.experts_tiled`), in the kernels (`pallas`, `pallas_tpu`
 for the formats `kernels.tpu_moe.supports`; Q8_0 falls back to the reference), or, for `dense`, the
-local stack as one expression feeding the matmuls.
+local stack as one expression feeding the matmuls (FP4 word stacks: one expert slice per matmul,
+`experts_each`, so XLA:TPU reads each slice in place from the layer-stacked words).
 
 Prefill uses the same gather path. `jax.lax.ragged_all_to_all` (the dropless dispatch that sends each
 token only to the devices of its experts) is not implemented by XLA:CPU in jax 0.10.2, so it cannot be
