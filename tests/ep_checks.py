@@ -210,6 +210,8 @@ def run(cases, decode_cases, generate_cases, mtp_cases) -> dict:
             res["decode"] = max(maxdiff(a, b) for a, b in zip(outs, want))
             res["state"] = max(maxdiff(a, b) for a, b in zip(jax.tree.leaves(st.layers),
                                                             jax.tree.leaves(want_st.layers)))
+            res["state_scale"] = max(float(np.max(np.abs(np.asarray(b, np.float32))))
+                                     for b in jax.tree.leaves(want_st.layers) if np.size(b))
             res["pos_equal"] = np.asarray(st.pos).tolist() == np.asarray(want_st.pos).tolist()
             step = D.process_block.lower(sp, cfg, S.init_sharded_state(cfg, mesh, B, 64, 4, rules=rules),
                                          jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)).compile()

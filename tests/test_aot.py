@@ -172,6 +172,47 @@ ENTRY %main (w: s8[20,4096,1024], i: s32[]) -> f32[4096,1024] {
     assert hlo.top_ops(hlo.parse(nested), 5)["ops"][0]["bytes"] == 4096 * 1024 + 4     # a nested fusion's slice
 
 
+ASYNC_OFFLOADS = """HloModule jit_step, is_scheduled=true
+
+%async_computation.1 (p: s8[33554432]) -> s8[4194304] {
+  %p = s8[33554432]{0:T(1024)(128)(4,1)} parameter(0)
+  ROOT %slice.1 = s8[4194304]{0:T(1024)(128)(4,1)S(1)} slice(%p), slice={[4194304:8388608]}
+}
+
+%gather_body (t: bf16[1,20,8194,512], ix: s32[3072]) -> bf16[3072,512] {
+  %t = bf16[1,20,8194,512]{3,2,1,0} parameter(0)
+  %ix = s32[3072]{0} parameter(1)
+  %gather_offload_custom_fusion.1.call-start = ((bf16[1,20,8194,512]{3,2,1,0}, s32[3072]{0}), bf16[3072,512]{1,0}, u32[]{:S(8)}) async-start(%t, %ix), calls=%async_computation.1
+  ROOT %gather_offload_custom_fusion.1.call-done = bf16[3072,512]{1,0} async-done(%gather_offload_custom_fusion.1.call-start)
+}
+
+ENTRY %main (w: s8[33554432], cache: bf16[1,20,8194,512], ix: s32[3072]) -> (s8[4194304], bf16[3072,512], bf16[3072,512]) {
+  %w = s8[33554432]{0:T(1024)(128)(4,1)} parameter(0)
+  %cache = bf16[1,20,8194,512]{3,2,1,0} parameter(1)
+  %ix = s32[3072]{0} parameter(2)
+  %slice-start.1 = ((s8[33554432]{0:T(1024)(128)(4,1)}), s8[4194304]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) async-start(%w), calls=%async_computation.1
+  %slice-done.1 = s8[4194304]{0:T(1024)(128)(4,1)S(1)} async-done(%slice-start.1)
+  %gather_offload_async_start = ((), (), (s32[16384]{0})) async-start()
+  %gather_offload_async_start.update = ((bf16[1,20,8194,512]{3,2,1,0}, s32[3072]{0}), bf16[3072,512]{1,0}, (s32[16384]{0})) async-update(%gather_offload_async_start, %cache, %ix)
+  %gather_offload_async_done = bf16[3072,512]{1,0} async-done(%gather_offload_async_start.update)
+  %custom-call.1 = bf16[3072,512]{1,0} custom-call(%cache, %ix), custom_call_target="TODO", called_computations={%gather_body}
+  ROOT %out = (s8[4194304]{0:S(1)}, bf16[3072,512]{1,0}, bf16[3072,512]{1,0}) tuple(%slice-done.1, %gather_offload_async_done, %custom-call.1)
+}
+"""
+
+
+def test_hlo_bytes_of_async_slice_and_sparsecore_gather():
+    """XLA:TPU's async copy of a slice of a weight buffer into VMEM (`async-start` calling a slice) reads its
+    4 MiB slice, not the 32 MiB buffer; a SparseCore gather offload (its async-update, or the custom-call
+    wrapping it) reads and writes the 3072 rows it returns and reads its indices, not the 168 MB cache."""
+    rows = {r["name"]: r["bytes"] for r in hlo.top_ops(hlo.parse(ASYNC_OFFLOADS), 50)["ops"]}
+    assert rows["slice-start.1"] == 4194304
+    gathered = 3072 * 512 * 2
+    assert rows["gather_offload_async_start.update"] == 2 * gathered + 3072 * 4
+    assert rows["custom-call.1"] == 2 * gathered + 3072 * 4
+    assert rows["gather_offload_async_start"] == 16384 * 4
+
+
 def test_hlo_text_from_xla_dump_when_as_text_fails():
     """A compiled module whose text `as_text()` cannot rebuild (libtpu's verify programs: "async-update
     instruction should have 1 operands but sees 4") is read from XLA's own dump instead: compiled again with

@@ -87,6 +87,11 @@ def test_latency_preset_splits_every_large_matrix():
         if len(dims) >= 2 and np.prod(dims) >= 65536 and "model" not in split and ".gate." not in path:
             whole.append(path)
     assert not whole, whole
+    wo_b = [k for k in specs if k.endswith("attn.wo_b")]           # [reps, D, G·R]: by output row, K whole
+    assert wo_b and all(specs[k] == PS(None, "model") for k in wo_b), {k: specs[k] for k in wo_b}
+    thr_sizes = dict(zip(S.MESH_AXES, S.preset("throughput").mesh_shape(8)))
+    assert all(P.flatten(S.param_partition_specs(flash, thr_sizes, S.preset("throughput").rules_dict))[k] == PS()
+               for k in wo_b)
     router = "segments.2.0.ffn.gate.weight"                        # [reps, E, D]
     assert specs[router] == PS()
     thr = S.preset("throughput")
@@ -188,6 +193,25 @@ def test_local_experts_fp4_words_match_numpy(group):
         shard = quant.QArray(e["w2"].codes[1, :, group // 8:], e["w2"].scale[1, :, group // 128:], quant.FP4_WORDS)
         np.testing.assert_allclose(np.asarray(quant.matmul_codes(jnp.asarray(h), shard)),
                                    h @ deq[1][1][:, I // 2:].T, rtol=2e-5, atol=2e-5)
+
+
+def test_experts_each_matches_dense_formulation():
+    """The all-experts path on FP4 word stacks (`experts_dense` -> `experts_each`: one expert slice at a
+    time) equals the all-experts formulation on the dequantized stacks (float32, 1e-6), routing weights
+    summed per (token, expert) when a token routes twice to one expert, and unrouted experts adding 0."""
+    rng = np.random.default_rng(3)
+    T, k, E, I, D = 6, 3, 5, 256, 256
+    x = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32) * 0.2)
+    ms = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((E, I, D), (E, D, I), (E, I, D))]
+    qs = [quant.to_words(quant.quantize(jnp.asarray(m), quant.FP4)) for m in ms]
+    idx = jnp.asarray(np.array([[0, 0, 1], [2, 3, 0], [1, 1, 1], [0, 2, 3], [3, 2, 1], [0, 1, 2]], np.int32))
+    w = jnp.asarray(rng.random((T, k)).astype(np.float32))              # expert 4: never routed
+    want = moe_ep.experts_dense(x, idx, w, *(quant.dequantize(q, jnp.float32) for q in qs), 2.0)
+    got = moe_ep.experts_dense(x, idx, w, *qs, 2.0)
+    assert got.dtype == jnp.float32 and float(jnp.max(jnp.abs(want))) > 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    cw = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
+    np.testing.assert_array_equal(np.asarray(moe_ep.experts_each(x, cw, *qs, 2.0)), np.asarray(got))
 
 
 def test_local_experts_pallas_tpu_interpreted():
@@ -298,7 +322,8 @@ def _assert_cases(res):
         assert (ctl is None) if name == "odd-1x8x1" or r["quantized"] else (ctl >= 1), (name, r)
         assert (r["qarray_leaves"] > 0) == bool(r["quantized"]), (name, r)
         if "decode" in r:
-            assert r["decode"] <= TOL and r["state"] <= TOL and r["pos_equal"], (name, r)
+            # the state's rows reach |4| after a few layers: float32 parity relative to their magnitude
+            assert r["decode"] <= TOL and r["state"] <= TOL * max(1.0, r["state_scale"]) and r["pos_equal"], (name, r)
             if name == "latency":                                     # the state split by sequence (B = 8)
                 assert r["state_split_leaves"] > 0, r
             assert r["decode_expert_all_gathers"] == 0, (name, r)

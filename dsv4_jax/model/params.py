@@ -77,7 +77,7 @@ def attention_specs(c: ModelConfig, layer_type: str, ratio: int) -> dict[str, An
         "wkv": ParamSpec((d, D), ("head_dim", "embed")),
         "kv_norm": _norm(d, "head_dim"),
         "wo_a": ParamSpec((G * R, H * d // G), ("o_groups", "o_group_in")),
-        "wo_b": ParamSpec((D, G * R), ("embed", "o_groups")),
+        "wo_b": ParamSpec((D, G * R), ("o_out", "o_groups")),
         "attn_sink": ParamSpec((H,), ("heads",), "f32", "vector"),
     }
     if layer_type != SLIDING:

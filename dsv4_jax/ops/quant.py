@@ -345,17 +345,33 @@ def matmul_words(x: jax.Array, q: QArray) -> jax.Array:
     scale words of half i % 2) as one broadcast expression [8, N, groups, G/8] and contracted as one batched
     matmul against x's matching column ranges, then summed: XLA:TPU reads each word once, with no re-tiling
     of the stack (experiments/results/aot_release_ep_2026-12-04.md)."""
-    n, kw = q.codes.shape
-    g = word_groups(q.fmt, kw * 8)
-    gw = kw // g                                                                     # words per group: G/8
-    i = jax.lax.broadcasted_iota(jnp.uint32, (8, 1, 1, 1), 0)
-    vals = decode_e2m1_float((q.codes.reshape(1, n, g, gw) >> (4 * i)) & 0xF)         # [8, N, g, G/8]
-    halves = q.scale.reshape(n, g, 2, gw // 32).transpose(2, 0, 1, 3)                # [2, N, g, G/256]
-    b = (jnp.tile(halves, (4, 1, 1, 1)) >> (8 * (i // 2))) & 0xFF                     # plane i: half i % 2
-    planes = (vals * jnp.repeat(decode_e8m0(b), 32, axis=-1)).astype(x.dtype)
+    g, gw = _word_groups_of(q)
     xs = x.reshape(*x.shape[:-1], g, 8, gw)
-    y = jnp.einsum("...gij,ingj->...in", xs, planes, preferred_element_type=jnp.float32)
+    y = jnp.einsum("...gij,ingj->...in", xs, word_planes(q, x.dtype), preferred_element_type=jnp.float32)
     return y.sum(-2).astype(x.dtype)
+
+
+def _word_groups_of(q: QArray) -> tuple[int, int]:
+    """(column groups, words per group G/8) of a word-layout QArray [..., N, K]."""
+    kw = q.codes.shape[-1]
+    g = word_groups(q.fmt, kw * 8)
+    return g, kw // g
+
+
+def word_planes(q: QArray, dtype) -> jax.Array:
+    """The 8 nibble planes of a word-layout QArray [..., N, K], decoded and scaled as one broadcast
+    expression (for XLA to fuse into the consuming matmul): [8, ..., N, groups, G/8] in `dtype`, plane i
+    word j of group g = W[..., n, g·G + i·G/8 + j] (the word layout, module docstring)."""
+    *lead, n, kw = q.codes.shape
+    g, gw = _word_groups_of(q)
+    one = (1,) * len(lead)
+    i = jax.lax.broadcasted_iota(jnp.uint32, (8, *one, 1, 1, 1), 0)
+    vals = decode_e2m1_float((q.codes.reshape(1, *lead, n, g, gw) >> (4 * i)) & 0xF)  # [8, ..., N, g, G/8]
+    nl = len(lead)
+    halves = q.scale.reshape(*lead, n, g, 2, gw // 32)
+    halves = jnp.moveaxis(halves, nl + 2, 0)                                          # [2, ..., N, g, G/256]
+    b = (jnp.tile(halves, (4,) + (1,) * (nl + 3)) >> (8 * (i // 2))) & 0xFF          # plane i: half i % 2
+    return (vals * jnp.repeat(decode_e8m0(b), 32, axis=-1)).astype(dtype)
 
 
 ROW_TILE = 8      # `matmul_blocks` pads x's rows to a multiple of this (the TPU sublane count)

@@ -59,12 +59,15 @@ class ShardingPreset:
 #   head_dim  the K=V projection W_kv [d, D] by output row (and kv_norm, the compressors' norms)
 #   comp_dim  the compressors' W_kv / W_gate [cd, D] by output row (and the position biases B)
 #   hc_embed  the mHC mixing matrices [n_out, n_hc·D] along their contraction
+#   o_out     W_ob [D, G·R] by output row (its contraction `o_groups` then stays whole: `model` is taken):
+#             split along the O-LoRA groups instead, GSPMD all-gathers the whole FP8 W_ob in every layer
+#             on v5p once `quant.matmul_blocks` pads the decode token to 8 rows (v5p AOT, 43 × 33.5 MB)
 # The router W_r [E, D] (0.2 % of the non-expert bytes) stays replicated: split along its contraction
 # (`router_in`) GSPMD all-gathers the weight at B = 8 (v5p AOT) instead of summing the [T, E] logits.
 # The rows these projections write to the decode state are placed like the state
 # (`constrain_state_rows`), so the split output dims do not spread into the cache tables.
 LATENCY_SPLIT: dict[str, tuple[str, ...]] = {"q_lora": ("model",), "head_dim": ("model",), "comp_dim": ("model",),
-                                              "hc_embed": ("model",)}
+                                              "hc_embed": ("model",), "o_out": ("model",)}
 
 
 def _preset_rules(**changes) -> tuple[tuple[str, tuple[str, ...]], ...]:

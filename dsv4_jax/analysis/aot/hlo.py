@@ -6,7 +6,8 @@ shape, opcode, operand names, attributes). On top of it:
   * `op_bytes`: the bytes a top-level instruction moves between memory and the core — its HBM operands plus
     its HBM result — with XLA's own refinements for partial accesses: an operand a fusion reads only
     through slice / dynamic-slice / gather (also behind a nested fusion that only re-lays it out) counts
-    what those read, an async slice (`slice-start`) the slice, an in-place dynamic-update-slice or
+    what those read, an async slice (`slice-start`, or an `async-start` calling a slice) the slice, a
+    SparseCore gather offload (`gather_offload_*`) the rows it returns, an in-place dynamic-update-slice or
     scatter counts the update it writes, not the whole buffer. Arrays in on-chip memory spaces (layout
     `S(n)`, n ≠ 0: TPU VMEM / SMEM) are not HBM traffic and count 0. Layout padding is ignored.
   * `top_ops`: the top-level instructions of the entry computation (and of the computations it calls
@@ -371,13 +372,41 @@ def op_bytes(module: Module, comp: Computation, ins: Instruction) -> float:
     upd = _update_operand(ins)
     if upd is not None:                   # in place: reads the update and indices, writes the update
         return sum(shape_of(o) for o in ins.operands[1:]) + shape_of(upd)
-    if ins.opcode == "slice-start":       # async slice: reads the slice it returns from an HBM source
+    if ins.opcode == "slice-start" or _async_slice(module, ins):   # async slice: reads the slice it returns
         src_in_hbm = bool(ins.operands) and shape_of(ins.operands[0]) > 0
         return (sum(a.nbytes for a in _async_results(comp, ins)) if src_in_hbm else 0.0) + _async_written(comp, ins)
+    if _gather_offload(module, ins):      # SparseCore gather: reads the rows it returns (+ indices), not the table
+        data = [o for o in ins.operands if o in comp.by_name and not comp.by_name[o].opcode.startswith("async")]
+        table = max(data, key=shape_of, default=None)
+        rows = hbm_bytes(ins.shape) if ins.opcode == "custom-call" else \
+            sum(a.nbytes for a in _async_results(comp, ins) if a.memory_space == 0)
+        return (2 if table else 1) * rows + sum(shape_of(o) for o in data if o != table)   # no table: scratch
     read = sum(shape_of(o) for o in ins.operands)
     if ins.opcode.endswith("-start"):
         return read + _async_written(comp, ins)
     return read + hbm_bytes(ins.shape)
+
+
+def _async_slice(module: Module, ins: Instruction) -> bool:
+    """An `async-start` whose called computation is a slice of its one parameter (XLA:TPU's async copies
+    of a slice of a weight buffer into VMEM)."""
+    if ins.opcode != "async-start" or not ins.called or ins.called[0] not in module.computations:
+        return False
+    body = module.computations[ins.called[0]]
+    root = body.root
+    return root.opcode in _SLICING and all(i.opcode == "parameter" for i in body.instructions if i is not root)
+
+
+def _gather_offload(module: Module, ins: Instruction) -> bool:
+    """A gather offloaded to the SparseCore (XLA:TPU `gather_offload_*`): its async pair or the custom-call
+    wrapping it. Those take the whole table as an operand but read only the rows they return."""
+    if ins.opcode not in ("async-start", "async-update", "custom-call"):
+        return False
+    if "gather_offload" in ins.name:
+        return True
+    names = list(ins.called) + re.findall(r"%([\w.\-]+)", ins.attr("called_computations") or "")
+    return any(any("gather_offload" in i.name for i in module.computations[n].instructions)
+               for n in names if n in module.computations)
 
 
 def _async_written(comp: Computation, ins: Instruction) -> float:

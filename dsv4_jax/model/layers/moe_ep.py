@@ -31,7 +31,8 @@ along a split dim; tiny configs only, e.g. FP8's 128-row blocks over a 6-row sha
 takes this shard's scale rows. The local matmuls dequantize one expert tile at a time (the sliced
 path, the expert-pure row tiles of `ops.moe.experts_tiled`), in the kernels (`pallas`, `pallas_tpu`
 for the formats `kernels.tpu_moe.supports`; Q8_0 falls back to the reference), or, for `dense`, the
-local stack as one expression feeding the matmuls.
+local stack as one expression feeding the matmuls (FP4 word stacks: one expert slice per matmul,
+`experts_each`, so XLA:TPU reads each slice in place from the layer-stacked words).
 
 Prefill uses the same gather path. `jax.lax.ragged_all_to_all` (the dropless dispatch that sends each
 token only to the devices of its experts) is not implemented by XLA:CPU in jax 0.10.2, so it cannot be
@@ -231,15 +232,34 @@ def experts_sorted_local(x: jax.Array, idx: jax.Array, w: jax.Array, local: jax.
 
 def experts_dense(x: jax.Array, idx: jax.Array, w: jax.Array, w1, w2, w3, limit: float) -> jax.Array:
     """Many assignments: every local expert once over all tokens, the routing weight (0 when not routed)
-    folded into the hidden activations. x [T,D], idx/w [T,k], experts dense or QArray (dequantized as one
-    expression feeding the matmul, for XLA to fuse) -> float32 [T,D]."""
+    folded into the hidden activations. x [T,D], idx/w [T,k], experts dense or QArray -> float32 [T,D].
+    FP4 word-layout stacks (`quant.words_format`, what TPU runs place) take `experts_each`; other QArrays
+    are dequantized as one expression feeding the matmul, for XLA to fuse."""
     T, _ = idx.shape
     E = w1.shape[0]
-    w1, w2, w3 = (quant.dense(m, x.dtype) for m in (w1, w2, w3))
     cw = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w.astype(jnp.float32))
+    if all(isinstance(m, QArray) and m.fmt.codes == "e2m1x8" for m in (w1, w2, w3)):
+        return experts_each(x, cw, w1, w2, w3, limit)
+    w1, w2, w3 = (quant.dense(m, x.dtype) for m in (w1, w2, w3))
     h = ops.swiglu(jnp.einsum("td,eid->tei", x, w1), jnp.einsum("td,eid->tei", x, w3), limit)
     h = (h.astype(jnp.float32) * cw[..., None]).astype(x.dtype)
     return jnp.einsum("tei,edi->td", h, w2, preferred_element_type=jnp.float32)
+
+
+def experts_each(x: jax.Array, cw: jax.Array, w1, w2, w3, limit: float) -> jax.Array:
+    """Every local expert over all tokens, one expert slice at a time (the decode slot path with one slot
+    per expert: each slice read in place by its matmul, `_expert_matmul`). A matmul batched over the whole
+    stack makes XLA:TPU copy the layer's slice of the layer-stacked words out first (read + write + read:
+    3.5× the words in `experiments/aot_ep_dense_probe.py`, v6e); one matmul per expert reads each word
+    once (1.15×; experiments/results/aot_release_ep_2026-12-04.md, fifth step).
+    x [T,D], cw [T,E] routing weights (0 where not routed), w1/w3 [E,I,D], w2 [E,D,I] -> float32 [T,D]."""
+    y = jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32)
+    for e in range(cw.shape[1]):
+        mm = lambda v, m: _expert_matmul(v, m, e)
+        h = ops.swiglu(mm(x, w1), mm(x, w3), limit)
+        h = (h.astype(jnp.float32) * cw[:, e:e + 1]).astype(x.dtype)
+        y = y + mm(h, w2).astype(jnp.float32)
+    return y
 
 
 def local_experts(x: jax.Array, idx: jax.Array, w: jax.Array, local: jax.Array, e: dict, impl: str,
