@@ -154,7 +154,8 @@ class AotRequest:
     and HLO analysis instead of a new full compile ("extrapolate" only; `reusable_row`); fit_as_run
     ("unroll" only): also compile each program with its layer scans (as a run executes it) for the fit;
     sharding: a sharding preset ("latency", "throughput", "auto": by batch, `ep.setup`) whose mesh, rules and
-    expert-parallel MoE replace mesh / mesh_preset / rules (the programs a user runs).
+    expert-parallel MoE replace mesh / mesh_preset / rules (the programs a user runs); hlo_dump_compile:
+    compile a program whose HLO libtpu cannot print once more for XLA's dump (`compile.dumped_text`).
     """
 
     topologies: tuple[str, ...]
@@ -170,6 +171,7 @@ class AotRequest:
     force: bool = False
     kernels: bool = True
     hlo_dir: str | None = None
+    hlo_dump_compile: bool = True
     command: str = ""
     prefill_min: int = 8
     fit_as_run: bool = True
@@ -220,7 +222,8 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
                 saved = functools.partial(reusable_row, r.fit_from, config, shapes, topo.name, w, run_["mesh_text"],
                                           name)
                 one = functools.partial(compile_one, target, name, how_t, w, rules=rules_t, top=r.top,
-                                        force=r.force, hlo_dump=dump, say=say, saved=saved)
+                                        force=r.force, hlo_dump=dump, say=say, saved=saved,
+                                        hlo_dump_compile=r.hlo_dump_compile)
                 run_["programs"].append(compile_prefill(one, shapes, r.prefill_min) if name == "prefill"
                                         else one(shapes))
                 if checkpoint:
@@ -282,7 +285,8 @@ def reusable_row(sources: Sequence[tuple[str, dict]], config: ModelConfig, shape
 
 def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: I.Shapes, last_try: bool = True,
                 *, rules=None, top: int = 15, force: bool = False, hlo_dump: str | None = None,
-                say=lambda msg: None, saved: Callable[[int], dict | None] = lambda chunk: None) -> dict:
+                say=lambda msg: None, saved: Callable[[int], dict | None] = lambda chunk: None,
+                hlo_dump_compile: bool = True) -> dict:
     """Build program `name` from the configs of `how` and compile it (`compile.compile_program`); with
     "extrapolated" counting, `saved(chunk)` may give a saved row of the program as run (`reusable_row`)."""
     label = f"{target.topology.name} {weights} {name}"
@@ -299,7 +303,8 @@ def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: 
         say(f"{label}: fit and HLO analysis from {reuse['fit_source'][:160]}")
     row = C.compile_program(prog, target.topology.chip, len(target.devices), target.hbm, as_run=as_run,
                             counting=points, options=target.options, top=top, force=force, hlo_dump=hlo_dump,
-                            count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse)
+                            count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse,
+                            hlo_dump_compile=hlo_dump_compile)
     say(f"{label}: {summary_line(row)}")
     return row
 
