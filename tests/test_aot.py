@@ -689,3 +689,29 @@ def test_no_hlo_dump_compile_leaves_unprintable_hlo_out(monkeypatch):
     AC.compile_program(prog, chip, 1, 16 * chips.GIB, unrolled=False)
     assert dumps == [prog]                                            # the default: one more compile
     assert cli.build_parser().parse_args(["--no-hlo-dump"]).no_hlo_dump
+
+
+def test_ep_kernel_declared_bytes_next_to_xla():
+    """The Mosaic kernels as the EP local matmul: the chip's expert slice is read from the placed w1 (E, I
+    split by the sharding; a QArray's logical D), the declared bytes are the kernels' BlockSpec bytes at
+    those local shapes × the routed layers (decode kernel for few tokens, the grouped kernels above), and
+    the report prints them next to XLA's bytes."""
+    from dsv4_jax.analysis import kernels_aot
+    from dsv4_jax.analysis.aot import kernel_hook as K
+    mesh = jax.sharding.Mesh(__import__("numpy").array(jax.devices()[:1]).reshape(1, 1), ("expert", "model"))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    w1 = quant.abstract(quant.FP4, (2, 16, 128, 512), jnp.bfloat16, sh, sh)
+    params = {"layers": {"ffn": {"experts": {"w1": w1}, "shared_experts": {"w1": None}}}}
+    assert K.local_expert_dims(params) == (16, 128, 512)
+    assert K.local_expert_dims({"ffn": {"shared_experts": {"w1": w1}}}) is None
+    dec = K.ep_local_declared("release", 8, (16, 128, 512), 2, 3)
+    s = kernels_aot.Shapes(n_experts=16, top_k=2, hidden=512, moe_inter=128)
+    one = kernels_aot.blockspec_bytes(kernels_aot.Case("moe_decode", "fp4_e2m1_b32", tokens=8), s)["random"]
+    assert dec["kernel"] == "moe_decode" and dec["declared_bytes"] == 3 * one["total"] > 0
+    assert dec["ideal_bytes"] == 3 * one["ideal"]
+    assert K.ep_local_declared("bf16", 64, (16, 128, 512), 2, 1)["kernel"] == "moe_prefill"
+    run = {"programs": [{"program": "decode", "ep_kernel": dec, "cost": {"bytes_accessed": 5e9},
+                         "hlo": {"top_ops": {"total_bytes": 2e9}}}, {"program": "verify"}]}
+    rows = R.ep_kernel_rows(run)
+    assert len(rows) == 1 and rows[0][0] == "decode" and rows[0][-2:] == ["5", "2"]
+    assert rows[0][6] == format(dec["declared_bytes"] / 1e9, ".3g")

@@ -29,7 +29,7 @@ from ...model import params as P
 from ... import parallel
 from ...config import ConfigError, ModelConfig, preset, small as small_config, with_pairs
 from . import chips, compile as C, ep as EP, extrapolate as X, inputs as I, programs as PR
-from .kernel_hook import kernel_reports
+from .kernel_hook import KERNEL_FORMAT, ep_local_declared, kernel_reports, local_expert_dims
 
 # --mesh-preset: name -> (data, expert, model) sizes for n devices. "default" is sharding.default_mesh_shape
 # (experts split n ways, attention data-parallel); the expert-parallel presets ("latency" / "throughput",
@@ -305,8 +305,31 @@ def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: 
                             counting=points, options=target.options, top=top, force=force, hlo_dump=hlo_dump,
                             count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse,
                             hlo_dump_compile=hlo_dump_compile)
+    declared = ep_kernel_row(prog, how.program, weights, shapes, target.mesh)
+    if declared:
+        row["ep_kernel"] = declared
     say(f"{label}: {summary_line(row)}")
     return row
+
+
+def ep_kernel_row(prog: PR.Program, config: ModelConfig, weights: str, shapes: I.Shapes, mesh) -> dict | None:
+    """With the Mosaic kernels as the EP local matmul (`ExpertParallel.local == "pallas_tpu"`): the bytes
+    their BlockSpecs declare per chip for this program (`kernel_hook.ep_local_declared`), next to XLA's.
+    Tokens per chip = batch × the program's tokens per sequence / the data axis (the EP shard_map gathers
+    the tokens over the axes that split the experts); a round counts its target verify block only."""
+    ep = config.backends.ep
+    if ep is None or ep.local != "pallas_tpu" or weights not in KERNEL_FORMAT:
+        return None
+    dims = local_expert_dims(prog.args[0])
+    if dims is None:
+        return None
+    data = dict(zip(mesh.axis_names, mesh.devices.shape)).get("data", 1)
+    tokens = max(1, shapes.batch * prog.tokens_per_sequence // data)
+    out = ep_local_declared(weights, tokens, dims, config.num_experts_per_tok, config.num_layers,
+                            config.swiglu_limit)
+    if prog.name.startswith("spec-"):
+        out["scope"] = "target verify block only (drafter MoE layers not counted)"
+    return out
 
 
 def compile_prefill(compile_one: Callable[..., dict], shapes: I.Shapes, min_chunk: int) -> dict:
