@@ -71,7 +71,14 @@ def _target(config: ModelConfig, mesh, weights: str, rules) -> dict:
     them as placed: its custom call reads uint8 codes in the default row-major layout, so a k-major stack
     would be transposed whole before every call."""
     params = I.target_params(config, mesh, weights, rules)
-    return I.experts_k_major(params) if k_major_experts(config, mesh.devices.flat[0].platform) else params
+    return I.experts_k_major(params) if k_major_experts(config, platform(mesh)) else params
+
+
+def platform(mesh) -> str | None:
+    """The platform of a mesh's devices ("tpu", "cpu"); an AbstractMesh (plans) its abstract device's, if any."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return getattr(mesh.abstract_device, "platform", None)
+    return mesh.devices.flat[0].platform
 
 
 def k_major_experts(config: ModelConfig, platform: str) -> bool:
@@ -146,7 +153,7 @@ def uses_mosaic(config: ModelConfig, mesh) -> bool:
     (the MoE experts, in the GSPMD program or as the EP local matmul, or the indexer) on TPU devices."""
     b = config.backends
     kinds = {b.moe, b.indexer} | ({b.ep.local} if b.ep is not None else set())
-    return "pallas_tpu" in kinds and mesh.devices.flat[0].platform == "tpu"
+    return "pallas_tpu" in kinds and platform(mesh) == "tpu" and not isinstance(mesh, jax.sharding.AbstractMesh)
 
 
 def build(name: str, config: ModelConfig, mesh, weights: str, shapes: I.Shapes, rules=None) -> Program:
