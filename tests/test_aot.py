@@ -7,6 +7,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dsv4_jax import config as C, parallel
@@ -649,7 +650,7 @@ def test_pallas_in_the_ep_program_lowers_for_the_chip_and_keeps_the_kernels_layo
     ref = EP.setup("latency", runner.model_config("flash", pairs=0, small=True, platform="cpu"), devs, 8)[1]
     assert PR.k_major_experts(ref, "tpu") is True and PR.k_major_experts(ref, "cpu") is False
     assert PR.uses_mosaic(c, mesh) is False                                   # CPU devices: interpret mode
-    fake_tpu = type("M", (), {"devices": __import__("numpy").array([type("D", (), {"platform": "tpu"})()])})()
+    fake_tpu = type("M", (), {"devices": np.array([type("D", (), {"platform": "tpu"})()])})()
     assert PR.uses_mosaic(c, fake_tpu) is True and PR.uses_mosaic(ref, fake_tpu) is False
     seen = []
 
@@ -698,7 +699,7 @@ def test_ep_kernel_declared_bytes_next_to_xla():
     the report prints them next to XLA's bytes."""
     from dsv4_jax.analysis import kernels_aot
     from dsv4_jax.analysis.aot import kernel_hook as K
-    mesh = jax.sharding.Mesh(__import__("numpy").array(jax.devices()[:1]).reshape(1, 1), ("expert", "model"))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("expert", "model"))
     sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     w1 = quant.abstract(quant.FP4, (2, 16, 128, 512), jnp.bfloat16, sh, sh)
     params = {"layers": {"ffn": {"experts": {"w1": w1}, "shared_experts": {"w1": None}}}}
