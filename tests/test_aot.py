@@ -7,6 +7,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dsv4_jax import config as C, parallel
@@ -672,3 +673,87 @@ def test_routed_expert_codes_placed_contraction_major():
     for a in (q.codes, q.scale):
         nd = len(a.shape)
         assert a.format.layout.major_to_minor == (*range(nd - 2), nd - 1, nd - 2)
+
+
+def test_pallas_in_the_ep_program_lowers_for_the_chip_and_keeps_the_kernels_layout():
+    """`--sharding --kernels pallas_tpu`: on more than one chip the indexer kernel (GSPMD-partitioned part of
+    the program, which XLA cannot split for a Mosaic custom call) becomes the reference, the MoE local matmul
+    stays Mosaic; the routed experts keep the row-major uint8 layout the kernel reads (no k-major words); a
+    program holding Mosaic kernels on TPU is lowered under its mesh (Pallas reads the chip from it)."""
+    kb = C.Backends(moe="pallas_tpu", indexer="pallas_tpu")
+    assert EP.gspmd_safe(kb, 8).indexer == "reference" and EP.gspmd_safe(kb, 8).moe == "pallas_tpu"
+    assert EP.gspmd_safe(kb, 1) == kb and EP.gspmd_safe(C.Backends(), 8) == C.Backends()
+    devs = jax.devices()[:1]
+    kcfg = runner.model_config("flash", pairs=0, small=True, platform="cpu", backends="pallas_tpu")
+    _, c, mesh, _ = EP.setup("latency", kcfg, devs, 8)
+    assert c.backends.ep.local == "pallas_tpu" and c.backends.indexer == "pallas_tpu"     # one chip: kept
+    assert PR.k_major_experts(c, "tpu") is False and PR.k_major_experts(c, "cpu") is False
+    ref = EP.setup("latency", runner.model_config("flash", pairs=0, small=True, platform="cpu"), devs, 8)[1]
+    assert PR.k_major_experts(ref, "tpu") is True and PR.k_major_experts(ref, "cpu") is False
+    assert PR.uses_mosaic(c, mesh) is False                                   # CPU devices: interpret mode
+    fake_tpu = type("M", (), {"devices": np.array([type("D", (), {"platform": "tpu"})()])})()
+    assert PR.uses_mosaic(c, fake_tpu) is True and PR.uses_mosaic(ref, fake_tpu) is False
+    seen = []
+
+    def f(a):
+        seen.append(jax.sharding.get_abstract_mesh().axis_names)
+        return a * 2
+    prog = PR.Program("p", jax.jit(f), (jax.ShapeDtypeStruct((4,), jnp.float32),), {}, 1, mesh=mesh)
+    prog.lower()
+    PR.Program("p", jax.jit(lambda a: f(a) + 1), prog.args, {}, 1).lower()
+    assert seen == [mesh.axis_names, ()]
+
+
+def test_no_hlo_dump_compile_leaves_unprintable_hlo_out(monkeypatch):
+    """`--no-hlo-dump`: a program whose HLO libtpu cannot print is not compiled again for XLA's dump; its
+    row keeps memory and costs, and `hlo.error` says why the HLO ops are missing."""
+    prog = PR.Program("tiny", jax.jit(lambda a: jnp.tanh(a @ a.T).sum(0)),
+                      (jax.ShapeDtypeStruct((16, 32), jnp.float32),), {}, 1)
+    dumps, dumped = [], AC.dumped_text
+    monkeypatch.setattr(AC, "dumped_text", lambda p, o: dumps.append(p) or dumped(p, o))
+    real = AC._compile
+
+    class Unprintable:
+        def __init__(self, c):
+            self.c = c
+
+        def __getattr__(self, name):
+            return getattr(self.c, name)
+
+        def as_text(self):
+            raise RuntimeError("async-update instruction should have 1 operands but sees 4")
+
+    monkeypatch.setattr(AC, "_compile", lambda p, o: (Unprintable(real(p, o)[0]), *real(p, o)[1:]))
+    chip = chips.parse("v5p:2x2x1").chip
+    row = AC.compile_program(prog, chip, 1, 16 * chips.GIB, unrolled=False, hlo_dump_compile=False)
+    assert dumps == [] and row["compiled"] and row["memory"]["peak"] > 0
+    assert "async-update" in row["hlo"]["error"] and row["hlo"]["top_ops"]["total_bytes"] == 0
+    AC.compile_program(prog, chip, 1, 16 * chips.GIB, unrolled=False)
+    assert dumps == [prog]                                            # the default: one more compile
+    assert cli.build_parser().parse_args(["--no-hlo-dump"]).no_hlo_dump
+
+
+def test_ep_kernel_declared_bytes_next_to_xla():
+    """The Mosaic kernels as the EP local matmul: the chip's expert slice is read from the placed w1 (E, I
+    split by the sharding; a QArray's logical D), the declared bytes are the kernels' BlockSpec bytes at
+    those local shapes × the routed layers (decode kernel for few tokens, the grouped kernels above), and
+    the report prints them next to XLA's bytes."""
+    from dsv4_jax.analysis import kernels_aot
+    from dsv4_jax.analysis.aot import kernel_hook as K
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("expert", "model"))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    w1 = quant.abstract(quant.FP4, (2, 16, 128, 512), jnp.bfloat16, sh, sh)
+    params = {"layers": {"ffn": {"experts": {"w1": w1}, "shared_experts": {"w1": None}}}}
+    assert K.local_expert_dims(params) == (16, 128, 512)
+    assert K.local_expert_dims({"ffn": {"shared_experts": {"w1": w1}}}) is None
+    dec = K.ep_local_declared("release", 8, (16, 128, 512), 2, 3)
+    s = kernels_aot.Shapes(n_experts=16, top_k=2, hidden=512, moe_inter=128)
+    one = kernels_aot.blockspec_bytes(kernels_aot.Case("moe_decode", "fp4_e2m1_b32", tokens=8), s)["random"]
+    assert dec["kernel"] == "moe_decode" and dec["declared_bytes"] == 3 * one["total"] > 0
+    assert dec["ideal_bytes"] == 3 * one["ideal"]
+    assert K.ep_local_declared("bf16", 64, (16, 128, 512), 2, 1)["kernel"] == "moe_prefill"
+    run = {"programs": [{"program": "decode", "ep_kernel": dec, "cost": {"bytes_accessed": 5e9},
+                         "hlo": {"top_ops": {"total_bytes": 2e9}}}, {"program": "verify"}]}
+    rows = R.ep_kernel_rows(run)
+    assert len(rows) == 1 and rows[0][0] == "decode" and rows[0][-2:] == ["5", "2"]
+    assert rows[0][6] == format(dec["declared_bytes"] / 1e9, ".3g")

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HBM per device (default: asked from the TPU compiler; the CPU backend uses 16)")
     p.add_argument("--top", type=cli.positive_int, default=15, help="top HLO ops kept per program (default 15)")
     p.add_argument("--hlo-dir", default=None, help="also write each compiled program's HLO text here")
+    p.add_argument("--no-hlo-dump", action="store_true",
+                   help="when libtpu cannot print a compiled program's HLO, leave its HLO-op bytes out instead of "
+                        "compiling it once more for XLA's dump (fit-only runs: one compile per program)")
     p.add_argument("--no-kernels", action="store_true", help="skip the Mosaic TPU kernels section")
     p.add_argument("--no-plot", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default="aot_report.json",
@@ -225,7 +228,7 @@ def parse_request(a: argparse.Namespace, argv: list[str] | None) -> runner.AotRe
         force=a.force, kernels=not a.no_kernels, hlo_dir=a.hlo_dir,
         command="dsv4-aot " + " ".join(sys.argv[1:] if argv is None else argv), prefill_min=a.prefill_min,
         fit_as_run=not a.fit_from_unrolled, count=count, base=a.count_base, fit_from=tuple(fit_from),
-        sharding=a.sharding)
+        sharding=a.sharding, hlo_dump_compile=not a.no_hlo_dump)
 
 
 def main(argv: Iterable[str] | None = None) -> int:

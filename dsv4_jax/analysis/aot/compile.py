@@ -211,7 +211,7 @@ def count_by_extrapolation(counting: Counting, options: dict | None, top: int) -
 def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_run: Program | None = None,
                     counting: Counting | None = None, options: dict | None = None, top: int = 15,
                     force: bool = False, hlo_dump: str | None = None, count_if_unfit: bool = True,
-                    unrolled: bool = True, as_run_row: dict | None = None) -> dict:
+                    unrolled: bool = True, as_run_row: dict | None = None, hlo_dump_compile: bool = True) -> dict:
     """Compile one program and return the report row (module docstring for the three ways of counting).
 
     counting given ("extrapolated"): `program` is the program as run (layer scans); `counting` the small
@@ -220,7 +220,10 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
     options: compiler options of every compile (the TPU ones keep an oversized program compiling so that its
     memory and costs are still reported, `chips.TPU_COMPILE_OPTIONS`). count_if_unfit=False skips the costs'
     compiles when the program as run does not fit (a smaller prefill chunk will be tried).
+    hlo_dump_compile=False: no second compile for XLA's dump when libtpu cannot print the HLO (a fit-only
+    run: the row then has no HLO-op bytes, `hlo.error` says why).
     """
+    again = (lambda p: p) if hlo_dump_compile else (lambda p: None)
     args = program.argument_bytes_per_device
     row = {"program": program.name, "tokens_per_sequence": program.tokens_per_sequence, "bound": program.bound,
            "argument_bytes_per_device": args, "hbm_bytes": hbm}
@@ -232,7 +235,7 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
         return row
     if counting is not None:
         return _extrapolated(row, program, counting, chip, chips, hbm, options, top, hlo_dump, count_if_unfit,
-                             as_run_row)
+                             as_run_row, hlo_dump_compile)
     run_hlo = None
     if as_run is not None:
         compiled, _, secs, error = _compile(as_run, options)
@@ -241,7 +244,7 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
             return _failed(row, error)
         row["memory_as_run"] = memory(compiled)
         row["cost_as_run"] = cost(compiled)        # repeated layers counted once: for comparison only
-        run_hlo = _analyse(compiled, top, hlo_dump and hlo_dump.replace(".hlo.txt", ".as_run.hlo.txt"), as_run,
+        run_hlo = _analyse(compiled, top, hlo_dump and hlo_dump.replace(".hlo.txt", ".as_run.hlo.txt"), again(as_run),
                            options)
         del compiled
         peak = row["memory_as_run"].get("peak")
@@ -257,7 +260,7 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
     row["cost"] = cost(compiled)
     row["cost_counts_every_layer"] = unrolled
     row["cost_method"] = "unrolled" if unrolled else "scan"
-    text_hlo = _analyse(compiled, top, hlo_dump, None if run_hlo else program, options)
+    text_hlo = _analyse(compiled, top, hlo_dump, None if run_hlo else again(program), options)
     del compiled
     # bytes, top ops and collectives: the program as run, loop bodies × trip counts (the unrolled text has
     # copies of the stacked layer weights a run does not make); the unrolled text's totals for comparison
@@ -288,7 +291,7 @@ def _finish(row: dict, chip: Chip, chips: int, hbm: float) -> dict:
 
 def _extrapolated(row: dict, program: Program, counting: Counting, chip: Chip, chips: int, hbm: float,
                   options: dict | None, top: int, hlo_dump: str | None, count_if_unfit: bool,
-                  as_run_row: dict | None = None) -> dict:
+                  as_run_row: dict | None = None, hlo_dump_compile: bool = True) -> dict:
     """The "extrapolated" row: fit, HLO analysis and cost_as_run from `program` (as run; or from a saved
     `as_run_row`); costs from the two small unrolled programs of `counting`, extrapolated (falls back to
     cost_as_run, said so, when one of them fails to compile)."""
@@ -302,7 +305,7 @@ def _extrapolated(row: dict, program: Program, counting: Counting, chip: Chip, c
             return _failed(row, error)
         row["memory"] = memory(compiled)
         row["cost_as_run"] = cost(compiled)        # repeated layers counted once: for comparison only
-        row["hlo"] = _analyse(compiled, top, hlo_dump, program, options)
+        row["hlo"] = _analyse(compiled, top, hlo_dump, program if hlo_dump_compile else None, options)
         del compiled
     row["fit_from"] = "as run (layer scans)"
     peak = row["memory"].get("peak")

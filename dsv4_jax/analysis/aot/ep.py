@@ -28,6 +28,16 @@ def resolve_name(name: str, batch: int, chips: int) -> str:
     return preset_for(batch, chips) if name == "auto" else name
 
 
+def gspmd_safe(backends, chips: int):
+    """The backends with the kernels that would run in the GSPMD-partitioned part of the program replaced by
+    their references on more than one chip: a Mosaic kernel is a custom call XLA cannot partition ("Mosaic
+    kernels cannot be automatically partitioned"), and only the MoE's local matmul runs under a shard_map.
+    So the indexer's scores kernel (`pallas_tpu`) becomes the reference there."""
+    if chips > 1 and backends.indexer == "pallas_tpu":
+        return backends.replace(indexer="reference")
+    return backends
+
+
 def setup(name: str, config: ModelConfig, devices, batch: int) -> tuple[str, ModelConfig, object, dict]:
     """(preset name, config with the preset's EP backends, mesh, rules dict) for `devices`. The config's own
     backends (unroll, kernels) are kept; with moe="pallas_tpu" the EP local matmul is the Mosaic kernels."""
@@ -35,5 +45,6 @@ def setup(name: str, config: ModelConfig, devices, batch: int) -> tuple[str, Mod
     pre = S.preset(name)
     if config.backends.moe == "pallas_tpu":
         pre = dataclasses.replace(pre, local="pallas_tpu")
+    config = config.with_backends(gspmd_safe(config.backends, len(devices)))
     mesh = pre.make_mesh(devices)
     return name, config.with_backends(pre.backends(mesh, config.backends)), mesh, pre.rules_dict

@@ -11,7 +11,13 @@ at the context — and flattens each record into a row.
 """
 from __future__ import annotations
 
+import re
+
+import jax
+
 from .. import kernels_aot as tpu_aot
+from ...kernels import tpu_moe
+from ...ops import quant
 
 # report weight format -> the kernels' expert storage (`inputs.leaf_format`'s routed experts)
 KERNEL_FORMAT = {"bf16": "dense", "fp8": "fp8", "release": "fp4_e2m1_b32"}
@@ -69,3 +75,38 @@ def kernel_reports(topology: str, config, shapes, weights: str, log=None, aot=tp
         if log:
             log(f"kernel {rows[-1].get('case')}: {rows[-1].get('compile_s', '—')} s")
     return {"available": True, "source": aot.__name__, "rows": rows}
+
+
+# ---- the Mosaic kernels inside an expert-parallel program (`--sharding ... --kernels pallas_tpu`) ----
+
+_ROUTED_W1 = re.compile(r"(^|\.)ffn\.experts\.w1$")
+
+
+def local_expert_dims(params) -> tuple[int, int, int] | None:
+    """(E_loc, I_loc, D) of the routed experts one chip holds: the shard of w1 [.., E, I, D] (a QArray's codes
+    [.., E, I, D/2] give E and I), from the first routed layer stack of abstract, placed `params`."""
+    for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda a: isinstance(a, quant.QArray))[0]:
+        flat = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        if not _ROUTED_W1.search(flat):
+            continue
+        a = x.codes if isinstance(x, quant.QArray) else x
+        local = a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None else a.shape
+        return int(local[-3]), int(local[-2]), int(x.shape[-1])
+    return None
+
+
+def ep_local_declared(weights: str, tokens: int, dims: tuple[int, int, int], top_k: int, layers: int,
+                      swiglu_limit: float = 10.0, aot=tpu_aot) -> dict:
+    """What the Mosaic MoE kernels declare (their BlockSpecs' bytes, `kernels_aot.blockspec_bytes`, uniform
+    random routing) as the EP program's per-chip local matmul: `tokens` per chip reach the chip's
+    dims = (E_loc, I_loc, D) expert slices in each of `layers` routed layers; the decode kernel up to
+    `tpu_moe.DECODE_MAX_TOKENS` tokens, the grouped prefill kernels above (`tpu_moe.routed`). Per chip:
+    {"kernel", "fmt", "tokens", "dims", "layers", "per_layer_bytes", "declared_bytes", "ideal_bytes"}."""
+    fmt = KERNEL_FORMAT[weights]
+    kernel = "moe_decode" if tokens <= tpu_moe.DECODE_MAX_TOKENS else "moe_prefill"
+    E, I, D = dims
+    s = aot.Shapes(n_experts=E, top_k=top_k, hidden=D, moe_inter=I, swiglu_limit=swiglu_limit)
+    b = aot.blockspec_bytes(aot.Case(kernel, fmt, tokens=tokens), s)["random"]
+    return {"kernel": kernel, "fmt": fmt, "tokens": tokens, "dims": list(dims), "layers": layers,
+            "per_layer_bytes": b["total"], "declared_bytes": b["total"] * layers,
+            "ideal_bytes": b["ideal"] * layers}

@@ -31,6 +31,7 @@ from . import forecast as F
 from . import inputs as I
 
 PROGRAMS = ("prefill", "decode", "verify", "spec-mtp", "spec-dspark")
+PALLAS_LOCAL = ("pallas", "pallas_tpu")   # EP local matmuls that are Pallas kernels (uint8 codes, default layout)
 MAX_NEW_TOKENS = 256        # the loop's output buffer per sequence (a static size of the carry)
 
 
@@ -44,9 +45,16 @@ class Program:
     bound: dict
     tokens_per_sequence: int
     notes: str = ""
+    mesh: object = None     # set when the program holds Mosaic kernels (`uses_mosaic`)
 
     def lower(self):
-        return self.fn.lower(*self.args)
+        """`fn.lower(*args)`; with `mesh`, under `jax.set_mesh(mesh)`: Pallas' TPU lowering rules read the chip
+        (`tpu_info.get_tpu_info`) from the context's abstract mesh, else from the default device (the CPU
+        here: "Unsupported TPU device kind: cpu"), as `analysis.kernels_aot` does for single kernels."""
+        if self.mesh is None:
+            return self.fn.lower(*self.args)
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*self.args)
 
     @property
     def argument_bytes_per_device(self) -> float:
@@ -59,12 +67,25 @@ def _is_abstract(x) -> bool:
 
 def _target(config: ModelConfig, mesh, weights: str, rules) -> dict:
     """Target parameters; on TPU under expert parallelism (`moe="ep"`) the routed experts' codes stored
-    contraction-dim major (`inputs.experts_k_major`), FP4 ones as uint32 words unless the local matmul is a
-    Pallas kernel (which reads the uint8 codes)."""
+    contraction-dim major (`inputs.experts_k_major`), FP4 ones as uint32 words. A Pallas local matmul keeps
+    them as placed: its custom call reads uint8 codes in the default row-major layout, so a k-major stack
+    would be transposed whole before every call."""
     params = I.target_params(config, mesh, weights, rules)
-    if config.backends.moe == "ep" and mesh.devices.flat[0].platform == "tpu":
-        params = I.experts_k_major(params, words=config.backends.ep.local in ("reference", "dense"))
-    return params
+    return I.experts_k_major(params) if k_major_experts(config, platform(mesh)) else params
+
+
+def platform(mesh) -> str | None:
+    """The platform of a mesh's devices ("tpu", "cpu"); an AbstractMesh (plans) its abstract device's, if any."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return getattr(mesh.abstract_device, "platform", None)
+    return mesh.devices.flat[0].platform
+
+
+def k_major_experts(config: ModelConfig, platform: str) -> bool:
+    """Whether the routed experts are placed k-major (`_target`): on TPU under expert parallelism with an XLA
+    local matmul; not for a Pallas one (`PALLAS_LOCAL`)."""
+    b = config.backends
+    return b.moe == "ep" and platform == "tpu" and b.ep.local not in PALLAS_LOCAL
 
 
 def _block(name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, S: int, rules) -> Program:
@@ -127,8 +148,21 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
                    notes)
 
 
+def uses_mosaic(config: ModelConfig, mesh) -> bool:
+    """Whether the programs of `config` on `mesh` hold Pallas TPU (Mosaic) kernels: a `pallas_tpu` backend
+    (the MoE experts, in the GSPMD program or as the EP local matmul, or the indexer) on TPU devices."""
+    b = config.backends
+    kinds = {b.moe, b.indexer} | ({b.ep.local} if b.ep is not None else set())
+    return "pallas_tpu" in kinds and platform(mesh) == "tpu" and not isinstance(mesh, jax.sharding.AbstractMesh)
+
+
 def build(name: str, config: ModelConfig, mesh, weights: str, shapes: I.Shapes, rules=None) -> Program:
     """The program `name` (one of PROGRAMS) for `config` on `mesh` with weights in format `weights`."""
+    program = _build(name, config, mesh, weights, shapes, rules)
+    return dataclasses.replace(program, mesh=mesh) if uses_mosaic(config, mesh) else program
+
+
+def _build(name: str, config: ModelConfig, mesh, weights: str, shapes: I.Shapes, rules=None) -> Program:
     I.check_weights(weights)
     if name == "prefill":
         return _block(name, config, mesh, weights, shapes, shapes.prefill_chunk, rules)

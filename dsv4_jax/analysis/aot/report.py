@@ -67,6 +67,25 @@ PROGRAM_HEAD = ["program", "costs", "fits", "args GiB", "temp GiB", "out GiB", "
                 "ms roofline", "ms bound", "ms XLA optimal"]
 
 
+EP_KERNEL_HEAD = ["program", "kernel", "format", "tokens/chip", "local experts E×I×D", "layers",
+                  "declared GB/chip", "ideal GB/chip", "XLA GB/chip", "HLO-op GB/chip"]
+
+
+def ep_kernel_rows(run: dict) -> list[list]:
+    """One row per program that holds the Mosaic MoE kernels as its EP local matmul (`row["ep_kernel"]`)."""
+    rows = []
+    for r in run["programs"]:
+        k = r.get("ep_kernel")
+        if not k:
+            continue
+        ops = r.get("hlo", {}).get("top_ops", {}).get("total_bytes")
+        rows.append([r["program"] + (" ²" if k.get("scope") else ""), k["kernel"], k["fmt"], k["tokens"],
+                     "×".join(map(str, k["dims"])), k["layers"], _g(k["declared_bytes"], GB, ".3g"),
+                     _g(k["ideal_bytes"], GB, ".3g"), _g(r.get("cost", {}).get("bytes_accessed"), GB, ".3g"),
+                     _g(ops or None, GB, ".3g")])
+    return rows
+
+
 def cost_method(row: dict) -> str:
     """How the row's XLA costs count the layers: "extrapolated (7, 9 L)", "unrolled", "scan ¹" (older rows
     without cost_method: from cost_counts_every_layer)."""
@@ -278,6 +297,13 @@ def markdown(report: dict) -> str:
                   f"{r['count_error'][:300]}" for r in run["programs"] if r.get("count_error")]
         if notes:
             L += notes + [""]
+        ek = ep_kernel_rows(run)
+        if ek:
+            L += ["### Mosaic MoE kernels inside the programs (EP local matmul)", "",
+                  "Declared = the bytes the kernels' BlockSpecs move per chip (uniform routing), every routed "
+                  "layer; next to XLA's bytes accessed and the HLO-op bytes of the whole program. ² a round: the "
+                  "kernels of its target verify block only.", "",
+                  table(EP_KERNEL_HEAD, ek), ""]
         col = collective_rows(run)
         if col:
             L += ["### Collectives", "", table(["program", "collective", "count", "operand GB/chip", "largest"], col), ""]

@@ -29,7 +29,7 @@ from ...model import params as P
 from ... import parallel
 from ...config import ConfigError, ModelConfig, preset, small as small_config, with_pairs
 from . import chips, compile as C, ep as EP, extrapolate as X, inputs as I, programs as PR
-from .kernel_hook import kernel_reports
+from .kernel_hook import KERNEL_FORMAT, ep_local_declared, kernel_reports, local_expert_dims
 
 # --mesh-preset: name -> (data, expert, model) sizes for n devices. "default" is sharding.default_mesh_shape
 # (experts split n ways, attention data-parallel); the expert-parallel presets ("latency" / "throughput",
@@ -154,7 +154,8 @@ class AotRequest:
     and HLO analysis instead of a new full compile ("extrapolate" only; `reusable_row`); fit_as_run
     ("unroll" only): also compile each program with its layer scans (as a run executes it) for the fit;
     sharding: a sharding preset ("latency", "throughput", "auto": by batch, `ep.setup`) whose mesh, rules and
-    expert-parallel MoE replace mesh / mesh_preset / rules (the programs a user runs).
+    expert-parallel MoE replace mesh / mesh_preset / rules (the programs a user runs); hlo_dump_compile:
+    compile a program whose HLO libtpu cannot print once more for XLA's dump (`compile.dumped_text`).
     """
 
     topologies: tuple[str, ...]
@@ -170,6 +171,7 @@ class AotRequest:
     force: bool = False
     kernels: bool = True
     hlo_dir: str | None = None
+    hlo_dump_compile: bool = True
     command: str = ""
     prefill_min: int = 8
     fit_as_run: bool = True
@@ -220,7 +222,8 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
                 saved = functools.partial(reusable_row, r.fit_from, config, shapes, topo.name, w, run_["mesh_text"],
                                           name)
                 one = functools.partial(compile_one, target, name, how_t, w, rules=rules_t, top=r.top,
-                                        force=r.force, hlo_dump=dump, say=say, saved=saved)
+                                        force=r.force, hlo_dump=dump, say=say, saved=saved,
+                                        hlo_dump_compile=r.hlo_dump_compile)
                 run_["programs"].append(compile_prefill(one, shapes, r.prefill_min) if name == "prefill"
                                         else one(shapes))
                 if checkpoint:
@@ -282,7 +285,8 @@ def reusable_row(sources: Sequence[tuple[str, dict]], config: ModelConfig, shape
 
 def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: I.Shapes, last_try: bool = True,
                 *, rules=None, top: int = 15, force: bool = False, hlo_dump: str | None = None,
-                say=lambda msg: None, saved: Callable[[int], dict | None] = lambda chunk: None) -> dict:
+                say=lambda msg: None, saved: Callable[[int], dict | None] = lambda chunk: None,
+                hlo_dump_compile: bool = True) -> dict:
     """Build program `name` from the configs of `how` and compile it (`compile.compile_program`); with
     "extrapolated" counting, `saved(chunk)` may give a saved row of the program as run (`reusable_row`)."""
     label = f"{target.topology.name} {weights} {name}"
@@ -299,9 +303,33 @@ def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: 
         say(f"{label}: fit and HLO analysis from {reuse['fit_source'][:160]}")
     row = C.compile_program(prog, target.topology.chip, len(target.devices), target.hbm, as_run=as_run,
                             counting=points, options=target.options, top=top, force=force, hlo_dump=hlo_dump,
-                            count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse)
+                            count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse,
+                            hlo_dump_compile=hlo_dump_compile)
+    declared = ep_kernel_row(prog, how.program, weights, shapes, target.mesh)
+    if declared:
+        row["ep_kernel"] = declared
     say(f"{label}: {summary_line(row)}")
     return row
+
+
+def ep_kernel_row(prog: PR.Program, config: ModelConfig, weights: str, shapes: I.Shapes, mesh) -> dict | None:
+    """With the Mosaic kernels as the EP local matmul (`ExpertParallel.local == "pallas_tpu"`): the bytes
+    their BlockSpecs declare per chip for this program (`kernel_hook.ep_local_declared`), next to XLA's.
+    Tokens per chip = batch × the program's tokens per sequence / the data axis (the EP shard_map gathers
+    the tokens over the axes that split the experts); a round counts its target verify block only."""
+    ep = config.backends.ep
+    if ep is None or ep.local != "pallas_tpu" or weights not in KERNEL_FORMAT:
+        return None
+    dims = local_expert_dims(prog.args[0])
+    if dims is None:
+        return None
+    data = dict(zip(mesh.axis_names, mesh.devices.shape)).get("data", 1)
+    tokens = max(1, shapes.batch * prog.tokens_per_sequence // data)
+    out = ep_local_declared(weights, tokens, dims, config.num_experts_per_tok, config.num_layers,
+                            config.swiglu_limit)
+    if prog.name.startswith("spec-"):
+        out["scope"] = "target verify block only (drafter MoE layers not counted)"
+    return out
 
 
 def compile_prefill(compile_one: Callable[..., dict], shapes: I.Shapes, min_chunk: int) -> dict:
