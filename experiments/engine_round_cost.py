@@ -8,6 +8,7 @@
   auto, fixed 1   the MTP engine with draft_n_max="auto" (bound 7), MODE_FIXED at width 1
   auto -> 1       the same engine, MODE_AUTO priced by a table under which width 1 pays best (the B = 8 engine's
                   measured table of the third run, widths >= 2 priced out), so it chooses width 1
+  auto<=K, fixed 1 --bounds K,..: the scheduler engine holding widths 0..K only (what the bound costs)
   (lax.switch)    --switch: the last two again, the round's width selected by `lax.switch` as before the fourth
                   run (`ops.branch.switch_in_place` replaced while those programs trace and run; their engine is
                   built with one more token of budget so that its program is a separate compilation)
@@ -15,7 +16,7 @@
 B = 8 slots filled once (8 prompts of 64 tokens, budgets longer than the chunk), then one chunk of --rounds
 rounds timed per repeat on a copy of that carry (no finishes, no refills): ms per round and per committed token.
 
-    PYTHONPATH=. python experiments/engine_round_cost.py --out OUT.json [--repeats 7] [--rounds 32] [--switch] [--ring]
+    PYTHONPATH=. python experiments/engine_round_cost.py --out OUT.json [--repeats 7] [--rounds 32] [--switch] [--ring] [--bounds 1,3]
 Prints a table (median [min-max] over repeats after one untimed warm-up; ratios: median over repeats of the
 per-repeat ratio to `none` and to `mtp k=1`) and writes JSON (with every repeat's ms per round).
 """
@@ -55,7 +56,7 @@ def lax_switch():
         branch.switch_in_place = saved
 
 
-def engines(demo, switch: bool, ring: bool) -> dict:
+def engines(demo, switch: bool, ring: bool, bounds=()) -> dict:
     """name -> (engine, knobs, context the chunk runs in)."""
     prompts = heldout_prompts(B, prompt_len=64, seed=4)
     kw = dict(batch=B, eos_token_id=-1)
@@ -72,6 +73,12 @@ def engines(demo, switch: bool, ring: bool) -> dict:
         auto.priced(TABLE)
         fixed = auto.knobs.replace(width_mode=jnp.int32(MODE_FIXED), draft_n=jnp.int32(1))
         out.update({f"auto, fixed 1{tag}": (auto, fixed, ctx), f"auto -> 1{tag}": (auto, auto.knobs, ctx)})
+    for bound in bounds:          # the same scheduler program holding fewer widths (0..bound): what K costs
+        small = SlotEngine.build(demo.params, demo.config, prompts, max_new_tokens=400, drafter="mtp",
+                                 draft_n_max="auto", draft_n_max_bound=bound, **kw)
+        small.priced(TABLE)
+        fixed = small.knobs.replace(width_mode=jnp.int32(MODE_FIXED), draft_n=jnp.int32(1))
+        out[f"auto<={bound}, fixed 1"] = (small, fixed, contextlib.nullcontext)
     return out
 
 
@@ -100,10 +107,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=32)
     p.add_argument("--switch", action="store_true", help="also the auto variants with the width in a lax.switch")
     p.add_argument("--ring", action="store_true", help="also the k=1 engine with its state sized for blocks of 8")
+    p.add_argument("--bounds", default="", help="comma list: also auto engines of these bounds (fixed at width 1)")
     a = p.parse_args(argv)
     load0 = os.getloadavg()
     demo = tiny_demo()
-    variants = engines(demo, a.switch, a.ring)
+    variants = engines(demo, a.switch, a.ring, tuple(int(b) for b in a.bounds.split(",") if b))
     bases = {name: filled(e) for name, (e, _, _) in variants.items()}
     ms, cpu_ms, per_tok = ({n: [] for n in variants} for _ in range(3))
     info = {}
