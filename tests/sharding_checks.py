@@ -203,17 +203,24 @@ def _check_leaf(got, want_global, want_sharding) -> dict:
             "dtype": got.dtype == full.dtype}
 
 
+def _reference(d: str, config, key: int, seq: int, with_forward: bool = True):
+    """A keep-quantized checkpoint written under d, its single-device dense load, tokens [2, seq] and the
+    single-device logits (None without with_forward). -> (ckpt path, loaded config, params, tokens, logits)."""
+    ckpt = os.path.join(d, "ckpt")
+    write_checkpoint(ckpt, config)
+    cfg, single = dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32)
+    tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(key), (2, seq), 0, config.vocab_size), np.int32)
+    target = {k: v for k, v in single.items() if k != "mtp"}
+    logits = np.asarray(dsv4_jax.forward(target, config, tokens)) if with_forward else None
+    return ckpt, cfg, single, tokens, logits
+
+
 def check_restore(meshes, with_forward: bool = True) -> dict:
     """Write a keep-quantized checkpoint, restore it unsharded and onto each mesh; compare every shard."""
     config = test_config()
     out = {}
     with tempfile.TemporaryDirectory() as d:
-        ckpt = os.path.join(d, "ckpt")
-        write_checkpoint(ckpt, config)
-        cfg, single = dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32)
-        tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (2, 24), 0, config.vocab_size), np.int32)
-        target = {k: v for k, v in single.items() if k != "mtp"}
-        want_logits = np.asarray(dsv4_jax.forward(target, config, tokens)) if with_forward else None
+        ckpt, cfg, single, tokens, want_logits = _reference(d, config, 2, 24, with_forward)
         for shape in meshes:
             mesh = S.make_mesh(shape)
             _, got = dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32, mesh=mesh)
@@ -289,11 +296,7 @@ def check_expert_words(presets=("latency", "throughput")) -> dict:
     config = words_config()
     out = {}
     with tempfile.TemporaryDirectory() as d:
-        ckpt = os.path.join(d, "ckpt")
-        write_checkpoint(ckpt, config)
-        _, single = dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32)
-        tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (2, 16), 0, config.vocab_size), np.int32)
-        want = np.asarray(dsv4_jax.forward({k: v for k, v in single.items() if k != "mtp"}, config, tokens))
+        ckpt, _, _, tokens, want = _reference(d, config, 3, 16)
         for name in presets:
             mesh = S.preset(name).make_mesh()
             loaded = {ew: dsv4_jax.load_checkpoint(ckpt, dtype=jnp.float32, sharding=name, keep_quantized=True,

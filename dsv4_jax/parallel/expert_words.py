@@ -14,7 +14,6 @@ import functools
 import re
 
 import jax
-from jax.sharding import NamedSharding
 
 from ..backends import Backends
 from ..ops import quant
@@ -31,7 +30,8 @@ def wants_words(backends: Backends | None) -> bool:
 
 
 def shard_group(q: quant.QArray) -> int:
-    """The word layout's column group for q: the width of one shard of its contraction dim (0: K not split)."""
+    """The word layout's column group for q (concrete or abstract): the width of one shard of its contraction
+    dim (0: K not split)."""
     k = q.shape[-1]
     sharding = getattr(q.codes, "sharding", None)
     k_local = sharding.shard_shape(q.codes.shape)[-1] * 2 if sharding is not None else k
@@ -53,7 +53,5 @@ def routed_experts_as_words(params):
 
 def _convert(q: quant.QArray, group: int) -> quant.QArray:
     """`quant.to_words(q, group)` on q's devices, codes and scales partitioned as q's."""
-    like = lambda x: NamedSharding(x.sharding.mesh, x.sharding.spec) if isinstance(x.sharding, NamedSharding) \
-        else x.sharding
-    out = quant.QArray(like(q.codes), like(q.scale), quant.words_format(group), q.dtype)
+    out = quant.QArray(q.codes.sharding, q.scale.sharding, quant.words_format(group), q.dtype)
     return jax.jit(functools.partial(quant.to_words, group=group), out_shardings=out)(q)

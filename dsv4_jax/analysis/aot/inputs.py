@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ...model import params as P
 from ... import parallel
-from ...parallel.expert_words import ROUTED_EXPERTS
+from ...parallel.expert_words import ROUTED_EXPERTS, shard_group
 from ...model.state import state_shapes
 from ...config import ModelConfig
 from ...ops import quant
@@ -100,10 +100,9 @@ def k_major(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
 
 def words_group(q: quant.QArray) -> int:
     """The column group of the word layout an abstract FP4 QArray gets: its shard of the last dim (0 when
-    the last dim is not split), so that every shard holds whole groups (`quant.words_format`)."""
-    k = q.shape[-1]
-    k_loc = q.codes.sharding.shard_shape(q.codes.shape)[-1] * 2 if q.codes.sharding is not None else k
-    return 0 if k_loc == k else k_loc
+    the last dim is not split), so that every shard holds whole groups (`quant.words_format`); the loader's
+    rule (`parallel.expert_words.shard_group`)."""
+    return shard_group(q)
 
 
 def as_words(q: quant.QArray) -> quant.QArray:
