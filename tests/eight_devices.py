@@ -17,11 +17,21 @@ ROOT = os.path.dirname(HERE)
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
-def run_checks(script: str, args, timeout: int, fast_compile: bool = True) -> dict:
-    flags = "--xla_force_host_platform_device_count=8"
+def host_devices_flags(devices: int, fast_compile: bool = True) -> str:
+    """XLA_FLAGS for `devices` forced CPU host devices.
+
+    The collective timeout is raised from XLA:CPU's 40 s: every forced device is a thread of one process, and on a
+    2-core machine running other tests beside, one device thread can reach an all-reduce more than 40 s after
+    the others (seen in CI), which XLA:CPU answers by aborting the process."""
+    flags = [f"--xla_force_host_platform_device_count={devices}",
+             "--xla_cpu_collective_call_terminate_timeout_seconds=1200"]
     if fast_compile:
-        flags += " " + " ".join(FAST_COMPILE)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+        flags += FAST_COMPILE
+    return " ".join(flags)
+
+
+def run_checks(script: str, args, timeout: int, fast_compile: bool = True) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_devices_flags(8, fast_compile))
     proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -61,7 +61,10 @@ CASES = {
 # release: FP4 routed experts, FP8 attention / shared expert (scale blocks straddling the shards: the
 # FP4 w2's 32-column blocks over I = 48 split 8 ways, FP8's 128-row blocks); int8: per-channel routed experts
 QUANT = {"release-latency": "release", "int8-1x2x4": "int8_channel"}
-FULL_ONLY = ("int8-1x2x4", "ep-1x8x1", "ep-2x4x1", "throughput", "odd-1x2x4")   # cases of the --full run only
+# cases of the --full run only. release-latency: the release formats under the latency preset are checked in
+# the fast run by tests/test_sharding.py::test_release_experts_load_as_words_on_the_presets (loaded checkpoint,
+# both presets, against the single-device model)
+FULL_ONLY = ("int8-1x2x4", "ep-1x8x1", "ep-2x4x1", "throughput", "odd-1x2x4", "release-latency")
 FAST_DECODE = ("latency",)                      # prefill + decode + verify + commit (every case with --full)
 DECODE_BATCH = {"latency": 8}                   # sequences of the decode script (default 2)
 FAST_GENERATE = ("latency",)                    # speculative generation in the fast run

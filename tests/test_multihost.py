@@ -19,7 +19,7 @@ from dsv4_jax.config import HASH_MOE, _schedule
 from dsv4_jax.io.convert.save import save_checkpoint
 from dsv4_jax.model.params import init_mtp
 
-from .eight_devices import FAST_COMPILE
+from .eight_devices import host_devices_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 420
@@ -34,7 +34,7 @@ def _free_port() -> int:
 def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_", "TPU_", "SLURM_", "OMPI_"))}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-               XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={devices}", *FAST_COMPILE]),
+               XLA_FLAGS=host_devices_flags(devices),
                DSV4_COMPILE_CACHE="0", **extra)
     return env
 

@@ -156,11 +156,17 @@ def _assert_restore(restore):
             assert q["forward"] <= TOL, (name, q)
 
 
-def test_sharded_matches_single_device():
+@pytest.fixture(scope="module")
+def fast_checks():
+    """One 8-device process for the fast checks (the sharded runs, the restore and the FP4 word layout)."""
+    return _run_checks(["--fast", "--only", "forward,decode,restore,expert_words"], fast_compile=True, timeout=1200)
+
+
+def test_sharded_matches_single_device(fast_checks):
     """EP (1x8x1), TP (1x1x8) and mixed (2x2x2) meshes: forward logits; prefill + decode + verify + commit
     logits, hidden and state on 2x2x2; a keep-quantized checkpoint restored into the 2x2x2 shardings
     (every leaf's spec, every shard's shape and values)."""
-    res = _run_checks(["--fast"], fast_compile=True, timeout=600)
+    res = fast_checks
     _assert_runs(res["runs"], {"2x2x2"})
     assert set(res["runs"]) == {"1x8x1", "1x1x8", "2x2x2"}
     _assert_restore(res["restore"])
@@ -194,14 +200,14 @@ def test_expert_words_follow_the_ep_local_matmul():
     assert shard_group(q) == 0
 
 
-def test_release_experts_load_as_words_on_the_presets():
+def test_release_experts_load_as_words_on_the_presets(fast_checks):
     """load_checkpoint(keep_quantized=True, sharding=preset, expert_words=True) on 8 devices: routed FP4 experts
     (target and MTP) whose contraction dim holds whole 256-column groups per shard come back in the uint32 word
     layout with the uint8 codes' partition specs and the same values (exact), and the forward logits equal the
     codes' (≤ 1e-6; measured 0) and the single-device dense model's (≤ 5e-5 relative to the largest logit: the
     latency preset's tensor-parallel f32 sums run in another order at hidden 256, measured 1.8e-5 relative with
     words and codes alike; the throughput preset's 0)."""
-    res = _run_checks(["--only", "expert_words"], fast_compile=True, timeout=900)["expert_words"]
+    res = fast_checks["expert_words"]
     assert set(res) == {"latency", "throughput"}
     for name, r in res.items():
         assert r["bad"] == [] and r["converted"] >= 3 and r["converted_mtp"] >= 1, (name, r)

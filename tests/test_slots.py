@@ -19,6 +19,8 @@ from dsv4_jax.model.params import init_dspark, init_mtp
 from dsv4_jax.speculative import prefill as F, slots as S
 from dsv4_jax.speculative.scheduler import SlotEngine, call_widths, prefill_widths
 
+from .eight_devices import host_devices_flags
+
 PREFILL_LEN = 8
 MAX_LEN = 64
 N_REQ = 7
@@ -272,7 +274,7 @@ def test_sharded_params_on_a_two_device_mesh():
     import os
     import subprocess
     import sys
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_devices_flags(2, fast_compile=False))
     r = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=900,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and "MESH_OK" in r.stdout, r.stderr[-3000:]

@@ -146,7 +146,7 @@ def _final_carry(params, config, prompts, k, **run):
     return loop.run_rounds(params, r.config, carry, r.knobs, r.opts)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])   # 2: a branch past the switch's first
 def test_dynamic_draft_n_verifies_at_the_runs_own_width(model, prompts, k):
     """Under dynamic_draft_n a round verifies draft_n_max + 1 tokens, not max_block: the final decode state
     (every row written, rejected rows too) and drafter state equal those of the program compiled for k."""

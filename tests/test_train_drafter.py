@@ -17,6 +17,7 @@ from dsv4_jax.training import drafter_cli as CLI, drafter_export as X, drafter_t
 from dsv4_jax.training import text_data as TD
 
 from . import drafter_fixtures as F
+from .eight_devices import host_devices_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -321,9 +322,7 @@ def test_export_copy_and_write_into_round_trip(tmp_path, cfg, monkeypatch):
 
 @pytest.fixture(scope="module")
 def checks():
-    # LLVM optimisation level 0: the programs are tiny, their compilation is most of the time (~1/3 less)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(8), JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, os.path.join(HERE, "train_drafter_checks.py")], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=1500)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
