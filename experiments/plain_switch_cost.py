@@ -1,5 +1,7 @@
 """Plain-round cost of the MTP scheduler program (MODE_PLAIN, B = 1, the sweep's shapes) with its width switch as
-`ops.branch.switch_in_place` vs `lax.switch`, beside the `none` program, alternating in one process (issue #38):
+`ops.branch.switch_in_place` vs `lax.switch`, beside the `none` program, alternating in one process (issue #38).
+`none` and the switch_in_place program are each also compiled a second time ("again": 66 new tokens, a distinct
+jit entry of the same code), so that a gap between two switches can be told from one between two compilations:
 
     PYTHONPATH=. python experiments/plain_switch_cost.py --out OUT.json
 Prints ms per round (median of 7 after one untimed warm-up) and the paired median ratio to `none`; writes JSON.
@@ -25,8 +27,12 @@ demo = tiny_demo()
 prompts = heldout_prompts(1, prompt_len=120, seed=4)
 kw = dict(eos_token_id=-1, max_len=776, pad_to=128)
 none = prepare(demo.params, demo.config, prompts, 64, **kw)
+none2 = prepare(demo.params, demo.config, prompts, 66, **kw)
 mtp = prepare(demo.params, demo.config, prompts, 64, drafter="mtp", draft_n_max="auto", draft_n_max_bound=7, max_block=8, **kw)
 mtp2 = prepare(demo.params, demo.config, prompts, 65, drafter="mtp", draft_n_max="auto", draft_n_max_bound=7, max_block=8, **kw)
+# the same program as "mtp in_place" compiled again (a distinct jit entry: 66 new tokens), to tell a difference
+# between the two switches from one between two compilations of the same code
+twin = prepare(demo.params, demo.config, prompts, 66, drafter="mtp", draft_n_max="auto", draft_n_max_bound=7, max_block=8, **kw)
 saved = branch.switch_in_place
 @contextlib.contextmanager
 def lax_switch():
@@ -34,7 +40,9 @@ def lax_switch():
     try: yield
     finally: branch.switch_in_place = saved
 V = {"none": lambda: cost_table.seconds_per_round(demo.params, demo.config, none, none.knobs),
-     "mtp in_place": lambda: cost_table.seconds_per_round(demo.params, demo.config, mtp, mtp.knobs.replace(width_mode=jnp.int32(MODE_PLAIN)))}
+     "none again": lambda: cost_table.seconds_per_round(demo.params, demo.config, none2, none2.knobs),
+     "mtp in_place": lambda: cost_table.seconds_per_round(demo.params, demo.config, mtp, mtp.knobs.replace(width_mode=jnp.int32(MODE_PLAIN))),
+     "mtp in_place again": lambda: cost_table.seconds_per_round(demo.params, demo.config, twin, twin.knobs.replace(width_mode=jnp.int32(MODE_PLAIN)))}
 def sw():
     with lax_switch():
         return cost_table.seconds_per_round(demo.params, demo.config, mtp2, mtp2.knobs.replace(width_mode=jnp.int32(MODE_PLAIN)))
