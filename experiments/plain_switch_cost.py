@@ -26,27 +26,32 @@ out = p.parse_args().out
 demo = tiny_demo()
 prompts = heldout_prompts(1, prompt_len=120, seed=4)
 kw = dict(eos_token_id=-1, max_len=776, pad_to=128)
-none = prepare(demo.params, demo.config, prompts, 64, **kw)
-none2 = prepare(demo.params, demo.config, prompts, 66, **kw)
-mtp = prepare(demo.params, demo.config, prompts, 64, drafter="mtp", draft_n_max="auto", draft_n_max_bound=7, max_block=8, **kw)
-mtp2 = prepare(demo.params, demo.config, prompts, 65, drafter="mtp", draft_n_max="auto", draft_n_max_bound=7, max_block=8, **kw)
-# the same program as "mtp in_place" compiled again (a distinct jit entry: 66 new tokens), to tell a difference
-# between the two switches from one between two compilations of the same code
-twin = prepare(demo.params, demo.config, prompts, 66, drafter="mtp", draft_n_max="auto", draft_n_max_bound=7, max_block=8, **kw)
+auto = dict(drafter="mtp", draft_n_max="auto", draft_n_max_bound=7, max_block=8, **kw)
+# distinct jit entries by their new-token counts: the "again" runs compile the same code a second time
+none, none2 = (prepare(demo.params, demo.config, prompts, n, **kw) for n in (64, 66))
+mtp, mtp_switch, mtp2 = (prepare(demo.params, demo.config, prompts, n, **auto) for n in (64, 65, 66))
 saved = branch.switch_in_place
+
+
 @contextlib.contextmanager
 def lax_switch():
     branch.switch_in_place = lambda index, branches, state: jax.lax.switch(index, branches, state)
-    try: yield
-    finally: branch.switch_in_place = saved
-V = {"none": lambda: cost_table.seconds_per_round(demo.params, demo.config, none, none.knobs),
-     "none again": lambda: cost_table.seconds_per_round(demo.params, demo.config, none2, none2.knobs),
-     "mtp in_place": lambda: cost_table.seconds_per_round(demo.params, demo.config, mtp, mtp.knobs.replace(width_mode=jnp.int32(MODE_PLAIN))),
-     "mtp in_place again": lambda: cost_table.seconds_per_round(demo.params, demo.config, twin, twin.knobs.replace(width_mode=jnp.int32(MODE_PLAIN)))}
-def sw():
-    with lax_switch():
-        return cost_table.seconds_per_round(demo.params, demo.config, mtp2, mtp2.knobs.replace(width_mode=jnp.int32(MODE_PLAIN)))
-V["mtp lax.switch"] = sw
+    try:
+        yield
+    finally:
+        branch.switch_in_place = saved
+
+
+def timed(r, plain_mode: bool, patch=contextlib.nullcontext):
+    knobs = r.knobs.replace(width_mode=jnp.int32(MODE_PLAIN)) if plain_mode else r.knobs
+    def run():
+        with patch():
+            return cost_table.seconds_per_round(demo.params, demo.config, r, knobs)
+    return run
+
+
+V = {"none": timed(none, False), "none again": timed(none2, False), "mtp in_place": timed(mtp, True),
+     "mtp in_place again": timed(mtp2, True), "mtp lax.switch": timed(mtp_switch, True, lax_switch)}
 t = {k: [] for k in V}
 for rep in range(8):
     for k, f in V.items():

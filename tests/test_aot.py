@@ -14,6 +14,7 @@ from dsv4_jax import config as C, parallel
 from dsv4_jax.analysis import libtpu, traffic
 from dsv4_jax.model import params as P
 from dsv4_jax.ops import quant
+from dsv4_jax.parallel.expert_words import shard_group
 from dsv4_jax.analysis.aot import chips, cli, compile as AC, ep as EP, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -647,7 +648,7 @@ def test_routed_expert_codes_placed_contraction_major():
     n_moved = 0
     words = lambda q: jax.eval_shape(quant.to_words, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), q))
     routed = lambda q: isinstance(q, quant.QArray) and q.fmt == quant.FP4
-    want = jax.tree.map(lambda q: words(q) if routed(q) and quant.words_fit(q, I.words_group(q)) else q, params,
+    want = jax.tree.map(lambda q: words(q) if routed(q) and quant.words_fit(q, shard_group(q)) else q, params,
                         is_leaf=lambda q: isinstance(q, quant.QArray))
     assert jax.tree.structure(moved) == jax.tree.structure(want)
     for (path, a), (_, w), (_, b) in zip(flat(params), flat(want), flat(moved)):

@@ -98,17 +98,10 @@ def k_major(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=Format(Layout(major_to_minor=order), x.sharding))
 
 
-def words_group(q: quant.QArray) -> int:
-    """The column group of the word layout an abstract FP4 QArray gets: its shard of the last dim (0 when
-    the last dim is not split), so that every shard holds whole groups (`quant.words_format`); the loader's
-    rule (`parallel.expert_words.shard_group`)."""
-    return shard_group(q)
-
-
 def as_words(q: quant.QArray) -> quant.QArray:
-    """An abstract FP4 QArray as the abstract word-layout QArray `quant.to_words(q, words_group(q))` makes of
-    it (same logical shape and shardings)."""
-    fmt = quant.words_format(words_group(q))
+    """An abstract FP4 QArray as the abstract word-layout QArray `quant.to_words(q, shard_group(q))` makes of
+    it (same logical shape and shardings; the loader's column-group rule, `parallel.expert_words.shard_group`)."""
+    fmt = quant.words_format(shard_group(q))
     c, s = quant.stored_shapes(fmt, q.shape)
     return quant.QArray(sds(c, jnp.uint32, q.codes.sharding), sds(s, jnp.uint32, q.scale.sharding), fmt, q.dtype)
 
@@ -124,7 +117,7 @@ def experts_k_major(params: dict, words: bool = True) -> dict:
     def one(path, x):
         flat = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
         if isinstance(x, quant.QArray) and ROUTED_EXPERTS.search(flat):
-            x = as_words(x) if words and quant.words_fit(x, words_group(x)) else x
+            x = as_words(x) if words and quant.words_fit(x, shard_group(x)) else x
             return quant.QArray(k_major(x.codes), k_major(x.scale), x.fmt, x.dtype)
         return x
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, quant.QArray))
