@@ -15,7 +15,7 @@ from dsv4_jax.analysis import libtpu, traffic
 from dsv4_jax.model import params as P
 from dsv4_jax.ops import quant
 from dsv4_jax.parallel.expert_words import shard_group
-from dsv4_jax.analysis.aot import chips, cli, compile as AC, ep as EP, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
+from dsv4_jax.analysis.aot import bounds as AB, chips, cli, compile as AC, ep as EP, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -756,5 +756,162 @@ def test_ep_kernel_declared_bytes_next_to_xla():
     run = {"programs": [{"program": "decode", "ep_kernel": dec, "cost": {"bytes_accessed": 5e9},
                          "hlo": {"top_ops": {"total_bytes": 2e9}}}, {"program": "verify"}]}
     rows = R.ep_kernel_rows(run)
-    assert len(rows) == 1 and rows[0][0] == "decode" and rows[0][-2:] == ["5", "2"]
+    assert len(rows) == 1 and rows[0][0] == "decode" and rows[0][-3:] == ["5", "2", "—"]
     assert rows[0][6] == format(dec["declared_bytes"] / 1e9, ".3g")
+
+
+def test_balanced_bound_counts_min_of_experts_and_picks():
+    """The balanced bound reads min(E, T·k) experts per layer: equal to the uniform bound at one token; at
+    T·k ≥ E every expert, i.e. the uniform bound less its routed-expert bytes plus the whole expert stacks
+    (summed here from the parameter specs); a round adds its drafter passes to both alike."""
+    cfg = scan_config(2, hidden=128)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    one = AB.target_bound(cfg, "bf16", 1, 64, 1)
+    assert one["balanced"] == pytest.approx(one["total"], rel=1e-12)
+    T = -(-E // k)                                     # tokens per sequence so that T·k ≥ E at batch 1
+    many = AB.target_bound(cfg, "bf16", 1, 64, T)
+    stacks = sum(2 * np.prod(s.shape) for path, s in P.flatten(P.param_specs(cfg)).items()
+                 if path.split(".")[-1] in ("w1", "w2", "w3") and ".experts." in path)
+    routed = traffic.bytes_bound(cfg, "bf16", 1, 64, T)["weight_parts"]["routed_experts"]
+    assert routed < stacks                             # uniform routing leaves some experts idle
+    assert many["balanced"] == pytest.approx(many["total"] - routed + stacks, rel=1e-9)
+    mtp = AB.mtp_round_bound(cfg, "bf16", 2, 64, 3)
+    assert mtp["balanced"] - mtp["total"] == pytest.approx(
+        AB.target_bound(cfg, "bf16", 2, 64, 4)["balanced"] - mtp["target"], rel=1e-9)
+
+
+def test_no_prefetch_options_per_generation():
+    """VMEM prefetching off: v5e / v5p take the `vf` flag, v6e the `gf` one (libtpu 0.0.52); no option is
+    known for v4 or the CPU backend, so no second compile there."""
+    assert chips.no_prefetch_options(chips.parse("v6e:2x4").chip) == {"xla_gf_vmem_memory_space_assignment": False}
+    for t in ("v5p:2x2x2", "v5e:4x4"):
+        assert chips.no_prefetch_options(chips.parse(t).chip) == {"xla_vf_vmem_memory_space_assignment": False}
+    assert chips.no_prefetch_options(chips.parse("v4:2x2x1").chip) is None
+    assert chips.no_prefetch_options(chips.parse("cpu").chip) is None
+
+
+def test_no_prefetch_compile_reported_next_to_the_default(monkeypatch, tmp_path):
+    """With no_prefetch options the program as run is compiled once more with them merged into the run's
+    options (here on the CPU backend, the option stripped before XLA sees it): the row carries its memory,
+    costs and HLO-op bytes, the estimates their ratios to the uniform and balanced bounds, and the report a
+    bytes-vs-bound table; the default compile's options stay unchanged."""
+    seen, real = [], AC._compile
+
+    def spy(program, options):
+        seen.append(dict(options or {}))
+        return real(program, {k: v for k, v in (options or {}).items() if k != "fake_msa"} or None)
+
+    monkeypatch.setattr(AC, "_compile", spy)
+    topo = chips.parse("cpu")
+    mesh = parallel.make_mesh((1, 1, 1), chips.devices(topo))
+    cfg = scan_config(0, hidden=128)
+    row = AC.compile_program(PR.build("verify", cfg, mesh, "bf16", SHAPES), topo.chip, 1, 16 * chips.GIB,
+                             unrolled=False, no_prefetch={"fake_msa": False})
+    assert seen == [{}, {"fake_msa": False}]
+    q = row["no_prefetch"]
+    assert q["options"] == {"fake_msa": False} and q["vmem_prefetches"] == 0 and q["hlo_op_bytes"] > 0
+    assert q["cost_as_run"]["bytes_accessed"] > 0 and q["memory"]["peak"] > 0
+    e, b = row["estimate"], row["bound"]
+    assert b["balanced"] >= b["total"] * (1 - 1e-12)
+    assert e["hlo_op_bytes_no_prefetch_over_bound"] == pytest.approx(q["hlo_op_bytes"] / b["total"])
+    assert e["hlo_op_bytes_no_prefetch_over_bound_bal"] == pytest.approx(q["hlo_op_bytes"] / b["balanced"])
+    assert e["hlo_op_bytes_over_bound_bal"] == pytest.approx(row["hlo"]["top_ops"]["total_bytes"] / b["balanced"])
+    run_ = {"chips": 1, "programs": [row]}
+    (line,) = R.bound_rows(run_)
+    assert line[0] == "verify" and line[7] == f"{q['hlo_op_bytes'] / 1e9:.3g}" and line[10] == 0
+    seen.clear()
+    plain = AC.compile_program(PR.build("verify", cfg, mesh, "bf16", SHAPES), topo.chip, 1, 16 * chips.GIB,
+                               unrolled=False)
+    assert len(seen) == 1 and "no_prefetch" not in plain
+    assert "hlo_op_bytes_no_prefetch_over_bound" not in plain["estimate"]
+
+
+def test_sharding_setup_takes_rule_overrides():
+    """`ep.setup(..., rules)` updates the preset's rules (a placement study: one logical axis replicated), in
+    the rules dict and in the EP backend's frozen rules alike."""
+    devs = jax.devices()[:1]
+    cfg = runner.model_config("flash", pairs=0, small=True, platform="cpu")
+    _, base_cfg, _, base = EP.setup("latency", cfg, devs, 8)
+    axis = next(a for a, v in base.items() if v)
+    _, c, _, rules = EP.setup("latency", cfg, devs, 8, {axis: ()})
+    assert rules[axis] == () and {a: v for a, v in rules.items() if a != axis} == \
+        {a: v for a, v in base.items() if a != axis}
+    assert dict(c.backends.ep.rules)[axis] == () and dict(base_cfg.backends.ep.rules)[axis] == base[axis]
+
+
+@pytest.mark.slow
+def test_libtpu_no_prefetch_compile_drops_the_prefetches():
+    """Through libtpu for v6e:1x1: the default decode compile stages operands into VMEM (copy-starts), the
+    compile with `chips.no_prefetch_options` keeps none, and its HLO-op bytes are reported."""
+    if not libtpu.available():
+        pytest.fail("this test needs libtpu (pip install libtpu)")
+    topo = chips.parse("v6e:1x1")
+    devs = chips.devices(topo)
+    mesh = parallel.make_mesh((1, 1, 1), devs)
+    row = AC.compile_program(PR.build("decode", scan_config(2, unroll=False), mesh, "bf16", SHAPES), topo.chip, 1,
+                             31 * chips.GIB, unrolled=False, options=chips.TPU_COMPILE_OPTIONS,
+                             no_prefetch=chips.no_prefetch_options(topo.chip))
+    assert row["compiled"] and row["hlo"]["vmem_prefetches"] > 0
+    assert row["no_prefetch"]["vmem_prefetches"] == 0 and row["no_prefetch"]["hlo_op_bytes"] > 0
+
+
+def _load_traffic_script():
+    import importlib.util
+    path = os.path.join(os.path.dirname(HERE), "experiments", "aot_ep_traffic.py")
+    spec = importlib.util.spec_from_file_location("aot_ep_traffic", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_traffic_script_is_a_thin_caller_of_the_report():
+    """experiments/aot_ep_traffic.py only maps placement variants to dsv4-aot requests (a GSPMD mesh, or a
+    sharding preset with its rules changed) and lays the report rows side by side; on the CPU backend one
+    variant's report goes through it end to end."""
+    mod = _load_traffic_script()
+    a = mod.argparse.Namespace(topology="cpu", weights="bf16", context=64, verify_tokens=3, pairs=0, count="scan",
+                               vmem_prefetch="both")
+    gspmd = mod.request("gspmd-tp", 1, ("decode",), a)
+    assert gspmd.mesh == (1, 1, 8) and gspmd.sharding is None and gspmd.shapes.max_block == 3
+    v1 = mod.request("latency-v1", 8, ("decode", "verify"), a)
+    assert v1.sharding == "latency" and v1.rules and all(v == () for v in v1.rules.values())
+    assert v1.programs == ("decode", "verify") and v1.vmem_prefetch == "both" and not v1.kernels
+    req = runner.AotRequest(("cpu",), ("bf16",), I.Shapes(1, 64, 2, 8), scan_config(0, hidden=128),
+                            programs=("decode", "verify"), kernels=False, count="scan")
+    rep = runner.run(req, log=None)
+    rows = mod.table_rows("cpu-test", rep)
+    assert [r[1] for r in rows] == ["decode", "verify 3"] and all(len(r) == len(mod.HEAD) for r in rows)
+    dec = rep["runs"][0]["programs"][0]
+    assert rows[0][4] == f"{dec['hlo']['top_ops']['total_bytes'] / 1e9:.3g}" and rows[0][7] == "—"  # CPU: no 2nd compile
+    assert rows[0][5] == f"{dec['estimate']['hlo_op_bytes_over_bound']:.2f}"
+    assert "| cpu-test | verify 3 |" in mod.markdown(a, [("cpu-test", rep)])
+
+
+MOSAIC = """HloModule m, is_scheduled=true
+
+ENTRY %main (p0: u8[64,128,256], p1: f32[8,256]) -> f32[8,128] {
+  %p0 = u8[64,128,256]{2,1,0} parameter(0)
+  %p1 = f32[8,256]{1,0} parameter(1)
+  %neg = f32[8,256]{1,0} negate(%p1)
+  ROOT %cc = f32[8,128]{1,0} custom-call(%neg, %p0), custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_mosaic_calls_counted_as_their_kernels_declare():
+    """A Pallas TPU kernel call's operands are counted whole by the HLO-op bytes (here a u8 expert stack);
+    with the EP kernels' declared bytes the estimate replaces the call's bytes by them (the HBM figure the
+    roofline uses), except for a round (its drafter's kernels are not in the declared bytes)."""
+    top = hlo.analyse(MOSAIC)["top_ops"]
+    call = 64 * 128 * 256 + 8 * 256 * 4 + 8 * 128 * 4
+    assert top["mosaic_call_bytes"] == call and top["total_bytes"] == call + 2 * 8 * 256 * 4
+    row = {"hlo": {"top_ops": top}, "ep_kernel": {"declared_bytes": 1e4}, "bound": {"total": 8e4},
+           "cost": {"flops": 1.0}}
+    assert AC.kernels_declared_bytes(row) == 2 * 8 * 256 * 4 + 1e4
+    e = AC.estimates(row, chips.CPU, 2)
+    assert e["hlo_op_bytes_kernels_declared"] == 2 * 8 * 256 * 4 + 1e4
+    assert e["hlo_op_bytes_over_bound"] == pytest.approx((2 * 8 * 256 * 4 + 1e4) / 4e4)
+    assert e["hlo_op_bytes_whole_kernel_operands"] == top["total_bytes"]
+    rnd = dict(row, ep_kernel={"declared_bytes": 1e4, "scope": "target verify block only"})
+    assert AC.kernels_declared_bytes(rnd) is None
+    assert AC.estimates(rnd, chips.CPU, 2)["hlo_op_bytes_over_bound"] == pytest.approx(top["total_bytes"] / 4e4)

@@ -232,6 +232,30 @@ def test_local_experts_pallas_tpu_interpreted():
                                    rtol=2e-5, atol=2e-5)
 
 
+def test_local_experts_read_a_layer_stack_in_place():
+    """A segment's expert stack handed to the Mosaic kernels with the layer's index (`StackedExperts`, TPU
+    interpret mode): decode (3 tokens) and grouped (17 tokens, T·k ≤ E_loc) read the stack in place through
+    offset ids, a prefill-sized call (T·k ≫ E_loc) and the reference take the layer's slice; all equal the
+    numpy formulation on layer `rep`."""
+    from dsv4_jax.model.layers.stacked_experts import StackedExperts
+    rng = np.random.default_rng(2)
+    reps, T, k, E, I, D = 3, 40, 2, 40, 128, 128
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    w1, w3 = (rng.standard_normal((reps, E, I, D)).astype(np.float32) * 0.1 for _ in range(2))
+    w2 = rng.standard_normal((reps, E, D, I)).astype(np.float32) * 0.1
+    local = rng.random((T, k)) < 0.7
+    idx = np.where(local, rng.integers(0, E, (T, k)), 0).astype(np.int32)
+    w = (rng.random((T, k)) * local).astype(np.float32)
+    stack = StackedExperts({"w1": jnp.asarray(w1), "w2": jnp.asarray(w2), "w3": jnp.asarray(w3)}, jnp.int32(1))
+    for n, in_place in ((3, True), (17, True), (T, False)):
+        assert moe_ep.reads_stack_in_place("pallas_tpu", n, n * k, stack) == in_place
+        want = _numpy_local(x[:n], idx[:n], w[:n], local[:n], w1[1], w2[1], w3[1], 2.0)
+        for impl in ("pallas_tpu", "reference"):
+            got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], stack, impl, 2.0, interpret=True)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    assert not moe_ep.reads_stack_in_place("reference", 3, 6, stack)
+
+
 def test_local_experts_picks_slices_for_few_assignments(local_case):
     """`local_experts` (reference) equals the numpy formulation on both sides of the sliced / sorted switch."""
     x, idx, w, local, w1, w2, w3 = local_case

@@ -54,3 +54,35 @@ def test_sinkhorn_unrolled_equals_rolled():
     unrolled = sinkhorn(logits, 20, 1e-6, unroll=True)
     np.testing.assert_allclose(np.asarray(unrolled), np.asarray(rolled), rtol=0, atol=1e-6)
     assert jnp.abs(rolled.sum(-1) - 1).max() < 1e-3 and jnp.abs(rolled.sum(-2) - 1).max() < 1e-3   # doubly stochastic
+
+
+def _ep(cfg, local: str):
+    """The latency preset on this host's one device with `local` as the EP local matmul (the Mosaic kernels
+    run interpreted on the CPU)."""
+    import dataclasses
+    from dsv4_jax import parallel
+    pre = dataclasses.replace(parallel.preset("latency"), local=local)
+    return pre.apply(cfg, parallel.make_mesh((1, 1, 1)))
+
+
+def test_ep_mosaic_local_reads_the_stack_in_place():
+    """Expert parallelism with the Mosaic kernels as its local matmul (`ExpertParallel.local="pallas_tpu"`):
+    the scanned segments hand the shard_map their whole expert stacks and the layer index (no per-layer
+    slice of a stack is taken, where the reference EP local matmul takes one per layer), and the logits
+    equal the reference model's (decode-kernel sizes: 5 tokens; float32, 1e-4 of the largest logit — the
+    kernels' tolerance in tests/test_kernels_tpu.py)."""
+    cfg = tiny_flash_like().replace(hidden_size=128, moe_intermediate_size=128)   # the kernels' 128-wide tiles
+    kcfg = _ep(cfg, "pallas_tpu")
+    assert any(s.reps > 1 for s in segments(cfg)) and kcfg.backends.ep.local == "pallas_tpu"
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    pat = re.compile(r"stablehlo.dynamic_slice.*-> tensor<1x%dx(%dx%d|%dx%d)x" % (E, I, D, D, I))
+    shapes = jax.eval_shape(lambda: init_params(cfg, 0))
+    tok_shape = jax.ShapeDtypeStruct((1, 5), jnp.int32)
+    lowered = lambda c: jax.jit(forward_jit, static_argnums=1).lower(shapes, c, tok_shape).as_text()
+    ref_ep = _ep(cfg, "reference")
+    assert len(pat.findall(lowered(ref_ep))) > 0 and len(pat.findall(lowered(kcfg))) == 0
+    params = init_params(cfg, 0)
+    tok = jax.random.randint(jax.random.key(1), (1, 5), 0, cfg.vocab_size)
+    ref = np.asarray(forward(params, cfg, tok, backends="reference"))
+    out = np.asarray(forward(params, kcfg, tok, backends=kcfg.backends))
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -118,14 +118,25 @@ def bytes_bound(config: ModelConfig, fmt: str, batch: int, context: int, tokens:
             "cache_parts_per_sequence": c}
 
 
+def balanced_experts(config: ModelConfig, n_tokens: int) -> int:
+    """Active routed experts per layer when `n_tokens` tokens' top-k picks are spread evenly: min(E, T·k)."""
+    return min(config.n_routed_experts, n_tokens * config.num_experts_per_tok)
+
+
+def balanced_total(config: ModelConfig, bound: dict, n_tokens: int) -> float:
+    """`bytes_bound`'s total with balanced routing (`balanced_experts` active experts per layer instead of the
+    uniform expectation): the most a static dropless program can be asked to skip."""
+    experts = bound["weight_parts"]["routed_experts"]
+    return bound["total"] - experts + experts * balanced_experts(config, n_tokens) / bound["active_experts_per_layer"]
+
+
 def per_chip_bounds(config: ModelConfig, fmt: str, batch: int, block: int, context: int, chips: int) -> dict:
     """The bound of a step split evenly over `chips` (the ideal placement), in bytes per chip: "bound" (uniform
     routing, `bytes_bound`), "bound_bal" (min(E, T·k) active experts per layer, balanced routing: the most a
     static dropless program can be asked to skip; equal to the bound at T = 1), "bound_weights",
     "bound_cache", and the active experts per layer of each ("active_experts", "active_experts_bal")."""
     b = bytes_bound(config, fmt, batch, context, block)
-    bal = min(config.n_routed_experts, batch * block * config.num_experts_per_tok)
-    experts = b["weight_parts"]["routed_experts"]
-    balanced = b["total"] - experts + experts * bal / b["active_experts_per_layer"]
+    bal = balanced_experts(config, batch * block)
+    balanced = balanced_total(config, b, batch * block)
     return {"bound": b["total"] / chips, "bound_bal": balanced / chips, "active_experts": b["active_experts_per_layer"],
             "active_experts_bal": bal, "bound_weights": b["weights"] / chips, "bound_cache": b["cache"] / chips}

@@ -12,7 +12,10 @@ head (and embedding rows) it shares, and its window rows:
     DSpark  one block pass of B·γ tokens through every stage (+ the Markov head: W2 whole, W1 rows) and one
             observe pass of B·(k+1) tokens through main_proj and each stage's `wkv`
 
-The bound is a whole-slice number; the per-chip bound is its ideal split (bound / chips). Nothing here
+"total" is the bound under uniform routing, "balanced" the same with min(E, T·k) active experts per layer
+(balanced routing, `traffic.balanced_total`: the most a static dropless program can be asked to skip; equal
+to "total" at one token; a round's drafter passes stay uniform). The bound is a whole-slice number; the
+per-chip bound is its ideal split (bound / chips). Nothing here
 allocates: sizes come from `params` specs. Bytes per element of each format are `dsv4_jax.analysis.traffic`'s, so the
 report's bound, memplan's storage and the decode benchmark's bound are one model.
 """
@@ -33,7 +36,8 @@ _EXPERT_LEAF = re.compile(r"(^|\.)ffn\.experts\.w[123]$")
 def target_bound(config: ModelConfig, weights: str, batch: int, context: int, tokens: int) -> dict:
     """Bytes a target step over `tokens` tokens per sequence at `context` committed tokens must read."""
     b = traffic.bytes_bound(config, MODEL_FORMAT[weights], batch, context, tokens)
-    return {"total": b["total"], "weights": b["weights"], "cache": b["cache"],
+    return {"total": b["total"], "balanced": traffic.balanced_total(config, b, batch * tokens),
+            "weights": b["weights"], "cache": b["cache"],
             "active_experts_per_layer": b["active_experts_per_layer"], "weight_parts": b["weight_parts"]}
 
 
@@ -90,6 +94,7 @@ def dspark_round_bound(config: ModelConfig, weights: str, batch: int, context: i
 
 def _round(target: dict, passes: dict) -> dict:
     drafter = sum(passes.values())
-    return {"total": target["total"] + drafter, "target": target["total"], "drafter": drafter,
+    return {"total": target["total"] + drafter, "balanced": target["balanced"] + drafter,
+            "target": target["total"], "drafter": drafter,
             "drafter_passes": passes, "weights": target["weights"], "cache": target["cache"],
             "active_experts_per_layer": target["active_experts_per_layer"]}

@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hlo-dump", action="store_true",
                    help="when libtpu cannot print a compiled program's HLO, leave its HLO-op bytes out instead of "
                         "compiling it once more for XLA's dump (fit-only runs: one compile per program)")
+    p.add_argument("--vmem-prefetch", choices=runner.VMEM_PREFETCH, default="both",
+                   help="both (default): also compile each program as run with XLA:TPU's VMEM prefetching off "
+                        "(v5e, v5p, v6e) and report its HBM bytes next to the default compile's (XLA's cost "
+                        "analysis counts a prefetched weight three times); on: the default compile only (one "
+                        "compile less per program)")
     p.add_argument("--no-kernels", action="store_true", help="skip the Mosaic TPU kernels section")
     p.add_argument("--no-plot", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default="aot_report.json",
@@ -228,7 +233,7 @@ def parse_request(a: argparse.Namespace, argv: list[str] | None) -> runner.AotRe
         force=a.force, kernels=not a.no_kernels, hlo_dir=a.hlo_dir,
         command="dsv4-aot " + " ".join(sys.argv[1:] if argv is None else argv), prefill_min=a.prefill_min,
         fit_as_run=not a.fit_from_unrolled, count=count, base=a.count_base, fit_from=tuple(fit_from),
-        sharding=a.sharding, hlo_dump_compile=not a.no_hlo_dump)
+        sharding=a.sharding, hlo_dump_compile=not a.no_hlo_dump, vmem_prefetch=a.vmem_prefetch)
 
 
 def main(argv: Iterable[str] | None = None) -> int:

@@ -69,7 +69,9 @@ def cost(compiled) -> dict:
 
 def estimates(result: dict, chip: Chip, chips: int) -> dict:
     """Seconds at the chip's HBM bandwidth and peak rate: XLA's bytes, the HLO ops' HBM bytes, the ideal
-    split of the bound; roofline = max(bytes time, flops time)."""
+    split of the bound; roofline = max(bytes time, flops time). Ratios to the per-chip bound under uniform
+    ("_over_bound") and balanced routing ("_over_bound_bal"), also of the compile with VMEM prefetching off
+    (`no_prefetch`) when there is one."""
     bw, peak = chip.hbm_bytes_per_s, chip.flops_per_s
     c, out = result.get("cost", {}), {}
     flops_s = c.get("flops", 0.0) / peak
@@ -77,6 +79,11 @@ def estimates(result: dict, chip: Chip, chips: int) -> dict:
     if c.get("bytes_accessed"):
         out["xla_bytes_s"] = c["bytes_accessed"] / bw
     ops = result.get("hlo", {}).get("top_ops", {}).get("total_bytes")
+    declared = kernels_declared_bytes(result)
+    if declared is not None:
+        out["hlo_op_bytes_whole_kernel_operands"] = ops
+        ops = declared
+        out["hlo_op_bytes_kernels_declared"] = ops
     if ops:
         out["hlo_op_bytes_s"] = ops / bw
     bound = result.get("bound", {}).get("total")
@@ -87,11 +94,34 @@ def estimates(result: dict, chip: Chip, chips: int) -> dict:
             out["xla_bytes_over_bound"] = c["bytes_accessed"] / (bound / chips)
         if ops:
             out["hlo_op_bytes_over_bound"] = ops / (bound / chips)
+    balanced = result.get("bound", {}).get("balanced")
+    if balanced:
+        out["bound_bal_per_chip_bytes"] = balanced / chips
+        if c.get("bytes_accessed"):
+            out["xla_bytes_over_bound_bal"] = c["bytes_accessed"] / (balanced / chips)
+        if ops:
+            out["hlo_op_bytes_over_bound_bal"] = ops / (balanced / chips)
+    quiet = result.get("no_prefetch", {}).get("hlo_op_bytes")
+    if quiet and bound:
+        out["hlo_op_bytes_no_prefetch_over_bound"] = quiet / (bound / chips)
+        if balanced:
+            out["hlo_op_bytes_no_prefetch_over_bound_bal"] = quiet / (balanced / chips)
     mem_s = out.get("hlo_op_bytes_s", out.get("xla_bytes_s", 0.0))
     out["roofline_s"] = max(mem_s, flops_s)
     out["roofline_limit"] = "flops" if flops_s > mem_s else "memory"
     out["bound_roofline_s"] = max(out.get("bound_s", 0.0), flops_s)
     return out
+
+
+def kernels_declared_bytes(result: dict) -> float | None:
+    """The HLO-op bytes with the Mosaic MoE kernels' calls counted as their BlockSpecs declare (the row's
+    "ep_kernel", every routed layer) instead of their operands whole (`hlo.is_mosaic_call`): the HBM figure
+    of a program whose only kernels are the EP local matmul. None where that does not hold (no kernels, a
+    speculative round whose drafter kernels the declared bytes leave out, no HLO text)."""
+    k, top = result.get("ep_kernel"), result.get("hlo", {}).get("top_ops", {})
+    if not k or k.get("scope") or not top.get("total_bytes") or "mosaic_call_bytes" not in top:
+        return None
+    return top["total_bytes"] - top["mosaic_call_bytes"] + k["declared_bytes"]
 
 
 def _oom(message: str) -> bool:
@@ -211,7 +241,8 @@ def count_by_extrapolation(counting: Counting, options: dict | None, top: int) -
 def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_run: Program | None = None,
                     counting: Counting | None = None, options: dict | None = None, top: int = 15,
                     force: bool = False, hlo_dump: str | None = None, count_if_unfit: bool = True,
-                    unrolled: bool = True, as_run_row: dict | None = None, hlo_dump_compile: bool = True) -> dict:
+                    unrolled: bool = True, as_run_row: dict | None = None, hlo_dump_compile: bool = True,
+                    no_prefetch: dict | None = None) -> dict:
     """Compile one program and return the report row (module docstring for the three ways of counting).
 
     counting given ("extrapolated"): `program` is the program as run (layer scans); `counting` the small
@@ -221,7 +252,9 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
     memory and costs are still reported, `chips.TPU_COMPILE_OPTIONS`). count_if_unfit=False skips the costs'
     compiles when the program as run does not fit (a smaller prefill chunk will be tried).
     hlo_dump_compile=False: no second compile for XLA's dump when libtpu cannot print the HLO (a fit-only
-    run: the row then has no HLO-op bytes, `hlo.error` says why).
+    run: the row then has no HLO-op bytes, `hlo.error` says why). no_prefetch: compiler options that switch
+    VMEM prefetching off (`chips.no_prefetch_options`): the program as run is compiled once more with them
+    (`no_prefetch_row`, the row's "no_prefetch").
     """
     again = (lambda p: p) if hlo_dump_compile else (lambda p: None)
     args = program.argument_bytes_per_device
@@ -234,8 +267,9 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
                    reason=f"arguments alone need {args / GIB:.2f} GiB per device > {hbm / GIB:.2f} GiB HBM")
         return row
     if counting is not None:
-        return _extrapolated(row, program, counting, chip, chips, hbm, options, top, hlo_dump, count_if_unfit,
-                             as_run_row, hlo_dump_compile)
+        row = _extrapolated(row, program, counting, chip, chips, hbm, options, top, hlo_dump, count_if_unfit,
+                            as_run_row, hlo_dump_compile)
+        return _refinish(_with_no_prefetch(row, program, options, no_prefetch, top, hlo_dump_compile), chip, chips)
     run_hlo = None
     if as_run is not None:
         compiled, _, secs, error = _compile(as_run, options)
@@ -270,13 +304,49 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
         row["hlo_unrolled"] = {"top_ops": {k: text_hlo["top_ops"][k] for k in ("total_bytes", "instructions")},
                                "collectives": {k: text_hlo["collectives"][k]
                                                for k in ("by_opcode", "count", "total_operand_bytes")}}
+    _with_no_prefetch(row, as_run or program, options, no_prefetch, top, hlo_dump_compile)
     return _finish(row, chip, chips, hbm)
+
+
+def no_prefetch_row(program: Program, options: dict | None, no_prefetch: dict, top: int,
+                    hlo_dump_compile: bool = True) -> dict:
+    """The program as run compiled once more with XLA's VMEM prefetching off (`no_prefetch`, from
+    `chips.no_prefetch_options`): its memory, XLA's costs (each repeated layer once: comparable with the row's
+    "cost_as_run", not with its every-layer "cost"), its HLO-op bytes (loop bodies × trip counts: every layer)
+    and how many prefetches it kept (0 when the option took effect). Or {"error"}."""
+    opts = {**(options or {}), **no_prefetch}
+    compiled, lower_s, secs, error = _compile(program, opts)
+    if error:
+        return {"options": no_prefetch, "error": error[:600]}
+    h = _analyse(compiled, top, None, program if hlo_dump_compile else None, opts)
+    out = {"options": no_prefetch, "lower_s": lower_s, "compile_s": secs, "memory": memory(compiled),
+           "cost_as_run": cost(compiled), "hlo_op_bytes": h["top_ops"]["total_bytes"] or None,
+           "vmem_prefetches": h.get("vmem_prefetches"), "top_groups": h["top_ops"]["groups"][:6]}
+    if "error" in h:
+        out["hlo_error"] = h["error"]
+    del compiled
+    gc.collect()
+    return out
+
+
+def _with_no_prefetch(row: dict, program: Program, options: dict | None, no_prefetch: dict | None, top: int,
+                      hlo_dump_compile: bool) -> dict:
+    if no_prefetch and row.get("compiled"):
+        row["no_prefetch"] = no_prefetch_row(program, options, no_prefetch, top, hlo_dump_compile)
+    return row
 
 
 def _unfit_as_run(row: dict, mem: dict, run_hlo: dict, hbm: float) -> dict:
     peak = mem["peak"]
     row.update(compiled=False, fits=False, required_bytes=peak, memory=mem, hlo=run_hlo,
                reason=f"as run it needs {peak / GIB:.2f} GiB per device > {hbm / GIB:.2f} GiB HBM")
+    return row
+
+
+def _refinish(row: dict, chip: Chip, chips: int) -> dict:
+    """The estimates again once a finished row gained its no-prefetch compile."""
+    if "no_prefetch" in row and "estimate" in row:
+        row["estimate"] = estimates(row, chip, chips)
     return row
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ... import parallel as S
+from ...backends import ExpertParallel
 from ...config import ModelConfig
 
 SHARDINGS = ("auto", "latency", "throughput")
@@ -38,11 +39,15 @@ def gspmd_safe(backends, chips: int):
     return backends
 
 
-def setup(name: str, config: ModelConfig, devices, batch: int) -> tuple[str, ModelConfig, object, dict]:
+def setup(name: str, config: ModelConfig, devices, batch: int,
+          rules: dict | None = None) -> tuple[str, ModelConfig, object, dict]:
     """(preset name, config with the preset's EP backends, mesh, rules dict) for `devices`. The config's own
-    backends (unroll, kernels) are kept; with moe="pallas_tpu" the EP local matmul is the Mosaic kernels."""
+    backends (unroll, kernels) are kept; with moe="pallas_tpu" the EP local matmul is the Mosaic kernels.
+    `rules` updates the preset's logical-axis rules (placement studies: e.g. a projection replicated)."""
     name = resolve_name(name, batch, len(devices))
     pre = S.preset(name)
+    if rules:
+        pre = dataclasses.replace(pre, rules=ExpertParallel.freeze_rules({**pre.rules_dict, **rules}))
     if config.backends.moe == "pallas_tpu":
         pre = dataclasses.replace(pre, local="pallas_tpu")
     config = config.with_backends(gspmd_safe(config.backends, len(devices)))

@@ -12,9 +12,11 @@ shape, opcode, operand names, attributes). On top of it:
     `S(n)`, n ≠ 0: TPU VMEM / SMEM) are not HBM traffic and count 0. Layout padding is ignored.
   * `top_ops`: the top-level instructions of the entry computation (and of the computations it calls
     through while / conditional / call) by bytes, and the same grouped by the JAX operation that made them
-    (`op_name` metadata with layer numbers and unique suffixes folded).
+    (`op_name` metadata with layer numbers and unique suffixes folded); "mosaic_call_bytes" = the part of
+    the total in Pallas TPU kernel calls (operands counted whole: an over-count, `is_mosaic_call`).
   * `collectives`: every all-reduce / all-gather / all-to-all / reduce-scatter / collective-permute (and
     their async `-start` forms), with operand and result bytes and replica groups, per opcode.
+  * `vmem_prefetches`: the copy-start instructions (XLA:TPU's copies of operands into VMEM ahead of use).
 A `while` body appears once in the text: its instructions are counted once (the AOT report unrolls the
 layer scans so that every layer appears).
 """
@@ -545,10 +547,12 @@ def top_ops(module: Module, n: int = 15, scale_loops: bool = False) -> dict:
     """{"ops": n largest instructions by bytes, "groups": n largest op groups, "total_bytes": sum,
     "instructions": executed instructions}. scale_loops: an instruction in a while body counts its
     bytes × the loop's trip count ("runs")."""
-    rows = []
+    rows, mosaic = [], 0.0
     for comp, runs in executed_computations(module, scale_loops):
         for ins in comp.instructions:
             b = op_bytes(module, comp, ins)
+            if b > 0 and is_mosaic_call(ins):
+                mosaic += b * runs
             if b > 0:
                 kind = ins.attr("kind") if ins.opcode == "fusion" else None
                 rows.append({"name": ins.name, "opcode": ins.opcode + (f"/{kind}" if kind else ""),
@@ -564,7 +568,15 @@ def top_ops(module: Module, n: int = 15, scale_loops: bool = False) -> dict:
     top_groups = sorted(groups.values(), key=lambda g: -g["bytes"])[:n]
     for r in top + top_groups:
         r["share"] = r["bytes"] / total if total else 0.0
-    return {"ops": top, "groups": top_groups, "total_bytes": total, "instructions": sum(r["runs"] for r in rows)}
+    return {"ops": top, "groups": top_groups, "total_bytes": total, "instructions": sum(r["runs"] for r in rows),
+            "mosaic_call_bytes": mosaic}
+
+
+def is_mosaic_call(ins: Instruction) -> bool:
+    """A Pallas TPU (Mosaic) kernel call: its operands are counted whole by `op_bytes`, though the kernel's
+    BlockSpecs may read a small part of them (the MoE decode kernel: the active experts' tiles of a layer
+    stack); what it really moves is what its BlockSpecs declare (`kernel_hook.ep_local_declared`)."""
+    return ins.opcode == "custom-call" and ins.attr("custom_call_target") == "tpu_custom_call"
 
 
 def _short(shape: str, limit: int = 120) -> str:
@@ -625,12 +637,17 @@ def collectives(module: Module, scale_loops: bool = False) -> dict:
             "count": sum(o["runs"] for o in ops)}
 
 
+def vmem_prefetches(module: Module) -> int:
+    """copy-start instructions in the module text (XLA:TPU's prefetches into VMEM; each written once)."""
+    return sum(ins.opcode == "copy-start" for comp in module.computations.values() for ins in comp.instructions)
+
+
 def analyse(text: str, top: int = 15, scale_loops: bool = False) -> dict:
     """Top ops and collectives of HLO module text; scale_loops counts while bodies × their trip counts
     (the loops found, with trip counts or None when unknown, are in "loops")."""
     module = parse(text)
     out = {"top_ops": top_ops(module, top, scale_loops), "collectives": collectives(module, scale_loops),
-           "scale_loops": scale_loops}
+           "scale_loops": scale_loops, "vmem_prefetches": vmem_prefetches(module)}
     if scale_loops:
         out["loops"] = executions(module)[1]
     return out

@@ -67,8 +67,54 @@ PROGRAM_HEAD = ["program", "costs", "fits", "args GiB", "temp GiB", "out GiB", "
                 "ms roofline", "ms bound", "ms XLA optimal"]
 
 
+BOUND_HEAD = ["program", "bound GB (uniform)", "bound GB (balanced)", "HLO-op GB", "/ uniform", "/ balanced",
+              "prefetches", "no-prefetch HLO-op GB", "/ uniform", "/ balanced", "prefetches left",
+              "XLA GB as run", "no-prefetch XLA GB as run"]
+
+PREFETCH_NOTE = (
+    "Bytes per chip against the bound under uniform routing (E(1 − (1 − k/E)^T) active experts per layer) and "
+    "balanced routing (min(E, T·k): the most a static dropless program can be asked to skip; the two agree at "
+    "one token), for the default compile and the same program compiled with XLA's VMEM prefetching off "
+    "(`--vmem-prefetch both`). prefetches = copy-start instructions (weights staged into VMEM ahead of use). "
+    "XLA GB as run = `cost_analysis` bytes of each program as run (each repeated layer once: compare the two "
+    "columns with each other, not with the bound). Which figure is HBM traffic: XLA's cost analysis counts a "
+    "prefetched operand three times (its HBM read, the VMEM write, the consumer's VMEM read) although HBM is "
+    "read once, so XLA's bytes of the default compile overstate HBM traffic by the prefetched bytes ×2; "
+    "without prefetching every operand is read from HBM where it is used and XLA's bytes are HBM bytes — the "
+    "closer of XLA's two figures. The HLO-op bytes count arrays in on-chip memory spaces as 0, so they are HBM "
+    "bytes in both compiles (the default one: what the program as run reads; the two differ by what XLA "
+    "re-reads or re-lays out when it cannot stage through VMEM). ³ the Mosaic MoE kernels' calls counted as "
+    "their BlockSpecs declare (the table below) instead of their operands whole.")
+
+
+def bound_rows(run: dict) -> list[list]:
+    """Per compiled program: bytes vs the uniform and balanced bounds, with and without VMEM prefetching."""
+    rows = []
+    for r in run["programs"]:
+        if not r.get("compiled"):
+            continue
+        e, b, q = r.get("estimate", {}), r.get("bound") or {}, r.get("no_prefetch") or {}
+        ratio = lambda k: f"{e[k]:.2f}" if k in e else "—"
+        per_chip = lambda x: x / run["chips"] if x else None
+        declared = e.get("hlo_op_bytes_kernels_declared")
+        ops = declared or r.get("hlo", {}).get("top_ops", {}).get("total_bytes") or None
+        rows.append([r["program"], _g(per_chip(b.get("total")), GB, ".3g"), _g(per_chip(b.get("balanced")), GB, ".3g"),
+                     _g(ops, GB, ".3g") + (" ³" if declared else ""),
+                     ratio("hlo_op_bytes_over_bound"), ratio("hlo_op_bytes_over_bound_bal"),
+                     r.get("hlo", {}).get("vmem_prefetches", "—"),
+                     _g(q.get("hlo_op_bytes"), GB, ".3g") if q and "error" not in q else
+                     ("error" if q else "—"),
+                     ratio("hlo_op_bytes_no_prefetch_over_bound"), ratio("hlo_op_bytes_no_prefetch_over_bound_bal"),
+                     q.get("vmem_prefetches", "—") if q else "—",
+                     _g((r.get("cost_as_run") or (r.get("cost", {}) if r.get("cost_method") == "scan" else {}))
+                        .get("bytes_accessed"), GB, ".3g"),
+                     _g(q.get("cost_as_run", {}).get("bytes_accessed"), GB, ".3g") if q else "—"])
+    return rows
+
+
 EP_KERNEL_HEAD = ["program", "kernel", "format", "tokens/chip", "local experts E×I×D", "layers",
-                  "declared GB/chip", "ideal GB/chip", "XLA GB/chip", "HLO-op GB/chip"]
+                  "declared GB/chip", "ideal GB/chip", "XLA GB/chip", "HLO-op GB/chip",
+                  "HLO-op GB/chip, kernels as declared"]
 
 
 def ep_kernel_rows(run: dict) -> list[list]:
@@ -82,7 +128,8 @@ def ep_kernel_rows(run: dict) -> list[list]:
         rows.append([r["program"] + (" ²" if k.get("scope") else ""), k["kernel"], k["fmt"], k["tokens"],
                      "×".join(map(str, k["dims"])), k["layers"], _g(k["declared_bytes"], GB, ".3g"),
                      _g(k["ideal_bytes"], GB, ".3g"), _g(r.get("cost", {}).get("bytes_accessed"), GB, ".3g"),
-                     _g(ops or None, GB, ".3g")])
+                     _g(ops or None, GB, ".3g"),
+                     _g(r.get("estimate", {}).get("hlo_op_bytes_kernels_declared"), GB, ".3g")])
     return rows
 
 
@@ -297,12 +344,21 @@ def markdown(report: dict) -> str:
                   f"{r['count_error'][:300]}" for r in run["programs"] if r.get("count_error")]
         if notes:
             L += notes + [""]
+        br = bound_rows(run)
+        if br:
+            L += ["### Bytes vs the bound, with and without VMEM prefetching", "", PREFETCH_NOTE, "",
+                  table(BOUND_HEAD, br), ""]
+            L += [f"- {r['program']}: the no-prefetch compile failed: {r['no_prefetch']['error'][:300]}"
+                  for r in run["programs"] if "error" in (r.get("no_prefetch") or {})]
         ek = ep_kernel_rows(run)
         if ek:
             L += ["### Mosaic MoE kernels inside the programs (EP local matmul)", "",
                   "Declared = the bytes the kernels' BlockSpecs move per chip (uniform routing), every routed "
-                  "layer; next to XLA's bytes accessed and the HLO-op bytes of the whole program. ² a round: the "
-                  "kernels of its target verify block only.", "",
+                  "layer; next to XLA's bytes accessed and the HLO-op bytes of the whole program (which count a "
+                  "kernel call's operands whole: with the layer stacks handed to the kernel in place, every "
+                  "call's operands are the whole stack), and the HLO-op bytes with the kernel calls replaced by "
+                  "the declared bytes (the HBM estimate the roofline uses). ² a round: the kernels of its target "
+                  "verify block only (no replacement).", "",
                   table(EP_KERNEL_HEAD, ek), ""]
         col = collective_rows(run)
         if col:

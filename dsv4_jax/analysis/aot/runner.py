@@ -154,8 +154,11 @@ class AotRequest:
     and HLO analysis instead of a new full compile ("extrapolate" only; `reusable_row`); fit_as_run
     ("unroll" only): also compile each program with its layer scans (as a run executes it) for the fit;
     sharding: a sharding preset ("latency", "throughput", "auto": by batch, `ep.setup`) whose mesh, rules and
-    expert-parallel MoE replace mesh / mesh_preset / rules (the programs a user runs); hlo_dump_compile:
-    compile a program whose HLO libtpu cannot print once more for XLA's dump (`compile.dumped_text`).
+    expert-parallel MoE replace mesh / mesh_preset (the programs a user runs; `rules`, a dict, then updates
+    the preset's rules); hlo_dump_compile:
+    compile a program whose HLO libtpu cannot print once more for XLA's dump (`compile.dumped_text`);
+    vmem_prefetch: "both" also compiles each program as run with XLA's VMEM prefetching off where the chip's
+    option is known (`chips.no_prefetch_options`; the row's "no_prefetch"), "on" only the default compile.
     """
 
     topologies: tuple[str, ...]
@@ -179,6 +182,10 @@ class AotRequest:
     base: int = X.DEFAULT_BASE
     fit_from: tuple[tuple[str, dict], ...] = ()
     sharding: str | None = None
+    vmem_prefetch: str = "both"
+
+
+VMEM_PREFETCH = ("both", "on")
 
 
 def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = None) -> dict:
@@ -186,6 +193,8 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
     log: progress lines (None: quiet); checkpoint(report) is called after every program (the CLI writes a
     partial JSON with it)."""
     r = request
+    if r.vmem_prefetch not in VMEM_PREFETCH:
+        raise ValueError(f"unknown vmem_prefetch {r.vmem_prefetch!r}; choose from {VMEM_PREFETCH}")
     config, shapes = r.config, r.shapes
     t0 = time.perf_counter()
     say = lambda msg: _log(msg, t0, log)
@@ -201,14 +210,16 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
         hbm, source = (r.hbm_gib * chips.GIB, "--hbm-gib") if r.hbm_gib else chips.hbm_bytes(topo, devs)
         how_t, rules_t, preset_name = how, r.rules, None
         if r.sharding:
-            preset_name, ep_config, ep_mesh, rules_t = EP.setup(r.sharding, config, devs, shapes.batch)
+            preset_name, ep_config, ep_mesh, rules_t = EP.setup(r.sharding, config, devs, shapes.batch,
+                                                                 r.rules)
             how_t = counting(ep_config, r.count, r.fit_as_run, r.base)
             shape = tuple(ep_mesh.devices.shape)
             report["backends"] = how_t.program.backends.describe()
         else:
             ep_mesh, shape = None, mesh_shape(len(devs), r.mesh, r.mesh_preset)
         target = Target(topo, devs, ep_mesh if ep_mesh is not None else parallel.make_mesh(shape, devs), hbm,
-                        chips.TPU_COMPILE_OPTIONS if topo.is_tpu else None)
+                        chips.TPU_COMPILE_OPTIONS if topo.is_tpu else None,
+                        chips.no_prefetch_options(topo.chip) if r.vmem_prefetch == "both" else None)
         for w in r.weights:
             run_ = {"topology": topo.name, "chips": len(devs), "hosts": chips.host_count(devs),
                     "chip": dataclasses.asdict(topo.chip), "device_kind": devs[0].device_kind,
@@ -237,13 +248,15 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """Where programs are compiled for: topology, its devices and mesh, HBM per device, compiler options."""
+    """Where programs are compiled for: topology, its devices and mesh, HBM per device, compiler options, and
+    the options of the second compile with VMEM prefetching off (None: no second compile)."""
 
     topology: chips.Topology
     devices: list
     mesh: object
     hbm: float
     options: dict | None
+    no_prefetch: dict | None = None
 
 
 def _counting_meta(how: Counting) -> dict:
@@ -304,10 +317,12 @@ def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: 
     row = C.compile_program(prog, target.topology.chip, len(target.devices), target.hbm, as_run=as_run,
                             counting=points, options=target.options, top=top, force=force, hlo_dump=hlo_dump,
                             count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse,
-                            hlo_dump_compile=hlo_dump_compile)
+                            hlo_dump_compile=hlo_dump_compile, no_prefetch=target.no_prefetch)
     declared = ep_kernel_row(prog, how.program, weights, shapes, target.mesh)
     if declared:
         row["ep_kernel"] = declared
+        if "estimate" in row:            # the HLO-op bytes with the kernels' declared bytes (`compile.estimates`)
+            row["estimate"] = C.estimates(row, target.topology.chip, len(target.devices))
     say(f"{label}: {summary_line(row)}")
     return row
 

@@ -13,8 +13,6 @@ expert-pure row tile (reference sorted path), or tile by tile in the kernels.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
@@ -24,22 +22,7 @@ from ...kernels import moe_decode, moe_prefill, routing, tpu_moe
 from ...ops import moe as ops
 from ...ops.linear import linear
 from . import moe_ep
-
-
-class StackedExperts(NamedTuple):
-    """Routed experts of one layer of a scanned segment, left in the segment's stack: stack {"w1", "w2",
-    "w3"} [reps, E, ...] (dense or QArray), rep the layer's index in it (traced inside the scan). Made by
-    `target.run_segments` under the "pallas" moe backend only: the kernels read stack[rep] through expert
-    ids offset by rep·E into the stack seen as [reps·E, ...] (a free reshape), with no per-layer copy."""
-
-    stack: dict
-    rep: jax.Array | int
-
-    def flat(self, idx: jax.Array) -> tuple[dict, jax.Array]:
-        """(the stack as [reps·E, ...] weights, idx + rep·E)."""
-        E = self.stack["w1"].shape[1]
-        flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), self.stack)
-        return flat, idx + jnp.asarray(self.rep, idx.dtype) * E
+from .stacked_experts import StackedExperts
 
 
 def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str):
@@ -72,7 +55,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: 
             p, idx = p.flat(idx)
         return kernel(x, idx, w, p, limit=limit, interpret=config.backends.interpret)
     if isinstance(p, StackedExperts):       # a config switched away from "pallas" inside the scan: slice it
-        p = jax.tree.map(lambda a: a[p.rep], p.stack)
+        p = p.layer()
     n_experts = p["w1"].shape[0]
     path = ops.experts_gather if ops.prefer_gather(idx.size, n_experts) else ops.experts_sorted
     return path(x, idx, w, p["w1"], p["w2"], p["w3"], limit)

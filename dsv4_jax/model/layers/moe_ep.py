@@ -60,6 +60,7 @@ from ...ops import moe as ops
 from ...ops import quant
 from ...ops.quant import QArray
 from ..params import ParamSpec, moe_specs
+from .stacked_experts import StackedExperts
 from ...ops.partitioning import leaf_partition_spec, mesh_sizes, partition_spec
 
 ROUTED = ("w1", "w2", "w3")
@@ -180,6 +181,18 @@ def local_qarray(q: QArray, spec: QArray, sizes: dict) -> QArray:
     return QArray(codes, scale, quant.QFormat(fmt.codes, tuple(block), fmt.scale), q.dtype)
 
 
+def stacked_spec(spec):
+    """A per-layer expert leaf's spec with the segment's layer axis in front, unsplit (how `shard_params`
+    places a scanned segment's stacked leaves: the layer axis has no rule)."""
+    add = lambda ps: PartitionSpec(None, *ps)
+    return QArray(add(spec.codes), add(spec.scale), spec.fmt, spec.dtype) if isinstance(spec, QArray) else add(spec)
+
+
+def layer_view(stack: dict) -> dict:
+    """ShapeDtypeStructs (QArrays of them) of one layer of a stacked expert tree [reps, E, ...]."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
+
+
 def local_leaves(tree: dict, specs: dict, sizes: dict) -> dict:
     """`local_qarray` on the QArray leaves of an expert tree, dense leaves as they are."""
     return {k: local_qarray(v, specs[k], sizes) if isinstance(v, QArray) else v for k, v in tree.items()}
@@ -262,6 +275,23 @@ def experts_each(x: jax.Array, cw: jax.Array, w1, w2, w3, limit: float) -> jax.A
     return y
 
 
+STACK_TILE_GROWTH = 1.25   # how much larger the grouped kernel's padded tile bound may get on a whole stack
+
+
+def reads_stack_in_place(impl: str, n_tokens: int, n_assign: int, e: StackedExperts) -> bool:
+    """Whether the Mosaic kernels take the whole stack `e` (ids offset by rep·E_loc) rather than the layer's
+    slice: always for the decode kernel (≤ DECODE_MAX_TOKENS tokens: its slots are min(E, T·k), the active
+    experts, whatever E is); for the grouped kernel while its padded row bound, which grows with
+    min(experts handed, T·k) (`ops.moe.align`), grows by at most STACK_TILE_GROWTH (verify blocks: T·k near
+    E_loc; not a prefill chunk, whose bound would grow with every layer's experts)."""
+    if impl != "pallas_tpu" or not tpu_moe.supports(e.stack):
+        return False
+    if n_tokens <= tpu_moe.DECODE_MAX_TOKENS:
+        return True
+    E, reps = e.n_experts, e.stack["w1"].shape[0]
+    return min(reps * E, n_assign) <= STACK_TILE_GROWTH * min(E, n_assign)
+
+
 def local_experts(x: jax.Array, idx: jax.Array, w: jax.Array, local: jax.Array, e: dict, impl: str,
                   limit: float, interpret: bool) -> jax.Array:
     """Σ over the local assignments of w · expert(x) on this device's expert slices (the one entry point for
@@ -269,7 +299,16 @@ def local_experts(x: jax.Array, idx: jax.Array, w: jax.Array, local: jax.Array, 
     local bool [T,k]; e {"w1" [E_loc,I_loc,D], "w2" [E_loc,D,I_loc], "w3"}, dense or QArray -> float32 [T,D].
 
     The kernels get the foreign assignments as expert 0 with weight 0 (a dropless static shape); the
-    decode kernels therefore may read local expert 0 once more than the step needs."""
+    decode kernels therefore may read local expert 0 once more than the step needs.
+
+    e may be a `StackedExperts` (this device's slice of the segment's stack + the layer's index): the Mosaic
+    kernels read it in place through ids offset into the stack (no per-layer copy of the stack before the
+    custom call) where `reads_stack_in_place`; every other path takes the layer's slice."""
+    if isinstance(e, StackedExperts):
+        if reads_stack_in_place(impl, x.shape[0], idx.size, e):
+            flat, ids = e.flat(idx)
+            return tpu_moe.routed(x, ids, w, flat, limit=limit, interpret=interpret).astype(jnp.float32)
+        e = e.layer()
     w1, w2, w3 = e["w1"], e["w2"], e["w3"]
     if impl == "pallas_tpu" and tpu_moe.supports(e):          # else (Q8_0 experts) the reference below
         return tpu_moe.routed(x, idx, w, e, limit=limit, interpret=interpret).astype(jnp.float32)
@@ -295,15 +334,23 @@ def _local_offset(expert_axes: tuple[str, ...], n_local: int):
     return jax.lax.axis_index(expert_axes) * n_local
 
 
-def _block(x, idx, w, experts, shared, *, lay: Layout, sizes: dict, impl: str, limit: float, interpret: bool):
-    """Per-device body: x [T_loc,D], idx/w [T_loc,k], local expert slices -> y [T_loc,D] (routed + shared)."""
-    experts = local_leaves(experts, lay.experts, sizes)
+def _block(x, idx, w, experts, shared, rep=None, *, lay: Layout, sizes: dict, impl: str, limit: float,
+           interpret: bool):
+    """Per-device body: x [T_loc,D], idx/w [T_loc,k], local expert slices -> y [T_loc,D] (routed + shared).
+    With `rep` (the layer's index, a scalar) the experts are this device's slice of the segment's stack
+    [reps, E_loc, ...], handed on as `StackedExperts`."""
+    if rep is None:
+        experts = local_leaves(experts, lay.experts, sizes)
+        n_local = experts["w1"].shape[0]
+    else:
+        experts = local_leaves(experts, {k: stacked_spec(v) for k, v in lay.experts.items()}, sizes)
+        n_local = experts["w1"].shape[1]
+        experts = StackedExperts(experts, rep)
     shared = None if shared is None else local_leaves(shared, lay.shared, sizes)
     x_own = x
     if lay.gather_axes:
         gather = functools.partial(jax.lax.all_gather, axis_name=lay.gather_axes, axis=0, tiled=True)
         x, idx, w = gather(x), gather(idx), gather(w)
-    n_local = experts["w1"].shape[0]
     e0 = _local_offset(lay.expert_axes, n_local)
     local = (idx >= e0) & (idx < e0 + n_local)
     y = local_experts(x, jnp.where(local, idx - e0, 0), jnp.where(local, w, 0.0), local, experts, impl, limit,
@@ -326,16 +373,23 @@ def moe_block(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: Model
     """Routed experts + shared expert of one MoE layer on the mesh of `config.backends.ep`.
 
     x [T,D] with T = batch·S (the batch-major flattening of [batch, S, D]), idx / w [T,k] from the router,
-    p the layer's ffn parameters ({"experts": ..., "shared_experts": ...}) -> [T,D] in x.dtype.
+    p the layer's ffn parameters ({"experts": ..., "shared_experts": ...}; the experts possibly a
+    `StackedExperts`, `target.reads_expert_stack`: its stack goes into the shard_map whole, each device its
+    slice of every layer, with the layer's index) -> [T,D] in x.dtype.
     """
     ep = config.backends.ep
     if ep.local == "auto":
         raise BackendError("ExpertParallel.local 'auto' reached traced code; resolve it first "
                            "(dsv4_jax.backends.resolve)")
     experts, shared = p["experts"], p.get("shared_experts")
-    lay = layout(ep, config, batch, experts, shared)
+    stacked = isinstance(experts, StackedExperts)
+    lay = layout(ep, config, batch, layer_view(experts.stack) if stacked else experts, shared)
     body = functools.partial(_block, lay=lay, sizes=mesh_sizes(ep.mesh), impl=ep.local, limit=config.swiglu_limit,
                              interpret=config.backends.interpret)
     in_specs = (lay.tokens, lay.tokens, lay.tokens, lay.experts, lay.shared)
+    args = (x, idx.astype(jnp.int32), w.astype(jnp.float32), experts, shared)
+    if stacked:
+        in_specs = in_specs[:3] + ({k: stacked_spec(v) for k, v in lay.experts.items()}, lay.shared, PartitionSpec())
+        args = args[:3] + (experts.stack, shared, jnp.asarray(experts.rep, jnp.int32))
     fn = jax.shard_map(body, mesh=ep.mesh, in_specs=in_specs, out_specs=lay.tokens, check_vma=False)
-    return fn(x, idx.astype(jnp.int32), w.astype(jnp.float32), experts, shared)
+    return fn(*args)
