@@ -234,7 +234,17 @@ def tiny_flash_like() -> ModelConfig:
     return _tiny_base(name="tiny_flash_like", ratios=[0, 0, 4] + [8, 4] * 3, n_hash=3)
 
 
-PRESETS = {"flash": flash, "pro": pro, "tiny": tiny, "tiny_flash_like": tiny_flash_like}
+def tiny_long() -> ModelConfig:
+    """Flash's attention regime exactly at a tiny width, for long-context work: sliding window 128, CSA ratio 4
+    with index_topk 512 (the indexer truncates past 2,048 tokens), HCA ratio 128, RoPE dim 64 with Flash's
+    thetas and YaRN, 1M positions; 7 layers SWA, SWA, CSA, (HCA, CSA) × 2 (a scanned pair), 3 hash layers.
+    tests/hf_reference.py's "tiny_long" is the same model in transformers' form."""
+    return _tiny_base(name="tiny_long", ratios=[0, 0, 4, 128, 4, 128, 4], n_hash=3, head_dim=96, rope_head_dim=64,
+                      sliding_window=128, index_n_heads=16, index_head_dim=96, index_topk=512, yarn=YarnScaling(),
+                      max_position_embeddings=1048576, num_nextn_predict_layers=1)
+
+
+PRESETS = {"flash": flash, "pro": pro, "tiny": tiny, "tiny_flash_like": tiny_flash_like, "tiny_long": tiny_long}
 
 
 def preset(name: str) -> ModelConfig:

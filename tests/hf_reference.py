@@ -23,6 +23,25 @@ BASE = dict(
     eos_token_id=1,
 )
 
+FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]
+
+# DeepSeek-V4-Flash config.json in DeepSeek's legacy form (values of docs/model_math.md §1).
+FLASH_LEGACY = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
+    "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8,
+    "o_lora_rank": 1024, "sliding_window": 128, "compress_ratios": FLASH_RATIOS + [0], "index_n_heads": 64,
+    "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+    "num_hash_layers": 3, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rope_theta": 10000, "compress_rope_theta": 160000,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                     "beta_slow": 1},
+    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+    "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    "num_nextn_predict_layers": 1,
+}
+
 # Configs that between them cover: sliding-only layers, CSA with a selecting indexer, HCA, hash
 # layers, hc_mult 4 and 2, top-1 routing, sequences much longer than the window spanning many
 # compression windows.
@@ -49,6 +68,15 @@ CONFIGS = {
                                       "beta_slow": 1, "original_max_position_embeddings": 32,
                                       "partial_rotary_factor": 0.25, "attention_factor": 1.0}},
         routed_scaling_factor=2.5),
+    # Flash's attention regime exactly at a tiny width (`dsv4_jax.config.tiny_long`): window 128, CSA 4 with
+    # index_topk 512, HCA 128, RoPE dim 64 with Flash's thetas and YaRN (long-context parity, 4K+ tokens)
+    "tiny_long": dict(
+        {k: v for k, v in BASE.items() if k != "rope_scaling"},
+        num_hidden_layers=7, compress_ratios=[0, 0, 4, 128, 4, 128, 4], num_hash_layers=3,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        head_dim=96, qk_rope_head_dim=64, sliding_window=128, index_n_heads=16, index_head_dim=96, index_topk=512,
+        max_position_embeddings=1048576,
+        rope_scaling=dict(type="yarn", factor=16, beta_fast=32, beta_slow=1, original_max_position_embeddings=65536)),
     # off Flash's values: 2 HC streams, fewer Sinkhorn iterations, top-1 of 4 experts, index_topk 1
     "two_streams_top1": dict(BASE, num_hidden_layers=4, compress_ratios=[0, 4, 128, 4], num_hash_layers=1,
                              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
@@ -94,8 +122,11 @@ def logits(model, ids) -> torch.Tensor:
         return model(input_ids=torch.as_tensor(ids), use_cache=False).logits
 
 
-def count_topk_boundary_ties(model, ids) -> int:
-    """Queries whose k-th and (k+1)-th best valid indexer scores are exactly equal (tie order is undefined)."""
+def topk_boundary_gaps(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's logits and, per CSA layer, query and batch row, the gap between the indexer's index_topk-th and
+    next-best valid scores relative to the best one: (logits [B,S,V], gaps float64 [n_csa, B, S]; inf where a
+    query sees ≤ index_topk rows). A gap of 0 is a tie (order undefined); a small one a near-tie, whose order
+    ulp-level differences decide."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
     seen = []
     orig = M.DeepseekV4IndexerScorer.forward
@@ -107,18 +138,28 @@ def count_topk_boundary_ties(model, ids) -> int:
 
     M.DeepseekV4IndexerScorer.forward = hook
     try:
-        logits(model, ids)
+        out = logits(model, ids)
     finally:
         M.DeepseekV4IndexerScorer.forward = orig
-    k, m, n = model.config.index_topk, model.config.compress_rates["compressed_sparse_attention"], 0
-    for sc in seen:
-        for b in range(sc.shape[0]):
-            for s in range(sc.shape[1]):
-                nvalid = min((s + 1) // m, sc.shape[2])
-                if nvalid > k:
-                    v = sc[b, s, :nvalid].sort(descending=True).values
-                    n += int(v[k - 1] == v[k])
-    return n
+    k, m = model.config.index_topk, model.config.compress_rates["compressed_sparse_attention"]
+    gaps = []
+    for sc in seen:                                      # [B, S, T]
+        sc = sc.double()
+        B, S, T = sc.shape
+        n_valid = torch.clamp((torch.arange(S) + 1) // m, max=T)                  # [S]
+        valid = torch.arange(T)[None, :] < n_valid[:, None]                        # [S, T]
+        if T <= k:
+            gaps.append(torch.full((B, S), math.inf, dtype=torch.float64))
+            continue
+        top = sc.masked_fill(~valid[None], -math.inf).topk(k + 1, dim=-1).values  # [B, S, k+1]
+        g = (top[..., k - 1] - top[..., k]) / top[..., 0].abs().clamp_min(1e-30)
+        gaps.append(torch.where((n_valid > k)[None, :], g, torch.full_like(g, math.inf)))
+    return out, torch.stack(gaps)
+
+
+def count_topk_boundary_ties(model, ids) -> int:
+    """Queries whose k-th and (k+1)-th best valid indexer scores are exactly equal (tie order is undefined)."""
+    return int((topk_boundary_gaps(model, ids)[1] == 0).sum())
 
 
 def save(model, path) -> None:

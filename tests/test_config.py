@@ -12,24 +12,7 @@ from dsv4_jax.model.schedule import Segment, locate, segments
 
 from . import hf_reference as ref
 
-FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]
-
-# DeepSeek-V4-Flash config.json in DeepSeek's legacy form (values of docs/model_math.md §1).
-FLASH_LEGACY = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
-    "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8,
-    "o_lora_rank": 1024, "sliding_window": 128, "compress_ratios": FLASH_RATIOS + [0], "index_n_heads": 64,
-    "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-    "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 2048,
-    "num_hash_layers": 3, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rope_theta": 10000, "compress_rope_theta": 160000,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
-                     "beta_slow": 1},
-    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
-    "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
-    "num_nextn_predict_layers": 1,
-}
+FLASH_RATIOS, FLASH_LEGACY = ref.FLASH_RATIOS, ref.FLASH_LEGACY
 
 
 def same_except_name(a: ModelConfig, b: ModelConfig):

@@ -14,12 +14,23 @@ import numpy as np
 from ...config import SLIDING, ModelConfig
 
 
+def _theta_powers(theta: float, r: int) -> np.ndarray:
+    """θ^(2i/r), i < r/2, float32: the exponents in float32 (as the reference computes them), the power
+    correctly rounded to float32 (computed in float64). The reference's float32 `pow` (transformers'
+    `base ** (arange(0, r, 2) / r)`) agrees with this on Flash's tables; numpy's float32 `pow` does not (it
+    differs by 1-2 ulp in 8 of Flash's 64 entries, an angle error of ~2e-4 rad at position 6K — enough to
+    flip the indexer's near-tied top-k at long contexts). docs/model_math.md §2.0."""
+    exps = np.arange(0, r, 2, dtype=np.float32) / np.float32(r)
+    return (np.float64(np.float32(theta)) ** exps.astype(np.float64)).astype(np.float32)
+
+
 def inv_freq(config: ModelConfig, kind: str) -> np.ndarray:
-    """Inverse frequencies f_i, i < r/2, float32 (computed as HF does, in float32). kind: 'main' | 'compress'."""
+    """Inverse frequencies f_i, i < r/2, float32, with the reference's float32 operation order (every
+    step after the power is one correctly rounded float32 op). kind: 'main' | 'compress'."""
     r = config.rope_head_dim
     theta = config.rope_theta if kind == "main" else config.compress_rope_theta
-    exps = np.arange(0, r, 2, dtype=np.float32) / np.float32(r)
-    f = (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
+    powers = _theta_powers(theta, r)
+    f = (np.float32(1.0) / powers).astype(np.float32)
     y = config.yarn
     if kind == "main" or y is None:
         return f
@@ -35,7 +46,7 @@ def inv_freq(config: ModelConfig, kind: str) -> np.ndarray:
         hi += 0.001
     ramp = np.clip((np.arange(r // 2, dtype=np.float32) - np.float32(lo)) / np.float32(hi - lo), 0, 1)
     keep = (np.float32(1) - ramp).astype(np.float32)   # 1: original frequency, 0: divided by factor
-    interp = (np.float32(1.0) / (np.float32(y.factor) * (np.float32(theta) ** exps))).astype(np.float32)
+    interp = (np.float32(1.0) / (np.float32(y.factor) * powers)).astype(np.float32)
     return (interp * (1 - keep) + f * keep).astype(np.float32)
 
 
