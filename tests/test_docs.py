@@ -1,5 +1,36 @@
 """Every document the repository cites is in the repository: code, tests, experiments and docs name `.md`
-files that a clone has (docs/design.md, docs/model_math.md, ...), never documents kept elsewhere."""
+files that a clone has (docs/design.md, docs/model_math.md, ...), never documents kept elsewhere.
+
+Every backticked name of the package resolves: the inline code spans of the module, class and function
+docstrings of dsv4_jax/ (read with `ast`, nothing imported) and of docs/*.md and README.md (fenced code blocks
+left out) that name a module, an attribute or a file name something the package has. The rules, in order:
+
+1. A call is cut to its callee: `foo.bar(x)` -> foo.bar (`a(...).b()` -> a).
+2. Not a name, not checked: a span with anything but letters, digits, `_`, `.`, `/`, `-` (code, shell
+   commands, `x = y`, JSON paths such as `stats["key"]`); one with neither `.` nor `/` (a plain identifier);
+   one without a letter or starting with a digit (`1.5`); one with an empty component (`.weight`, `mtp.0..2`).
+3. Not this package, not checked: a first component in EXTERNAL (libraries, their classes); a component in
+   PLACEHOLDERS or made of digits (`blk.N.attn_kv`, `mtp.0.e_proj`, `OUT/ckpt/`: checkpoint tensor names
+   and output layouts, never Python names); a name in RECORD_KEYS (key paths of the JSON records and GGUF
+   metadata the package writes or reads, `meta.cost_tables`).
+4. A file (a `/` in it, or a last component in FILE_SUFFIXES): a `.py` file or a folder must be a path of
+   the repository or its last components (`speculative/loop.py`, `moe_ep.py`, `aot/`), unless it is in
+   OTHER_FILES (files of the repositories the docs compare with, the docs' example script, the items of a
+   converted checkpoint). Other suffixes (data, outputs, C++; `.md` has the test above) and paths under
+   experiments/results/ are not checked.
+5. A dotted name resolves when
+   a. its first components name a module or package of dsv4_jax, by full dotted name (`dsv4_jax.ops.moe`;
+      ALIASES: `d.` for `import dsv4_jax as d`) or by its last components (`ops.moe`, `moe`, `moe_ep`), and
+      the rest is an attribute chain in one such module: a top-level def, class, assignment or import (so
+      re-exports count), then a class's method, field, class attribute, nested class or `self.x`; past an
+      attribute that is not a class, each further component must be an attribute of some class of the package;
+   b. or its first component is a class of the package (`Knobs.draft_n`) and the rest a chain as in a;
+   c. or its first component is in VARIABLES, the names the docs give instances (`q.codes` for a QArray,
+      `config.backends`), and the rest are attributes of classes of the package;
+   d. or it is a checkpoint tensor name or metadata key the package spells: it occurs, bounded by non-word
+      characters, in a string constant (not a docstring) of the package (`attn.wq_a`, `rope.freq_base`).
+   Anything else fails: a module the package no longer has (`spec.loop`, `cache.py`), a name its module
+   does not define (`moe.no_such_function`)."""
 import ast
 import os
 import re
@@ -57,43 +88,7 @@ def test_the_check_sees_a_missing_document():
     assert OUTSIDE.search("the probe in ../" + "shared/reference/x.py")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Backticked names: every `module.attr` a docstring of the package or a page of docs/ (and README.md)
-# writes resolves to something the package has.
-#
-# Where the names come from: inline code spans (`...`) in the module, class and function docstrings of
-# dsv4_jax/ (read with `ast`, nothing is imported) and in docs/*.md and README.md outside fenced code blocks.
-#
-# What is checked, in this order (`_classify`):
-#   1. A call is cut to its callee: `foo.bar(x)` -> foo.bar; `a(...).b()` -> a (not dotted, so not checked).
-#   2. Not a name, not checked: a span with anything but letters, digits, `_`, `.`, `/`, `-` (spaces, `=`,
-#      `[`, quotes, `{`, `*`, `|`, `,`, ...: code, shell commands, JSON field paths like `stats["key"]`),
-#      one with neither `.` nor `/` (a plain identifier), one without a letter or starting with a digit
-#      (`1.5`), with an empty component (`.weight`, `mtp.0..2`).
-#   3. Not this package, not checked: a first component in EXTERNAL (a library, a class of one) and a
-#      component in PLACEHOLDERS (`blk.N.attn_kv`, `OUT/ckpt/`) or made of digits (`mtp.0.e_proj`):
-#      checkpoint tensor names and output-folder layouts, never Python names.
-#   4. A file (a `/` or a last component in FILE_SUFFIXES): a `.py` file or a folder must exist -- as written
-#      from the repository root or from dsv4_jax/, or as the last components of a path in the repository
-#      (`speculative/loop.py`, `moe_ep.py`, `aot/`) -- unless it is in EXTERNAL_FILES (files of the other
-#      repositories the docs compare with). Other suffixes (data, results, C++, `.md`: test above) and paths
-#      under experiments/results/ are not checked.
-#   5. A dotted name resolves (`_resolves`) when one of these holds:
-#      a. Its first components name a module or package of dsv4_jax -- the full dotted path
-#         (`dsv4_jax.ops.moe`, or `d.` for `import dsv4_jax as d`) or its last components (`ops.moe`, `moe`,
-#         `moe_ep`) -- and the rest is an attribute chain in one such module: a top-level def, class,
-#         assignment or import (re-exports count), then a class's method, field, class attribute, nested
-#         class or `self.x`; past a non-class attribute each further component must be an attribute of
-#         some class of the package.
-#      b. Its first component is a class of the package (`Knobs.draft_n`) and the rest is a chain as in a.
-#      c. Its first component is one of VARIABLES, the names the docs give to instances (`q.codes` for a
-#         QArray, `config.backends`), and the rest are attributes of classes of the package.
-#      d. It is a checkpoint tensor name or metadata key the package spells: it occurs, bounded by
-#         non-word characters, in a string constant (not a docstring) of the package (`attn.wq_a`,
-#         `attention.head_count`, `rope.freq_base`).
-#   Anything else fails the test: a module that the package no longer has (`spec.loop`, `cache.py`) or a
-#   name its module does not define (`moe.no_such_function`).
-# ---------------------------------------------------------------------------------------------------------
+# ---- backticked names (module docstring, rules 1-5) ----
 PKG = os.path.join(ROOT, "dsv4_jax")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^\s*```.*?^\s*```", re.S | re.M)
@@ -107,12 +102,11 @@ EXTERNAL = {
     "Compiled", "DeepseekV4ForCausalLM",
 }
 PLACEHOLDERS = {"N", "NN", "E", "OUT", "MODEL", "CKPT"}
-VARIABLES = {"config", "q", "state", "plan", "table", "engine", "knobs", "drafter", "counting", "meta", "fn",
-             "stats"}
+VARIABLES = {"config", "q", "state", "plan", "table", "engine", "knobs", "drafter", "counting", "fn"}
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "gguf", "safetensors", "txt", "png", "pdf", "npy", "npz",
                  "cpp", "c", "h", "toml", "sh", "csv", "yaml", "log", "html"}
-# files and folders of other repositories the docs compare with, the docs' example script, the items of a
-# converted checkpoint (dsv4_jax/io/convert/writer.py)
+# files and folders of the repositories the docs compare with, the docs' example script (docs/sharding.md),
+# the items of a converted checkpoint (dsv4_jax/io/convert/writer.py)
 OTHER_FILES = {
     "inference/model.py", "convert_hf_to_gguf.py", "gguf-py/gguf/constants.py", "modular_deepseek_v4.py",
     "cache_utils.py", "conversion_mapping.py", "integrations/finegrained_fp8.py", "models/deepseek_v4/",
@@ -222,9 +216,9 @@ class _Index:
         """`rest` is an attribute chain from `scope` (a module's or a class's names)."""
         if not rest:
             return True
-        node = scope.get(rest[0])
         if rest[0] not in scope:
             return False
+        node = scope[rest[0]]
         if isinstance(node, ast.ClassDef):
             return any(self.chain(c, rest[1:]) for c in self.classes[node.name])
         if isinstance(node, ast.ImportFrom) and rest[1:]:
@@ -242,7 +236,7 @@ class _Index:
 
 
 def _classify(span: str) -> str | None:
-    """The name a code span checks, or None where it is not a reference to check (steps 1-3 above)."""
+    """The name a code span checks, or None where it is not a reference to check (rules 1-3)."""
     m = CALL.match(span)
     name = m.group(1) if m else span
     if not NAME_CHARS.fullmatch(name) or ("." not in name and "/" not in name):
@@ -258,7 +252,7 @@ def _classify(span: str) -> str | None:
 
 
 def _resolves(name: str, ix: _Index) -> bool:
-    """Steps 4-5 above, for a name `_classify` kept."""
+    """Rules 3 (RECORD_KEYS), 4 and 5 for a name `_classify` kept."""
     last = name.rstrip("/").rsplit("/", 1)[-1]
     suffix = last.rsplit(".", 1)[-1] if "." in last else ""
     if "/" in name or suffix in FILE_SUFFIXES:
@@ -286,12 +280,14 @@ def _resolves(name: str, ix: _Index) -> bool:
 
 def test_every_backticked_name_resolves():
     ix = _Index()
-    bad = set()
+    bad, checked = set(), 0
     for where, text in _doc_sources():
         for m in CODE_SPAN.finditer(text):
             name = _classify(m.group(1))
+            checked += name is not None
             if name and not _resolves(name, ix):
                 bad.add(f"{where}: `{m.group(1)}`")
+    assert checked > 500, f"only {checked} names checked: the extraction lost them"
     assert not bad, "backticked names that the package does not have:\n" + "\n".join(sorted(bad))
 
 
