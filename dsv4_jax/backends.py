@@ -5,7 +5,7 @@ with different kernels compile two programs, side by side in one process. Ops an
 
     moe       routed-expert matmuls: "reference" (gather / sorted `ragged_dot`, `ops.moe`), "pallas" (the GPU
               Triton kernels `kernels.moe_decode` / `kernels.moe_prefill`), "pallas_tpu" (the Mosaic TPU
-              kernels `kernels.tpu_moe`), "ep" (explicit expert parallelism under `shard_map`, `model.moe_ep`;
+              kernels `kernels.tpu_moe`), "ep" (explicit expert parallelism under `shard_map`, `model.layers.moe_ep`;
               needs `ep`, an `ExpertParallel`: the mesh, the rules and the local grouped-matmul implementation)
     routing   sqrt-softplus + top-k routing: "reference" (`ops.moe`), "pallas" (`kernels.routing`)
     indexer   lightning-indexer scores: "reference" (`ops.indexer`), "pallas" (`kernels.lightning_indexer`),
@@ -60,11 +60,11 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-    """Static set-up of the expert-parallel MoE (`Backends(moe="ep", ep=...)`, see `model.moe_ep`).
+    """Static set-up of the expert-parallel MoE (`Backends(moe="ep", ep=...)`, see `model.layers.moe_ep`).
 
     mesh: the device mesh the parameters and the decode state are placed on (hashable);
     rules: the logical-axis rules of that placement as ((logical axis, (mesh axes...)), ...) — None for
-    `sharding.DEFAULT_RULES`; the shard_map in/out specs are derived from them, so they must be the
+    `parallel.DEFAULT_RULES`; the shard_map in/out specs are derived from them, so they must be the
     rules the parameters were placed with; local: the per-device grouped matmul (EP_LOCAL or "auto").
     """
 

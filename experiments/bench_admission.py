@@ -1,4 +1,4 @@
-"""Where continuous batching's admission and round time go: the slot programs (`spec.slots`) timed one by
+"""Where continuous batching's admission and round time go: the slot programs (`speculative.slots`) timed one by
 one on the bundled model, interleaved so that a change of machine load hits every component alike.
 
 Components (each synchronised with block_until_ready, median over --repeats interleaved passes):

@@ -16,7 +16,7 @@ measured read bandwidth (a large `jnp.sum`):
   decode    one token per sequence (`decode.process_block`, S = 1, the jitted call `decode_step` makes):
             ms/token, achieved bytes/s = bound / time, and its share of the measured bandwidth;
   verify    a block of S = k+1 = 2..6 tokens (the call `verify` makes), relative to one decode step;
-  spec      one round of the on-device loop (`spec.loop.run_rounds`: draft + verify + accept + commit +
+  spec      one round of the on-device loop (`speculative.loop.run_rounds`: draft + verify + accept + commit +
             drafter observe) with the MTP and DSpark drafters at draft_n_max k, under forced
             acceptance (below): µs/round, µs/token and the speed-up it allows at full acceptance;
   loop      the same round run three ways: the on-device `lax.while_loop` (`run_rounds`), the host

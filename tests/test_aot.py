@@ -594,7 +594,7 @@ def test_prefill_chunk_halves_until_it_fits():
 
 
 def test_kernels_section_from_the_kernels_helper():
-    """The kernels section calls the kernels' AOT helper (Shapes / Case / compile_case; kernels.tpu_aot):
+    """The kernels section calls the kernels' AOT helper (Shapes / Case / compile_case; analysis.kernels_aot):
     cases for the report's shapes in the report's weight format, records flattened into rows."""
     import types
     from dsv4_jax.analysis.aot import kernel_hook as K

@@ -1,4 +1,5 @@
-"""Routing kernel (interpret mode) == the reference routing (model.moe.route / ops.moe), bit for bit, ties included."""
+"""Routing kernel (interpret mode) == the reference routing (model.layers.moe.route / ops.moe), bit for bit,
+ties included."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,4 @@
-"""`spec.precompile`: the programs it lists are exactly the ones `generate` then calls (chunked prefill and
+"""`speculative.precompile`: the programs it lists are exactly the ones `generate` then calls (chunked prefill and
 priming included), compiled two at a time."""
 import numpy as np
 from jax import monitoring

@@ -80,7 +80,7 @@ def test_sweep_shares_compiled_programs(sweep_out):
     """5 settings (none, mtp k=1,2, dspark k=1,2), one prompt bucket: one prefill, two primings (none and the
     drafter pool), two loops (none, and one for k = 1, 2 shared by MTP and DSpark) — not 5 + 5."""
     assert COMPILED == {"loop": 2, "prefill": 1, "prime": 2}
-    # compiled once each before the first run (`spec.precompile`): the warm-ups and timed
+    # compiled once each before the first run (`speculative.precompile`): the warm-ups and timed
     # runs call exactly the compiled programs, nothing compiles twice
     big = {n: XLA_COMPILES.count(f"jit({n})") for n in ("run_rounds", "prefill_target", "prime")}
     assert big == {"run_rounds": 2, "prefill_target": 1, "prime": 2}, XLA_COMPILES

@@ -1,4 +1,4 @@
-"""Continuous batching (`spec.slots`, `spec.scheduler`): lossless against each request decoded alone, one
+"""Continuous batching (`speculative.slots`, `speculative.scheduler`): lossless against each request decoded alone, one
 compiled chunk program across refills, per-request statistics, bad input.
 
 Reference: every prompt decoded alone by `generate` (batch 1, no drafter, greedy, no EOS) with the largest

@@ -1,5 +1,5 @@
-"""Compressed-row tables written in place: `model.compressor.write_rows` on a plain [B, T, c] table and on a
-`cache.StackedRows` (the table inside its segment's [reps, B, T, c] buffer), both the per-row
+"""Compressed-row tables written in place: `model.layers.compressor.write_rows` on a plain [B, T, c] table and on a
+`model.state.StackedRows` (the table inside its segment's [reps, B, T, c] buffer), both the per-row
 dynamic_update_slice path and the scatter path for many rows, against a numpy loop; `cache.take_rows`."""
 
 import jax

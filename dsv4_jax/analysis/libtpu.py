@@ -2,7 +2,7 @@
 
 `pip install libtpu` (the version matching jax) provides the TPU compiler; with JAX_PLATFORMS=cpu and the
 environment below, `jax.experimental.topologies` describes a topology ("v5p:2x2x2", "v6e:2x2") whose abstract
-devices `jit(...).lower(...).compile()` targets. Used by `kernels.tpu_aot` and `dsv4-aot`; nothing traced.
+devices `jit(...).lower(...).compile()` targets. Used by `analysis.kernels_aot` and `dsv4-aot`; nothing traced.
 """
 from __future__ import annotations
 

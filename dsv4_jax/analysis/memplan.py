@@ -2,8 +2,8 @@
 
 Nothing is allocated: every weight's bytes are those of its abstract leaf (`params.abstract_leaf`: a
 ShapeDtypeStruct, or a QArray of codes + scale ShapeDtypeStructs for a quantized leaf) built from
-`params.param_specs` / `mtp_specs` / `dspark_specs`, the decode state's from `cache.state_shapes`; the
-per-device share of each array comes from the placement rules themselves (`sharding.leaf_partition_spec`,
+`params.param_specs` / `mtp_specs` / `dspark_specs`, the decode state's from `model.state.state_shapes`; the
+per-device share of each array comes from the placement rules themselves (`parallel.leaf_partition_spec`,
 divisibility fallback to replication), so the plan is what `load_checkpoint(..., mesh=...)` holds.
 
 Weight storage (`--dtype`):
@@ -78,7 +78,7 @@ def _split(pspec, sizes: dict) -> int:
 def leaf_bytes(path: str, spec: P.ParamSpec, dtype, sizes: dict, rules=None,
                replicated=DEFAULT_REPLICATED) -> tuple[float, float]:
     """(total, per-device) bytes of one leaf as `params.abstract_leaf` describes it (codes + scale when
-    quantized), split as `sharding.leaf_partition_spec` places it."""
+    quantized), split as `parallel.leaf_partition_spec` places it."""
     leaf = P.abstract_leaf(spec, dtype)
     pspec = leaf_partition_spec(spec, sizes, rules, any(re.search(p, path) for p in replicated))
     arrays = (leaf.codes, leaf.scale) if isinstance(leaf, quant.QArray) else (leaf,)
@@ -146,8 +146,8 @@ def plan(config: ModelConfig, *, devices: int = 1, mesh_shape: tuple[int, ...] |
          markov_rank: int = 256, rules=None, sharding: str | None = None) -> dict:
     """Bytes of weights, drafter and decode state: totals and per device on a (data, expert, model) mesh.
 
-    mesh_shape: default `sharding.default_mesh_shape(devices)` (all devices on `expert`); `sharding`: a
-    preset name (`sharding.PRESETS`) whose mesh shape and rules replace mesh_shape and rules. The decode
+    mesh_shape: default `parallel.default_mesh_shape(devices)` (all devices on `expert`); `sharding`: a
+    preset name (`parallel.PRESETS`) whose mesh shape and rules replace mesh_shape and rules. The decode
     state is in bfloat16 (float32 when weights are f32) for `batch` sequences of `context` tokens.
     Returns a dict of bytes: parts {name: {"total", "per_device"}}, "total", "per_device".
     """

@@ -6,7 +6,7 @@ the node's children as {codes, scale}) with its format named in dsv4.json. `load
 scan segment at a time (Orbax partial load, each array straight into its sharding) and stacks the layers of
 a segment on the scan axis, so peak memory is about the model plus one segment. Every restore target comes
 from the leaf's `params.ParamSpec` (with `quant` set from dsv4.json): `params.abstract_leaf` with the
-shardings of `sharding.spec_sharding` (mesh given) — each device reads only its own slice, scales follow
+shardings of `parallel.spec_sharding` (mesh given) — each device reads only its own slice, scales follow
 their codes. `keep_quantized=True` keeps QArrays on the device; otherwise they are dequantized on device.
 
 format_version 2 (this version) stores FP8 codes as float8_e4m3fn and has no raw GGML leaves (K- / IQ-quants
@@ -368,8 +368,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
     dequantized on the device to `dtype` (exactly: FP8 / FP4 also in bf16, Q8_0 / int8 in f32).
     mesh: a `jax.sharding.Mesh` (e.g. `dsv4_jax.parallel.make_mesh()`); every array is restored
     straight into the NamedSharding derived from its logical axes by `dsv4_jax.parallel` (`rules`:
-    logical axis -> mesh axes, default `sharding.DEFAULT_RULES`), the same shardings as
-    `sharding.param_shardings(config, mesh, formats=params.formats_of(params))`. Default: the first local device.
+    logical axis -> mesh axes, default `parallel.DEFAULT_RULES`), the same shardings as
+    `parallel.param_shardings(config, mesh, formats=params.formats_of(params))`. Default: the first local device.
     sharding: a preset name ("latency", "throughput": `dsv4_jax.parallel.PRESETS`) or `ShardingPreset`:
     its rules and, unless `mesh` is given, its mesh over all devices; the returned config carries the
     preset's backends (the expert-parallel MoE on that mesh).

@@ -15,8 +15,9 @@ TPU (Mosaic: `PrefetchScalarGridSpec`, BlockSpecs obeying the (8, 128) tiling; `
                        FP4-e2m1-b32 dequantized per tile (`tpu_common.FORMATS`)
 - `tpu_indexer`        the same scores as `lightning_indexer`, key tiles past the visible rows neither read nor
                        computed (the top-k is ops.indexer.topk)
-- `tpu_aot`            ahead-of-time compile for a TPU topology with libtpu (no TPU), memory / cost analysis and
-                       the bytes the BlockSpecs move, next to the XLA reference
+
+Their ahead-of-time compile for a TPU topology with libtpu (no TPU), memory / cost analysis and the bytes the
+BlockSpecs move, next to the XLA reference, is `dsv4_jax.analysis.kernels_aot`.
 
 On CPU every kernel runs in interpret mode (TPU interpret mode for the Mosaic kernels), which the tests use.
 """

@@ -343,7 +343,7 @@ def supports(p: dict) -> bool:
 
 
 def routed(x, idx, w, p: dict, *, limit: float, interpret: bool = False):
-    """`model.moe.routed_experts` entry: p {"w1","w2","w3"} dense or QArray (`supports(p)`) -> the decode
+    """`model.layers.moe.routed_experts` entry: p {"w1","w2","w3"} dense or QArray (`supports(p)`) -> the decode
     kernel for ≤ DECODE_MAX_TOKENS tokens, the grouped matmul above."""
     (fmt, c1, s1), (_, c2, s2), (_, c3, s3) = (kernel_format(p[n]) for n in ("w1", "w2", "w3"))
     kernel = experts_decode if x.shape[0] <= DECODE_MAX_TOKENS else experts_prefill

@@ -2,7 +2,7 @@
 
 All entry points share one jitted block step (`process_block`): it runs a block of S tokens at
 positions pos..pos+S−1 through every layer against the state and writes their rows; only
-`pos` decides what is committed (see cache.py). The wrappers differ in how far `pos` moves:
+`pos` decides what is committed (see state.py). The wrappers differ in how far `pos` moves:
 
     prefill / extend   pos += lengths   (right-padded ragged batches; any chunk size)
     decode_step        pos += 1

@@ -15,7 +15,7 @@ sinks, compressor position biases and the router bias stay float32 whatever the 
 
 A weight leaf may be stored quantized: `ParamSpec.quant` (an `ops.quant.QFormat`) makes its abstract leaf
 an `ops.quant.QArray` of ShapeDtypeStructs (`abstract_leaf`), and the same spec gives its sharding
-(`sharding.spec_sharding`), Orbax restore target (`checkpoint`) and bytes (`memplan`). `with_formats`
+(`parallel.spec_sharding`), Orbax restore target (`checkpoint`) and bytes (`memplan`). `with_formats`
 sets formats on a spec tree from a rule such as `release_format` (the official FP8 / FP4 release).
 """
 from __future__ import annotations
@@ -321,7 +321,7 @@ def with_formats(specs, formats: Callable[[str, ParamSpec], Any] | Mapping[str, 
 
 def abstract_leaf(spec: ParamSpec, dtype=jnp.float32, sharding=None):
     """jax.ShapeDtypeStruct of a dense leaf, or a QArray of them for a quantized one (children codes / scale;
-    `sharding` then a QArray of shardings, e.g. `sharding.spec_sharding`)."""
+    `sharding` then a QArray of shardings, e.g. `parallel.spec_sharding`)."""
     if spec.quant is None:
         return jax.ShapeDtypeStruct(spec.shape, spec.dtype(dtype), sharding=sharding)
     return quant.abstract(spec.quant, spec.shape, spec.dtype(dtype), getattr(sharding, "codes", sharding),

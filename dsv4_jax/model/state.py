@@ -41,7 +41,7 @@ STACKED_TABLES = ("comp_kv", "idx_keys")
 class StackedRows:
     """One layer's row table [B, T, c] where it lives: slab [reps, B, T, c] of its scan segment, at rep `index`
     (traced int32). The layer reads `view()` and writes rows into the slab in place
-    (`model.compressor.write_rows`): slicing the table out of the stack and writing it back after the step
+    (`model.layers.compressor.write_rows`): slicing the table out of the stack and writing it back after the step
     would copy the whole table (XLA materialises both; ~2 × 64 MiB per CSA layer and step at B = 8, 32K)."""
 
     slab: jax.Array

@@ -108,7 +108,7 @@ def with_stacked_experts(rep_params: dict, stacked, rep) -> dict:
 
 def split_tables(slot: dict | None) -> tuple[dict | None, dict | None]:
     """A segment slot's stacked state {name: [reps, B, ...]} -> (the rings etc., the row tables
-    `cache.STACKED_TABLES`), None -> (None, None)."""
+    `model.state.STACKED_TABLES`), None -> (None, None)."""
     if slot is None:
         return None, None
     return ({k: v for k, v in slot.items() if k not in STACKED_TABLES},
@@ -117,7 +117,7 @@ def split_tables(slot: dict | None) -> tuple[dict | None, dict | None]:
 
 def in_place_tables(one_rep):
     """`one_rep` with the row tables carried whole ((carry, tables) in, (carry, tables) out): rep r's layer
-    gets each table as `cache.StackedRows(slab, r)` and writes its rows into the slab, so a step moves only
+    gets each table as `model.state.StackedRows(slab, r)` and writes its rows into the slab, so a step moves only
     the rows it writes (scan: the slabs are loop-carried buffers, updated in place)."""
     def body(carry_tables, rep_params, rep_rest, rep):
         carry, tables = carry_tables

@@ -5,7 +5,7 @@ QArray (FP8) used by a few tokens (decode, verify: `quant.blocks_fit`) is multip
 a dequantized copy, `quant.matmul_blocks`. Otherwise a QArray is dequantized here, inside the caller's jit,
 one matrix at a time (a layer's slice inside the layer scan), never a stacked layer set; the matmul then is
 the dense path's. Either way a kept-quantized model computes the same values as one dequantized at load.
-The routed experts have their own entry, `ops.moe.experts_*` (through `model.moe.routed_experts`), which
+The routed experts have their own entry, `ops.moe.experts_*` (through `model.layers.moe.routed_experts`), which
 gathers the active experts' codes before dequantizing.
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ are skipped (specs stay short and readable). The stacking axis `layers` is never
 The model code is not changed: params and state are placed with `jax.device_put` onto the
 shardings returned here and the existing jitted functions (`forward`, `decode.process_block`, ...)
 run as GSPMD programs; with the expert-parallel backend (`Backends(moe="ep")`, set by the presets
-below) the routed experts run under an explicit `shard_map` (`model.moe_ep`).
+below) the routed experts run under an explicit `shard_map` (`model.layers.moe_ep`).
 
 Presets (`PRESETS`, `preset(name)`): a mesh shape for n devices + rules + backends, by name:
 "latency" (tensor-parallel attention / vocabulary and expert-tensor-parallel experts on `model`,

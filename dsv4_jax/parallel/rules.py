@@ -96,7 +96,7 @@ def state_partition_specs(state: DecodeState, mesh, rules=None) -> DecodeState:
 
 def state_shardings(config: ModelConfig, mesh: Mesh, batch: int, max_len: int, max_block: int = 8,
                     dtype=jnp.float32, rules=None) -> DecodeState:
-    """DecodeState of NamedSharding for a state of the given size (parallel to `cache.init_state`)."""
+    """DecodeState of NamedSharding for a state of the given size (parallel to `model.state.init_state`)."""
     specs = state_partition_specs(state_shapes(config, batch, max_len, max_block, dtype), mesh, rules)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -109,7 +109,7 @@ def shardings_like(state: DecodeState, mesh: Mesh, rules=None) -> DecodeState:
 
 def init_sharded_state(config: ModelConfig, mesh: Mesh, batch: int, max_len: int, max_block: int = 8,
                dtype=jnp.float32, rules=None) -> DecodeState:
-    """`cache.init_state` created directly in its shardings (never whole on one device)."""
+    """`model.state.init_state` created directly in its shardings (never whole on one device)."""
     if max_len <= 0 or max_block <= 0 or batch <= 0:
         raise ValueError(f"batch, max_len and max_block must be positive (got {batch}, {max_len}, {max_block})")
     shard = state_shardings(config, mesh, batch, max_len, max_block, dtype, rules)

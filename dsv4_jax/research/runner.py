@@ -16,7 +16,7 @@ compiled programs:
     serves every draft_n_max: the drafting is compiled once with draft_n_max a run-time bound, the
     verify still draft_n_max + 1 wide (`RunShape.dynamic_draft_n`: a switch over the widths; the same
     tokens and per-round cost as the per-width program);
-  * `precompile` compiles those distinct programs before the first run (`spec.precompile`), so the
+  * `precompile` compiles those distinct programs before the first run (`speculative.precompile`), so the
     warm-ups and timed runs find them compiled and a first run's compile time is reported apart.
 
 Wall time covers prefill + all decode rounds and ends with `jax.block_until_ready` (inside
@@ -313,7 +313,7 @@ def calibrate_setting(model, batch: Sequence[dict], setting: Setting, plan: RunP
 def precompile(model, prompts: Sequence[dict], settings: Sequence[Setting], plan: RunPlan,
                threads: int = 1) -> dict[str, Any]:
     """Compile every program the settings' runs call (each batch shape), `threads` at a time, before any
-    run (`spec.precompile`); the warm-ups and timed runs then find them compiled.
+    run (`speculative.precompile`); the warm-ups and timed runs then find them compiled.
     -> {"programs": distinct programs, "wall_s": seconds}."""
     progs = []
     for s in settings:

@@ -73,12 +73,12 @@ class RunShape:
     (`Knobs.draft_n`): the drafter is compiled once and proposes at most draft_n_max drafts (MTP's
     chain and DSpark's Markov head run that many steps), and the verify block is still draft_n_max + 1
     wide — the verify and commit are a switch over the widths 2..max_block, one copy of the target
-    step each (`spec.loop.round_step`; `ops.branch.switch_in_place`, which updates the decode state in
+    step each (`speculative.loop.round_step`; `ops.branch.switch_in_place`, which updates the decode state in
     place), so a round costs what it costs in its own program.
     Greedy tokens, statistics and decode states equal the static program's; sampled runs draw from the
     same distributions but other random numbers (the drafter's draws are split for the bound).
     prefill_chunk: prefill the prompts in chunks of that many tokens, one program for every padded
-    prompt length (`generate.prefill_chunked`; None: one program per length, the whole prompt at once).
+    prompt length (`speculative.prefill.prefill_chunk`; None: one program per length, the whole prompt at once).
     adaptive_widths (with dynamic_draft_n): compile the width scheduler into the loop program, so fixed
     draft_n_max runs share the program of draft_n_max="auto" runs (same tokens; docs/width_scheduler.md)."""
 

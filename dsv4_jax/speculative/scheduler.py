@@ -1,4 +1,4 @@
-"""The host side of slot batching: a request queue over B decode slots (`spec.slots`), static or continuous.
+"""The host side of slot batching: a request queue over B decode slots (`speculative.slots`), static or continuous.
 
     continuous  between decode chunks, every freed slot takes the next queued request: its prompt is
                 prefilled (chunks of `prefill_len` tokens) and its row inserted into the slot; the

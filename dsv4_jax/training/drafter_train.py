@@ -4,7 +4,7 @@ resumable through an Orbax CheckpointManager.
 Train state {params: f32 master weights, opt: optax state, step}. On a mesh every params leaf (and its
 optimizer moments) lives in the NamedSharding that `dsv4_jax.parallel` derives from the drafter's logical
 axes (`params.mtp_specs` / `dspark_specs`: experts over expert × model, heads and vocabulary over model,
-the router replicated), the frozen target in `sharding.param_shardings`, and the batch is split over
+the router replicated), the frozen target in `parallel.param_shardings`, and the batch is split over
 data × expert (the `batch` rule). `train_step` is one jitted GSPMD program: for each of the grad_accum
 micro-batches it computes the target's states (or takes them from the batch when they come from a cache),
 casts the master weights to the compute dtype, and accumulates the gradient; then one AdamW update.

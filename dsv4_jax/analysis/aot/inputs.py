@@ -5,7 +5,7 @@ uses: `param_shardings`, `drafter_shardings`, `state_shardings`); arrays the rul
 speculative loop's carry, drafter states, tokens) are split on their batch axis with the `batch` rule.
 
 Weight formats (`WEIGHTS`), each leaf a dense ShapeDtypeStruct or an `ops.quant.QArray` of them (codes and
-scale, each with the NamedSharding `sharding.spec_sharding` gives its quantized spec):
+scale, each with the NamedSharding `parallel.spec_sharding` gives its quantized spec):
     bf16     every weight bfloat16; float32 / int32 leaves as the specs say
     fp8      routed experts in the MoE kernels' FP8 storage (`random_init`'s expert_format="fp8"): e4m3 codes
              [.., E, N, K] + a float32 scale per 128×128 block; the rest bf16 (traffic's "fp8-experts")
@@ -82,7 +82,7 @@ def drafter_params(specs, mesh, weights: str, rules=None):
 
 
 def target_params(config: ModelConfig, mesh, weights: str, rules=None) -> dict:
-    """Abstract target parameters of `config` in format `weights`, placed by `sharding.param_shardings`."""
+    """Abstract target parameters of `config` in format `weights`, placed by `parallel.param_shardings`."""
     rule = lambda path, spec: leaf_format(weights, path, spec)
     return abstract_tree(quantized_specs(P.param_specs(config), weights),
                          parallel.param_shardings(config, mesh, rules, formats=rule))

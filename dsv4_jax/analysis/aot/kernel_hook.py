@@ -62,7 +62,7 @@ def row(record: dict) -> dict:
 
 def kernel_reports(topology: str, config, shapes, weights: str, log=None, aot=tpu_aot) -> dict:
     """{"available": bool, "source" or "reason", "rows": [...]} for the kernels section of one run
-    (`aot`: the helper module, `kernels.tpu_aot`)."""
+    (`aot`: the helper module, `analysis.kernels_aot`)."""
     if weights not in KERNEL_FORMAT:
         return {"available": False, "reason": f"no kernel storage for {weights} weights", "rows": []}
     s, rows = kernel_shapes(aot, config), []

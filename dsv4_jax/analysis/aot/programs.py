@@ -3,14 +3,14 @@
     prefill       `decode.process_block` on a chunk of [B, prefill_chunk] tokens against a state at `context`
     decode        `decode.process_block` on [B, 1] (the call `decode_step` makes)
     verify        `decode.process_block` on [B, k+1] (the call `verify` makes)
-    spec-mtp      one round of the speculative loop with the MTP drafter (`spec.loop.round_step`: draft k,
+    spec-mtp      one round of the speculative loop with the MTP drafter (`speculative.loop.round_step`: draft k,
                   verify k+1, accept, commit, observe) — one round, not `run_rounds`: the loop is a
                   `while_loop`, whose body XLA's cost analysis would count once whatever the trip count
     spec-dspark   the same with the DSpark drafter (3 stages, 3 taps, Markov rank 256; k ≤ block size 5)
 
 `bound["by_k"]` (verify and the rounds) holds the bound at every k of the speculation payoff forecast
 (`forecast.round_times`). The config passed in carries the backends; the report sets `unroll_layers=True`
-so every layer is in the program text. The speculative round's options (`spec.loop.Options`) and carry
+so every layer is in the program text. The speculative round's options (`speculative.loop.Options`) and carry
 are built in `_round` only.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _block(name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, S: 
 
 
 def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, rules) -> Program:
-    """One speculative round (`spec.loop.round_step`, greedy verification) with the drafter `drafter_name`
+    """One speculative round (`speculative.loop.round_step`, greedy verification) with the drafter `drafter_name`
     (configured, initialised and run through the `drafters.registry` interface): the only place that builds
     the loop's Options and Carry."""
     B, dt = sh.batch, I.COMPUTE_DTYPE

@@ -113,7 +113,7 @@ def write_state_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array, co
     """`compressor.write_rows` where the decode state lives: one in-place row update per (sequence, window)
     when the batch is whole on every device; per device on its own sequences (a `shard_map` over the batch
     axes, no collective) when the expert-parallel backend splits the batch; the batched scatter when the
-    placement is unknown (plain GSPMD, one device). table [B,T,c] or `cache.StackedRows`, rows [B,J,c]."""
+    placement is unknown (plain GSPMD, one device). table [B,T,c] or `model.state.StackedRows`, rows [B,J,c]."""
     how, entry = state_batch_entry(config, rows.shape[0])
     if how != "split":
         return compressor.write_rows(table, rows, index, ok, per_row=how == "whole")

@@ -62,7 +62,7 @@ def compress_sequence(h: jax.Array, p: dict, ratio: int, dim: int, overlap: bool
     return finish_rows(rows, p["norm"], row_pos, freqs, eps)
 
 
-# ---- incremental form (decode state, see dsv4_jax/cache.py) ------------------------------------
+# ---- incremental form (decode state, see dsv4_jax/model/state.py) ------------------------------
 
 def block_projections(h: jax.Array, p: dict, positions: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array]:
     """(a, z + B[t mod m]) of a block of tokens at absolute positions [B,S]: 2 × [B,S,cd]."""
@@ -119,7 +119,7 @@ ROW_UPDATES_MAX = 64
 
 
 def write_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array, per_row: bool = True):
-    """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c] (or a `cache.StackedRows`,
+    """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c] (or a `model.state.StackedRows`,
     written in its stacked buffer, returned as one), rows [B,J,c]. per_row=False: always the scatter (a batch
     split by GSPMD: a row update at a constant sequence index b would gather the whole table)."""
     stacked = isinstance(table, StackedRows)

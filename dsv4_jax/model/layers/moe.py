@@ -5,7 +5,7 @@ or "pallas" (`kernels.routing`); routed experts "reference" (gather the active e
 sorted `ragged_dot` for many — expert-pure row tiles when compiled for CPU, `ops.moe.experts_sorted`),
 "pallas" (`kernels.moe_decode` for ≤ DECODE_MAX_TOKENS tokens, `kernels.moe_prefill` above), "pallas_tpu"
 (`kernels.tpu_moe.routed`: Mosaic decode / grouped matmul), or "ep": routed and shared experts under an
-explicit `shard_map` (`model.moe_ep`, expert parallelism on `config.backends.ep.mesh`, the local grouped
+explicit `shard_map` (`model.layers.moe_ep`, expert parallelism on `config.backends.ep.mesh`, the local grouped
 matmul chosen by `config.backends.ep.local`).
 Every weight may be dense or an `ops.quant.QArray`: the router and shared expert go through `ops.linear`;
 routed experts are dequantized after gathering the active experts' codes (reference gather path), per

@@ -2,7 +2,7 @@
 
 The routed experts' collectives are written down here; everything around them stays GSPMD. The router
 runs before (GSPMD, the router weight replicated: its logical axes `router_experts` / `router_in` have no
-rule in the presets, and the bias is in `sharding.DEFAULT_REPLICATED`; every device gets every score), then
+rule in the presets, and the bias is in `parallel.DEFAULT_REPLICATED`; every device gets every score), then
 one `shard_map` over the whole mesh takes, per device,
 
     x [T/n_tok, D], idx / w [T/n_tok, k]   the tokens split like the batch (logical axis "batch")
@@ -25,7 +25,7 @@ and does, for any split (the rules' divisibility fallback included):
      (the usual case: both on `model`), else it is reduced on its own.
 
 Quantized experts (`ops.quant.QArray` leaves, routed or shared) come in as placed: codes and scales
-with the specs `sharding.leaf_partition_spec` gives them (`shard_params`), so every device holds the
+with the specs `parallel.leaf_partition_spec` gives them (`shard_params`), so every device holds the
 codes and scales of its own expert slices. Where a scale block straddles the shards (the scale whole
 along a split dim; tiny configs only, e.g. FP8's 128-row blocks over a 6-row shard) `local_qarray`
 takes this shard's scale rows. The local matmuls dequantize one expert tile at a time (the sliced
@@ -103,7 +103,7 @@ def leaf_axes(name: str, config: ModelConfig, group: str) -> tuple:
 
 def leaf_spec(leaf, axes: tuple, sizes: dict, rules):
     """PartitionSpec of a dense expert leaf; for a QArray a QArray(codes spec, scale spec)
-    (`sharding.leaf_partition_spec`: the placement `shard_params` gives it)."""
+    (`parallel.leaf_partition_spec`: the placement `shard_params` gives it)."""
     if not isinstance(leaf, QArray):
         return leaf_partition_spec(ParamSpec(tuple(leaf.shape), axes), sizes, rules)
     sp = leaf_partition_spec(ParamSpec(tuple(leaf.shape), axes, quant=leaf.fmt), sizes, rules)
