@@ -214,7 +214,7 @@ def _tiny_base(**kw) -> ModelConfig:
         hc_sinkhorn_iters=20, hc_eps=1e-6, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=32, routed_scaling_factor=1.5, swiglu_limit=10.0, rope_theta=10000.0,
         compress_rope_theta=160000.0, yarn=YarnScaling(original_max_position_embeddings=16),
-        max_position_embeddings=256)
+        max_position_embeddings=4096)
     base.update(kw)
     ratios = base.pop("ratios")
     n_hash = base.pop("n_hash")

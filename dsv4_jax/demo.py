@@ -42,7 +42,7 @@ def demo_config() -> ModelConfig:
         index_n_heads=8, index_head_dim=32, index_topk=8, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
         routed_scaling_factor=1.5, swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0,
-        yarn=YarnScaling(factor=4.0, original_max_position_embeddings=512), max_position_embeddings=4096,
+        yarn=YarnScaling(factor=4.0, original_max_position_embeddings=512), max_position_embeddings=65536,
         bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS, num_nextn_predict_layers=1)
 
 

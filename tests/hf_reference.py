@@ -19,7 +19,7 @@ BASE = dict(
     hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, rms_norm_eps=1e-6, rope_theta=10000.0,
     compress_rope_theta=160000.0,
     rope_scaling=dict(type="yarn", factor=16, beta_fast=32, beta_slow=1, original_max_position_embeddings=16),
-    max_position_embeddings=256, num_nextn_predict_layers=1, tie_word_embeddings=False, bos_token_id=0,
+    max_position_embeddings=4096, num_nextn_predict_layers=1, tie_word_embeddings=False, bos_token_id=0,
     eos_token_id=1,
 )
 

@@ -14,6 +14,8 @@ other positions ≥ 99.5 % of rows within 1e-3 of HF's logits (|logit| ~ 1) and 
 With numpy's float32 `pow` in the RoPE tables (1–2 ulp off in 8 of Flash's 64 entries) the same run had
 94 % of rows within 1e-3 and a 0.65 worst row at 6,144 tokens; with the reference's tables 99.6 %.
 """
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -25,6 +27,8 @@ from dsv4_jax import config as C
 from dsv4_jax.io.convert.hf import load_hf_dir
 from dsv4_jax.model import decode
 from dsv4_jax.model.layers.rope import inv_freq
+from dsv4_jax.model.params import init_params
+from dsv4_jax.model.state import CapacityError
 
 from . import hf_reference as ref
 
@@ -126,3 +130,71 @@ def test_chunked_prefill_and_decode_match_hf_at_6k_tokens(long_case):
         step, state, _ = decode.decode_step(params, config, state, tokens[:, i])
         rows.append(np.asarray(step)[:, None])
     assert_close_but_near_ties(np.concatenate(rows, axis=1), want, gaps, "chunked prefill + decode")
+
+
+@pytest.mark.parametrize("block", [1, 64], ids=["decode", "prefill_chunk"])
+def test_temporaries_grow_linearly_with_the_context(block):
+    """The compiled block step's temporaries at a fixed block size grow linearly with the state's length
+    (the indexer scores a block against T = L/4 rows: [block, H, T]), not with L²: doubling L at most
+    doubles them (+10 %). The full-sequence `forward` is the quadratic parity reference; long prompts go
+    through chunked prefill."""
+    c = C.tiny_long()
+    params = jax.eval_shape(lambda: init_params(c, 0))
+    temps = []
+    for L in (4096, 8192):
+        state = jax.eval_shape(lambda: decode.init_state(c, 1, L, 8))
+        tok = jax.ShapeDtypeStruct((1, block), jnp.int32)
+        compiled = decode.process_block.lower(params, c, state, tok, jax.ShapeDtypeStruct((1,), jnp.int32)).compile()
+        temps.append(compiled.memory_analysis().temp_size_in_bytes)
+    assert temps[0] > 0 and temps[1] <= 2.2 * temps[0], temps
+
+
+def test_a_state_past_the_configs_positions_is_refused_before_compiling():
+    """A state longer than max_position_embeddings, or a prompt longer than the state, is a CapacityError
+    naming the limit, raised before the block step is compiled."""
+    c = C.tiny_long().replace(max_position_embeddings=512)
+    params = init_params(c, 0)
+    before = decode.process_block._cache_size()
+    with pytest.raises(CapacityError, match="max_position_embeddings=512"):
+        decode.prefill(params, c, np.zeros((1, 8), np.int32), max_len=513)
+    with pytest.raises(CapacityError, match="beyond the cache capacity max_len=16"):
+        decode.prefill(params, c, np.zeros((1, 17), np.int32), max_len=16)
+    with pytest.raises(CapacityError, match="max_position_embeddings=512"):
+        dsv4_jax.generate(params, c, np.zeros((1, 500), np.int32), max_new_tokens=16)
+    assert decode.process_block._cache_size() == before
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return dsv4_jax.tiny_demo()
+
+
+def _long_prompt(demo, n_tokens: int) -> list[int]:
+    from dsv4_jax.research.prompts import fill_context
+    p = {"id": "p", "category": "code_python", "tokens": demo.tokenizer.encode("def parse_args(argv):\n")}
+    out = fill_context([p], n_tokens, demo.tokenizer.encode, demo.config.bos_token_id)[0]
+    assert len(out["tokens"]) == n_tokens and out["tokens"][0] == demo.config.bos_token_id
+    assert out["tokens"][-len(p["tokens"]) + 1:] == p["tokens"][1:]
+    return out["tokens"]
+
+
+def _greedy_speculative_equals_plain(demo, n_tokens: int, drafters):
+    prompt = _long_prompt(demo, n_tokens)
+    kw = dict(eos_token_id=-1)
+    plain, _ = dsv4_jax.generate(demo.params, demo.config, [prompt], 32, **kw)
+    for drafter in drafters:
+        spec, stats = dsv4_jax.generate(demo.params, demo.config, [prompt], 32, drafter=drafter, draft_n_max=3,
+                                        dspark_meta=demo.dspark, **kw)
+        assert spec == plain, drafter
+        assert stats["mean_accepted_length"] > 1.2, (drafter, stats["mean_accepted_length"])
+
+
+def test_greedy_speculative_equals_plain_past_the_prefill_chunk(demo):
+    """A 5,000-token prompt (chunked by default, `options.LONG_PROMPT_CHUNK`; the bundled model's rings wrap
+    ~150 times): MTP and DSpark greedy tokens equal plain decoding's, and drafts are still accepted."""
+    _greedy_speculative_equals_plain(demo, 5000, ("mtp", "dspark"))
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_plain_at_32k(demo):
+    _greedy_speculative_equals_plain(demo, 32768, ("mtp", "dspark"))

@@ -27,14 +27,10 @@ import numpy as np
 
 from ..backends import Backends
 from ..bundle import CheckpointConfig, target_config
-from .state import DecodeState, init_state
+from .state import CapacityError, DecodeState, init_state
 from ..config import ModelConfig
 from .layers.block import layer_step
 from .target import embed, head, run_segments
-
-
-class CapacityError(ValueError):
-    """A sequence would exceed the decode state's capacity (max_len) or a block its max_block."""
 
 
 @functools.partial(jax.jit, static_argnames=("config", "taps"), donate_argnames=("state",))

@@ -30,6 +30,11 @@ from flax import struct
 from ..config import CSA, SLIDING, ModelConfig
 from .schedule import segments
 
+class CapacityError(ValueError):
+    """A sequence would exceed the decode state's capacity (max_len), a block its max_block, or a state the
+    positions the config supports (max_position_embeddings)."""
+
+
 EMPTY = -(2 ** 30)   # position tag of a never-written ring slot: outside every window
 
 # The row tables a layer reads and writes where its segment's stacked buffer holds them (`StackedRows`);
@@ -128,6 +133,10 @@ def init_state(config: ModelConfig, batch: int, max_len: int, max_block: int = 8
     """An empty state: pos = 0, rings tagged EMPTY, everything else zero."""
     if max_len <= 0 or max_block <= 0 or batch <= 0:
         raise ValueError(f"batch, max_len and max_block must be positive (got {batch}, {max_len}, {max_block})")
+    if max_len > config.max_position_embeddings:
+        raise CapacityError(f"a decode state of max_len={max_len} positions is past what {config.name} supports "
+                            f"(max_position_embeddings={config.max_position_embeddings}); shorten the prompt or "
+                            f"max_new_tokens")
     shapes = state_shapes(config, batch, max_len, max_block, dtype)
 
     def make(path, s):

@@ -36,6 +36,9 @@ def add_prompt_args(p: argparse.ArgumentParser, default_per_category: int | None
     g.add_argument("--full-suite", action="store_true", help="every prompt of the suite (overrides "
                                                              "--prompts-per-category)")
     g.add_argument("--limit", type=int, metavar="N", help="at most N prompts in all")
+    g.add_argument("--context", type=int, metavar="N",
+                   help="long-context runs: fill each prompt to N tokens, its own text last, before it text of the "
+                        "Python standard library's source files (`dsv4_jax.research.prompts.fill_context`)")
     g.add_argument("--prompt-template", default="{prompt}", metavar="TPL",
                    help="wrap text prompts, '{prompt}' is replaced (e.g. a chat template: "
                         "'<｜User｜>{prompt}<｜Assistant｜>'); default: the raw text")
@@ -66,7 +69,7 @@ def add_run_args(p: argparse.ArgumentParser, default_repeats: int = 3) -> None:
 
 def check_common(a: argparse.Namespace) -> None:
     """Model-independent checks of the shared options (raises OptionError)."""
-    for name in ("max_new_tokens", "prompts_per_category", "limit", "prompt_buckets"):
+    for name in ("max_new_tokens", "prompts_per_category", "limit", "prompt_buckets", "context"):
         v = getattr(a, name)
         if v is not None and v < 1:
             raise OptionError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -97,7 +100,14 @@ def resolve_prompts(a: argparse.Namespace, model, file_prompts: list[dict] | Non
         data = P.load_suite(a.suite or model.default_suite)
         suite, max_new = data["name"], data["max_new_tokens"]
         chosen = P.select(data["prompts"], cats, per_cat, a.limit)
-    return suite, P.tokenize(chosen, model.encode, model.config.vocab_size, a.prompt_template), max_new
+    prompts = P.tokenize(chosen, model.encode, model.config.vocab_size, a.prompt_template)
+    if a.context:
+        limit, new = model.config.max_position_embeddings, a.max_new_tokens or max_new
+        if a.context + new > limit:
+            raise OptionError(f"--context {a.context} + {new} new tokens is past the {limit} positions the model "
+                              "supports (max_position_embeddings)")
+        prompts = P.fill_context(prompts, a.context, model.encode, model.config.bos_token_id)
+    return suite, prompts, max_new
 
 
 def eos_for(a: argparse.Namespace) -> int | None:

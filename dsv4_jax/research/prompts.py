@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import sysconfig
 from typing import Callable, Iterable, Sequence
 
 SUITE_FILES = {"tiny": "suite_tiny.json", "mtp-bench": "suite_mtp_bench.json"}
@@ -120,4 +122,51 @@ def tokenize(prompts: Sequence[dict], encode: Callable[[str], list[int]] | None,
         if bad:
             raise PromptError(f"prompt {p['id']!r} has token ids outside [0, {vocab_size}): {bad[:5]}")
         out.append({**p, "tokens": toks})
+    return out
+
+
+def context_files() -> list[str]:
+    """The long-context filler's source: the running interpreter's standard-library `.py` files (the corpus
+    the bundled tiny model was trained on, present on every machine), sorted by path relative to the
+    library, site-packages excluded."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for d, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(x for x in subdirs if x not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [os.path.join(d, n) for n in names if n.endswith(".py")]
+    if not files:
+        raise PromptError(f"--context: no standard-library sources under {root}")
+    return sorted(files, key=lambda f: os.path.relpath(f, root))
+
+
+def context_source_note() -> str:
+    return f"Python {sys.version.split()[0]} standard-library .py files ({sysconfig.get_paths()['stdlib']})"
+
+
+def fill_context(prompts: Sequence[dict], n_tokens: int, encode: Callable[[str], list[int]] | None,
+                 bos: int | None) -> list[dict]:
+    """Each tokenized prompt lengthened to n_tokens: its own tokens last, before them filler text from
+    `context_files` (prompt i starts at file 31·i mod the file count and reads on, files joined by a blank
+    line), after the prompt's BOS when it starts with one. Prompts already that long are kept. Adds
+    "context_tokens" (the filler's length) to each prompt."""
+    if encode is None:
+        raise PromptError("--context needs the model's tokenizer to encode the filler text")
+    files = context_files()
+    out = []
+    for i, p in enumerate(prompts):
+        toks = list(p["tokens"])
+        need = n_tokens - len(toks)
+        if need <= 0:
+            out.append({**p, "context_tokens": 0})
+            continue
+        head = toks[:1] if bos is not None and toks[:1] == [bos] else []
+        filler, j = [], (31 * i) % len(files)
+        while len(filler) < need:
+            with open(files[j % len(files)], encoding="utf-8", errors="replace") as f:
+                ids = list(encode(f.read() + "\n\n"))
+            filler += ids[1:] if bos is not None and ids[:1] == [bos] else ids
+            j += 1
+            if j - (31 * i) % len(files) > len(files):
+                raise PromptError(f"--context {n_tokens}: the standard library holds fewer tokens than that")
+        out.append({**p, "tokens": head + filler[:need] + toks[len(head):], "context_tokens": need})
     return out

@@ -33,10 +33,12 @@ import time
 from typing import Sequence
 
 from ..io.outdir import OutDirError
+from ..speculative.options import LONG_PROMPT_CHUNK
 from ..drafters import registry
 from . import common, report
 from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
+from . import prompts as prompts_mod
 from .prompts import PromptError
 from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, calibrate_setting, effective_draft_n_max,
                      grid_settings, merge_runs, per_sequence, plan_shapes, pool_for, precompile, run_batch, shapes,
@@ -315,7 +317,7 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
                    max_block=None if a.no_shared_programs else max_draft + 1, drafter_pool=pool,
                    dynamic_draft_n=dynamic, adaptive_widths=dynamic and any(s.auto for s in settings),
                    seed=a.seed, top_p=a.top_p, eos_token_id=common.eos_for(a),
-                   prefill_chunk=None if a.no_shared_programs or len(buckets) < 2 else min(buckets),
+                   prefill_chunk=None if a.no_shared_programs or len(buckets) < 2 else min(min(buckets), LONG_PROMPT_CHUNK),
                    verify=a.verify, synthetic_accept=common.verify_options(a)[1])
     for n in notes:
         print(n, file=sys.stderr)
@@ -446,6 +448,7 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> 
                         "padded_tokens": sum(plan.pad_for([len(p["tokens"])]) for p in prompts),
                         "prefill_chunk": plan.prefill_chunk},
             "prompt_template": a.prompt_template,
+            "context": None if not a.context else {"tokens": a.context, "source": prompts_mod.context_source_note()},
             "timing": "decode_s: the decode loop alone (primary figure); prefill_s: prompt processing, first token "
                       "and drafter priming; wall = prefill + decode, each ended with jax.block_until_ready; one "
                       "untimed warm-up per setting and batch shape; rates are medians over repeats of the repeat's "

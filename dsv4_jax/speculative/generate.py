@@ -25,7 +25,7 @@ from .cost_table import CostTable, as_table, cached_or_calibrate
 from .loop import Carry, Knobs, Options, run_rounds, run_rounds_python
 from ..ops.host import to_host
 from ..ops.verification import RULES, expected_accepted
-from .options import RunShape, Sampling, Speculation, group_options
+from .options import LONG_PROMPT_CHUNK, RunShape, Sampling, Speculation, group_options
 from .prefill import (chunk_plan, init_rows, next_tokens, prefill_piece, prefill_target, prime, prime_piece,  # noqa: F401
                       start, start_carry)
 
@@ -211,6 +211,13 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
     if need > max_len:
         raise CapacityError(f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) + a verify block "
                             f"({max_block}) needs {need} positions, more than max_len={max_len}")
+    if max_len > config.max_position_embeddings:
+        raise CapacityError(f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) + a verify block "
+                            f"({max_block}): a state of {max_len} positions, past the "
+                            f"max_position_embeddings={config.max_position_embeddings} of {config.name}")
+    chunk = shape.prefill_chunk
+    if chunk is None and tokens.shape[1] > LONG_PROMPT_CHUNK:
+        chunk = LONG_PROMPT_CHUNK
     eos = config.eos_token_id if shape.eos_token_id is None else shape.eos_token_id
     opts = Options(drafter=drafter.name, k=k, greedy=sp.temperature == 0, max_new_tokens=max_new_tokens,
                    eos_token_id=int(eos), taps=setup.taps, settings=setup.settings,
@@ -227,7 +234,7 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
         prefill_taps = registry.get(pool.NAME).configure(params, config, k_program,
                                                          pool.PoolOptions(members, members[0]), bundle).taps
     return Prepared(config, tokens, lengths, opts, knobs, max_len, sp.seed, shape.host_loop, max_block, prefill_taps,
-                    draft_n, shape.prefill_chunk, spec.cost_table)
+                    draft_n, chunk, spec.cost_table)
 
 
 def width_knobs(knobs: Knobs, table: CostTable | None, k: int, auto: bool) -> Knobs:
@@ -277,7 +284,8 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
         the drafter picked at run time (`drafters.pool`; same tokens as the drafter alone);
         dynamic_draft_n (with max_block) compiles one loop for every draft_n_max < max_block, the
         verify block max_block wide and draft_n_max a run-time bound (greedy: the same tokens);
-        prefill_chunk prefills in chunks of that many tokens, one program for every prompt length.
+        prefill_chunk prefills in chunks of that many tokens, one program for every prompt length (None:
+        prompts longer than `options.LONG_PROMPT_CHUNK` tokens in chunks of that many).
     backends: the kernels (a `Backends`, or "auto" | "reference" | "pallas"; default: the config's).
 
     Returns (tokens: list of int lists, stats dict: rounds, drafted, accepted, per-position

@@ -57,6 +57,9 @@ class Speculation:
     draft_n_max_bound: int = 7
 
 
+LONG_PROMPT_CHUNK = 2048   # RunShape.prefill_chunk=None: longer prompts are prefilled in chunks of this size
+
+
 @dataclasses.dataclass(frozen=True)
 class RunShape:
     """eos_token_id: stop a sequence after it (None: the config's; -1: never). max_len / pad_to: fix the
@@ -78,7 +81,9 @@ class RunShape:
     Greedy tokens, statistics and decode states equal the static program's; sampled runs draw from the
     same distributions but other random numbers (the drafter's draws are split for the bound).
     prefill_chunk: prefill the prompts in chunks of that many tokens, one program for every padded
-    prompt length (`speculative.prefill.prefill_chunk`; None: one program per length, the whole prompt at once).
+    prompt length (`speculative.prefill.prefill_chunk`; None: one program per length, the whole prompt at
+    once up to LONG_PROMPT_CHUNK tokens, longer prompts in chunks of LONG_PROMPT_CHUNK: a block's indexer
+    scores [S, H, S/m] grow with S², a chunk's with S).
     adaptive_widths (with dynamic_draft_n): compile the width scheduler into the loop program, so fixed
     draft_n_max runs share the program of draft_n_max="auto" runs (same tokens; docs/width_scheduler.md)."""
 
