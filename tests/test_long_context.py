@@ -198,3 +198,24 @@ def test_greedy_speculative_equals_plain_past_the_prefill_chunk(demo):
 @pytest.mark.slow
 def test_greedy_speculative_equals_plain_at_32k(demo):
     _greedy_speculative_equals_plain(demo, 32768, ("mtp", "dspark"))
+
+
+def test_long_context_tool_writes_its_table(tmp_path, capsys):
+    """dsv4-long-context: one row per context from its own subprocess, the state growing with the context,
+    finite logits, peak RSS recorded against the expected bytes; bad options exit 2 and write nothing."""
+    import json
+    from dsv4_jax.research import long_context
+    out = tmp_path / "lc"
+    assert long_context.main(["--contexts", "300,600", "--chunk", "256", "--decode-steps", "2", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    rows = res["rows"]
+    assert [r["context"] for r in rows] == [300, 600] and res["meta"]["preset"] == "tiny_long"
+    assert rows[1]["state_MB"] > rows[0]["state_MB"] and all(r["logits_finite"] for r in rows)
+    assert all(r["peak_rss_MB"] > r["expected_MB"] > r["params_MB"] > 0 for r in rows)
+    assert (out / "results.md").exists() and (out / "long_context.png").exists()
+    for args, message in ((["--contexts", "2000000"], "past the 1048576 positions"),
+                          (["--contexts", "1k"], "comma-separated integers"), (["--chunk", "0"], "must be >= 1")):
+        with pytest.raises(SystemExit) as e:
+            long_context.main([*args, "--out", str(tmp_path / "never")])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()

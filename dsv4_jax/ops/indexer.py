@@ -18,11 +18,31 @@ def omega(h: jax.Array, weights_proj: jax.Array, n_heads: int) -> jax.Array:
     return linear(h, weights_proj).astype(jnp.float32) * n_heads ** -0.5
 
 
-def scores(q: jax.Array, keys: jax.Array, om: jax.Array) -> jax.Array:
-    """Σ_h ω_h · ReLU(q_h · K_w) · dI^-0.5: q [B,S,H,dI], keys [B,T,dI], ω f32 [B,S,H] -> f32 [B,S,T]."""
+# the per-head dots [B,S,H,rows] of one block of rows stay under this many bytes: a prefill chunk against a long
+# context scores its rows block by block instead of materialising [B,S,H,T] (T = context / m)
+SCORE_BLOCK_BYTES = 1 << 28
+
+
+def _scores(q: jax.Array, keys: jax.Array, om: jax.Array) -> jax.Array:
     dots = jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), keys.astype(jnp.float32))
     dots = jax.nn.relu(dots) * q.shape[-1] ** -0.5
     return jnp.einsum("bsht,bsh->bst", dots, om.astype(jnp.float32))
+
+
+def scores(q: jax.Array, keys: jax.Array, om: jax.Array) -> jax.Array:
+    """Σ_h ω_h · ReLU(q_h · K_w) · dI^-0.5: q [B,S,H,dI], keys [B,T,dI], ω f32 [B,S,H] -> f32 [B,S,T].
+
+    Rows in blocks of SCORE_BLOCK_BYTES / (B·S·H·4) (a multiple of 128) when T is larger: temporaries
+    [B,S,H,block] + the result, linear in T for a fixed block of queries (the same sums per row)."""
+    B, S, H, _ = q.shape
+    T = keys.shape[1]
+    block = max(128, SCORE_BLOCK_BYTES // (B * S * H * 4) // 128 * 128)
+    if T <= block:
+        return _scores(q, keys, om)
+    n = -(-T // block)
+    kb = jnp.pad(keys, ((0, 0), (0, n * block - T), (0, 0))).reshape(B, n, block, -1).swapaxes(0, 1)
+    out = jax.lax.map(lambda k: _scores(q, k, om), kb)                    # [n, B, S, block]
+    return jnp.moveaxis(out, 0, 2).reshape(B, S, n * block)[..., :T]
 
 
 def validity(shape, positions=None, n_rows=None, ratio: int = 1) -> jax.Array:
