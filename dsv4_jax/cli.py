@@ -1,5 +1,5 @@
-"""Command-line plumbing shared by the six tools: dsv4-convert, dsv4-memplan, dsv4-aot, dsv4-sweep,
-dsv4-batch-eval and dsv4-train-drafter.
+"""Command-line plumbing shared by the tools: dsv4-convert, dsv4-memplan, dsv4-aot, dsv4-sweep,
+dsv4-batch-eval, dsv4-long-context, dsv4-train-drafter and dsv4-bench-decode.
 
 - Bad input: `OptionError` (raised by the value parsers below) and `fail(prog, message)`: one message on
   stderr, exit status 2, before any work (nothing is written). argparse's own errors exit 2 the same way.
@@ -8,7 +8,8 @@ dsv4-batch-eval and dsv4-train-drafter.
   (a comma list of known names), `mesh_shape` / `mesh_or_auto` (--mesh DATAxEXPERTxMODEL).
 - Flags: `add_preset`, `add_kernels`, `add_mesh`, `add_out_dir` (+ --overwrite), `add_quiet`,
   `add_compile_cache` (+ `enable_compile_cache`).
-- `device_mesh`: a --mesh value as a `jax.sharding.Mesh` over every device.
+- `device_mesh`: a --mesh value as a `jax.sharding.Mesh` over every device; `claim_device_memory`: the
+  share of GPU memory XLA may take (before the first device use).
 """
 from __future__ import annotations
 
@@ -203,3 +204,10 @@ def enable_compile_cache(a: argparse.Namespace) -> None:
     os.makedirs(a.compile_cache, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", a.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def claim_device_memory(fraction: float) -> None:
+    """Let XLA's GPU client take `fraction` of each GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless the
+    environment sets it). Read once, when JAX starts its GPU client (the first device use), so call it before
+    that; it selects no code path and does nothing on CPU / TPU."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{fraction:g}")

@@ -35,8 +35,6 @@ from dsv4_jax.ops import indexer as ops_indexer
 from dsv4_jax.ops import moe as ops_moe
 from dsv4_jax.ops import quant
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
-
 
 def _dense_experts(path, limit=10.0):
     """A jitted reference expert path (ops.moe) on dense or QArray experts (dequantized inside the path)."""
@@ -221,6 +219,7 @@ def main(argv=None):
                     help="indexer compressed rows R, context 4R (default 2048,32768,262144; --small 512,2048)")
     ap.add_argument("--out", default=None, help="write JSON here (and the tables to the same name .md)")
     a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     chosen = {k: getattr(a, k) for k in ("tokens", "quant_tokens", "rows")}
     if a.small:
         a.experts, a.hidden, a.inter, a.topk, a.tokens, a.quant_tokens = 16, 256, 128, 6, [1, 8], [1]

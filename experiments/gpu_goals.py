@@ -1,6 +1,6 @@
 """The H200 acceptance goals (issues 10/11/41) against one GPU run's results: a markdown table, met / missed.
 
-Reads the JSON of `bench_kernels.py` and of `bench_decode.py` (and the pytest junit XML of the GPU kernel
+Reads the JSON of `bench_kernels.py` and of `dsv4-bench-decode` (and the pytest junit XML of the GPU kernel
 tests when given) and prints / writes one table: every goal, the measured value, the ratio to the goal,
 met or missed. Kernel times are judged on the pipelined time (calls dispatched back to back: device
 time per call); the synced time (each call waited for, host dispatch included) is shown beside it.
@@ -169,7 +169,7 @@ def render(kern: dict | None, dec: dict | None, tests: dict | None) -> tuple[str
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", default=None, help="bench_kernels.py JSON")
-    ap.add_argument("--decode", default=None, help="bench_decode.py JSON")
+    ap.add_argument("--decode", default=None, help="dsv4-bench-decode JSON")
     ap.add_argument("--tests", default=None, help="pytest junit XML of the GPU kernel tests")
     ap.add_argument("--out", default=None, help="write the markdown here")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")

@@ -7,9 +7,9 @@
 #
 # Each stage has its own time limit (a hang costs that stage only) and the stages run in order of
 # importance: kernel correctness, kernel goals, decode goals. Env: WHL (folder of wheels to install first,
-# default .whl or ../.whl), T_TESTS / T_KERNELS / T_DECODE (stage limits, s), DECODE_BUDGET (bench_decode's
-# --budget-s), TESTS_K (a pytest -k expression), KARGS / DARGS (bench_kernels / bench_decode arguments
-# replacing the defaults below), DECODE_ARGS (extra bench_decode arguments).
+# default .whl or ../.whl), T_TESTS / T_KERNELS / T_DECODE (stage limits, s), DECODE_BUDGET (dsv4-bench-decode's
+# --budget-s), TESTS_K (a pytest -k expression), KARGS / DARGS (bench_kernels / dsv4-bench-decode arguments
+# replacing the defaults below), DECODE_ARGS (extra dsv4-bench-decode arguments).
 set -u
 SMALL=0
 [ "${1:-}" = "--small" ] && SMALL=1
@@ -80,14 +80,14 @@ else
 fi
 timeout -k 5 "$T_KERNELS" $PY experiments/bench_kernels.py $KARGS --out "$OUT/kernels.json" 2>&1 | grep -v "^WARNING"
 
-stage "bench_decode (limit ${T_DECODE} s, budget ${DECODE_BUDGET} s)"
+stage "dsv4-bench-decode (limit ${T_DECODE} s, budget ${DECODE_BUDGET} s)"
 rm -rf /tmp/gpu_suite_trace
 if [ "$SMALL" = 1 ]; then
     DARGS=${DARGS:-"--small --pairs 0 --dtypes bf16 --batches 1 --contexts 64 --verify-k 1,5 --draft-n 1,2 --loop-k 1 --loop-rounds 2 --loop-reps 1 --iters 2 --component-reps 2"}
 else
     DARGS=${DARGS:-"--dtypes bf16 --batches 1,8,32 --contexts 4096,65536"}
 fi
-timeout -k 10 "$T_DECODE" $PY experiments/bench_decode.py $DARGS ${DECODE_ARGS:-} --budget-s "$DECODE_BUDGET" \
+timeout -k 10 "$T_DECODE" $PY -m dsv4_jax.research.bench_decode $DARGS ${DECODE_ARGS:-} --budget-s "$DECODE_BUDGET" \
     --trace-dir /tmp/gpu_suite_trace --out "$OUT/decode.json" 2>&1 | grep -v "^WARNING"
 
 stage "trace"

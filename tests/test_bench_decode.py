@@ -1,11 +1,10 @@
-"""experiments/bench_decode.py at reduced sizes: report format and shapes; the bytes bound it reports
-(`dsv4_jax.analysis.traffic`) and the random weights it runs on (`dsv4_jax.model.random_init`).
+"""dsv4-bench-decode (`dsv4_jax.research.bench_decode`) at reduced sizes: report format and shapes; the bytes
+bound it reports (`dsv4_jax.analysis.traffic`) and the random weights it runs on (`dsv4_jax.model.random_init`).
 
 The bound is recomputed here from the config's dimensions (docs/model_math.md §6), not with the
 library's own functions. The run uses a 3-layer CPU model (SWA, SWA, CSA) and one variant per section
 to stay fast; the bound test covers the 5-layer schedule with an HCA layer.
 """
-import importlib.util
 import json
 import math
 import os
@@ -21,18 +20,8 @@ from dsv4_jax.analysis import traffic
 from dsv4_jax.ops import quant
 from dsv4_jax.model.random_init import random_params_on_device
 from dsv4_jax.model.schedule import segments
+from dsv4_jax.research import bench_decode as bench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(ROOT, "experiments", "bench_decode.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load_bench()
 
 # --quick: one variant per section on a 3-layer model (SWA, SWA, CSA; hash-routed), bf16, reference kernels,
 # batch 1, context 64, verify k+1 = 2, MTP k = 1 (spec and loop share the round), prefill of 2 tokens
@@ -42,7 +31,7 @@ ARGS = ["--small", "--quick"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "decode.json"
-    result = bench.main(ARGS + ["--out", str(out)])
+    result = bench.run(ARGS + ["--out", str(out)])
     with open(out) as f:
         saved = json.load(f)
     return result, saved, out
@@ -179,7 +168,7 @@ def test_report_sections_and_meta(run):
                 "bytes_bound_formula", "forced_acceptance"):
         assert key in m, key
     assert m["jax"] == __import__("jax").__version__
-    assert m["command"].startswith("python experiments/bench_decode.py --small")
+    assert m["command"].startswith("dsv4-bench-decode --small")
     assert _finite_pos(m["bandwidth"]["read_GBps"])
     assert saved["errors"] == [] and saved["skipped"] == []
     assert os.path.exists(os.path.splitext(str(out))[0] + ".md")
@@ -272,7 +261,7 @@ def test_render_recomputes_the_same_report(run, tmp_path):
     _, saved, out = run
     copy = tmp_path / "again.json"
     copy.write_text(out.read_text())
-    again = bench.main(["--render", str(copy)])
+    again = bench.run(["--render", str(copy)])
     assert again["goals"] == saved["goals"] and again["summary"] == saved["summary"]
     assert (tmp_path / "again.md").read_text().split("\n", 2)[2] == \
         open(os.path.splitext(str(out))[0] + ".md").read().split("\n", 2)[2]

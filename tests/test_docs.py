@@ -116,7 +116,7 @@ OTHER_FILES = {
     "my_run.py", "target/", "mtp/", "dspark/",
 }
 # key paths of the JSON records and GGUF metadata the package writes or reads (no Python object)
-RECORD_KEYS = {"meta.cost_tables", "hlo.error", "hlo.text_source", "spec.calibration_metrics",
+RECORD_KEYS = {"meta.cost_tables", "meta.context", "hlo.error", "hlo.text_source", "spec.calibration_metrics",
                "dflash.block_size", "dflash.target_layers"}
 # import aliases the docs use: `import dsv4_jax as d`, `from dsv4_jax import parallel as S`
 ALIASES = {"d": "dsv4_jax", "S": "dsv4_jax.parallel"}

@@ -82,7 +82,7 @@ total = memplan._flat_specs(None)
 
 
 def test_experiments_use_only_public_package_modules():
-    assert len(EXPERIMENTS) > 10
+    assert len(EXPERIMENTS) >= 5     # the glob found the scripts
     siblings = {os.path.basename(p)[:-3] for p in EXPERIMENTS}
     found = {}
     for path in EXPERIMENTS:

@@ -92,7 +92,7 @@ def experts_sorted(x: jax.Array, idx: jax.Array, w: jax.Array, w1, w2, w3, limit
     matmul and JAX lowers a ragged_dot there densely, every row against every group's matrix
     (`lax._ragged_dot_general_impl`: E× the assigned work), so on CPU the expert-pure row tiles of
     `experts_tiled` run instead (the bundled model's experts, 2048 tokens: 16.3 -> 5.0 ms,
-    `experiments/bench_moe_cpu.py`; same math, sums in float32 either way). The choice is made at
+    experiments/results/moe_cpu_paths_2026-12-02.json; same math, sums in float32 either way). The choice is made at
     lowering (`lax.platform_dependent`), so TPU / GPU programs, AOT-compiled ones included, keep the
     ragged_dot. Quantized weights: `experts_tiled` on every platform (a ragged_dot would need the whole
     dequantized [E, ·, ·] layer; at Flash size 4 GiB per matrix per layer in bf16)."""

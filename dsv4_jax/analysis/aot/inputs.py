@@ -91,7 +91,7 @@ def target_params(config: ModelConfig, mesh, weights: str, rules=None) -> dict:
 def k_major(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     """The same array laid out with its last two dims swapped in memory (major_to_minor ..., −1, −2), the
     tiling left to XLA. (Asking for the uint8 tiling T(8,128)(4,1) that XLA:TPU converts uint8 in removes
-    the in-fusion re-tile on one chip, `experiments/aot_fp4_matvec_probe.py`, but the sharded programs
+    the in-fusion re-tile on one chip (experiments/results/aot_release_ep_2026-12-04.md), but the sharded programs
     reject it: "Unexpected XLA layout override" to T(32,128)(4,1).)"""
     nd = len(x.shape)
     order = (*range(nd - 2), nd - 1, nd - 2)

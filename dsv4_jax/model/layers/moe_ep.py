@@ -263,7 +263,7 @@ def experts_each(x: jax.Array, cw: jax.Array, w1, w2, w3, limit: float) -> jax.A
     """Every local expert over all tokens, one expert slice at a time (the decode slot path with one slot
     per expert: each slice read in place by its matmul, `_expert_matmul`). A matmul batched over the whole
     stack makes XLA:TPU copy the layer's slice of the layer-stacked words out first (read + write + read:
-    3.5× the words in `experiments/aot_ep_dense_probe.py`, v6e); one matmul per expert reads each word
+    3.5× the words in a one-chip probe, v6e); one matmul per expert reads each word
     once (1.15×; experiments/results/aot_release_ep_2026-12-04.md, fifth step).
     x [T,D], cw [T,E] routing weights (0 where not routed), w1/w3 [E,I,D], w2 [E,D,I] -> float32 [T,D]."""
     y = jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32)

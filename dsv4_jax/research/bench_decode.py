@@ -38,12 +38,13 @@ overridden, so the cost side is measured independently of the random weights' ac
 and the 3 DSpark stages share one set of routed-expert arrays (same buffers passed several times) to fit
 memory; a round reads them once per block as it would distinct weights (far larger than any cache).
 
-  python experiments/bench_decode.py --small --quick                  # CPU smoke test, < 1 min (2 cores)
-  python experiments/bench_decode.py --small --out decode_cpu.json     # CPU, every variant, ~6 min (2 cores)
-  python experiments/bench_decode.py --out $OUT/decode_h200.json        # H200: the issue's sizes, ~8 min
-  python experiments/bench_decode.py --quick --out $OUT/quick.json      # GPU smoke test, Flash dims, 3 layers
-  python experiments/bench_decode.py --plan-only                       # memory plan and the ordered cases
-  python experiments/bench_decode.py --only decode,verify --batches 1 --contexts 4096 --dtypes bf16
+  dsv4-bench-decode --small --quick                  # CPU smoke test, < 1 min (2 cores)
+  dsv4-bench-decode --small --out decode_cpu.json     # CPU, every variant, ~6 min (2 cores)
+  dsv4-bench-decode --out $OUT/decode_h200.json       # H200: the issue's sizes, ~8 min
+  dsv4-bench-decode --quick --out $OUT/quick.json     # GPU smoke test, Flash dims, 3 layers
+  dsv4-bench-decode --plan-only                       # memory plan and the ordered cases
+  dsv4-bench-decode --only decode,verify --batches 1 --contexts 4096 --dtypes bf16
+(`python -m dsv4_jax.research.bench_decode` without installing; experiments/gpu_suite.sh runs it on the GPU.)
 
 The cases run in priority order (goal cases first) and each has a deadline within --budget-s (default
 400 s, compiles included; --format-reserve-s keeps time for the fp8 cases): what does not fit is listed
@@ -51,49 +52,42 @@ under "skipped" in the JSON instead of overrunning the device's time.
 """
 from __future__ import annotations
 
+import argparse
+import datetime
+import functools
+import gc
+import glob
+import json
 import os
+import platform
+import statistics
+import tempfile
+import sys
+import time
+import traceback
+import warnings
 
-# The 5-layer model needs ~83 GB of weights plus temporaries: let XLA use most of the GPU's memory (read once,
-# when jax starts its GPU client; it selects no code path).
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import functools  # noqa: E402
-import gc  # noqa: E402
-import glob  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-import warnings  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from dsv4_jax import backends  # noqa: E402
-from dsv4_jax.model import params as P  # noqa: E402
-from dsv4_jax.model.state import EMPTY, init_state, state_bytes  # noqa: E402
-from dsv4_jax.config import CSA, HCA, SLIDING, ModelConfig, flash, small, with_pairs  # noqa: E402
-from dsv4_jax.model.decode import process_block  # noqa: E402
-from dsv4_jax.drafters import registry  # noqa: E402
-from dsv4_jax.model.layers import hyper  # noqa: E402
-from dsv4_jax.model.layers.attention import attention_step  # noqa: E402
-from dsv4_jax.model.layers.block import ffn_sublayer  # noqa: E402
-from dsv4_jax.model.layers.norms import rms_norm  # noqa: E402
-from dsv4_jax.model.target import embed, head, hoist_stacked_experts, with_stacked_experts  # noqa: E402
-from dsv4_jax.ops.sampling import verify_forced  # noqa: E402
-from dsv4_jax.model.random_init import random_experts, random_tree  # noqa: E402
-from dsv4_jax.model.schedule import segments  # noqa: E402
-from dsv4_jax.speculative import loop  # noqa: E402
-from dsv4_jax.analysis import traffic  # noqa: E402
-from dsv4_jax.analysis.traffic import bytes_bound, stored_bytes  # noqa: E402
-
-warnings.filterwarnings("ignore", category=DeprecationWarning)
+from .. import backends, cli
+from ..model import params as P
+from ..model.state import EMPTY, init_state, state_bytes
+from ..config import CSA, HCA, SLIDING, ModelConfig, flash, small, with_pairs
+from ..model.decode import process_block
+from ..drafters import registry
+from ..model.layers import hyper
+from ..model.layers.attention import attention_step
+from ..model.layers.block import ffn_sublayer
+from ..model.layers.norms import rms_norm
+from ..model.target import embed, head, hoist_stacked_experts, with_stacked_experts
+from ..ops.sampling import verify_forced
+from ..model.random_init import random_experts, random_tree
+from ..model.schedule import segments
+from ..speculative import loop
+from ..analysis import traffic
+from ..analysis.traffic import bytes_bound, stored_bytes
 
 RUNNABLE_FORMATS = ("bf16", "fp8-experts")      # traffic.FORMATS also has "release": bytes only
 EXPERT_FORMAT = {"bf16": "dense", "fp8-experts": "fp8"}   # random_init expert storage of each weight format
@@ -947,12 +941,17 @@ def render(path: str) -> dict:
     return out
 
 
-def main(argv=None) -> dict:
+def run(argv=None) -> dict:
+    """Parse the command line, measure (or --render a saved result), write --out; returns the report."""
     t_start = time.perf_counter()
     a = parse_args(argv)
     if a.render:
         return render(a.render)
-    command = "python experiments/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    # the 5-layer model needs ~83 GB of weights plus temporaries: before JAX starts its GPU client, let XLA
+    # take most of the GPU's memory (it selects no code path)
+    cli.claim_device_memory(0.94)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    command = "dsv4-bench-decode " + " ".join(sys.argv[1:] if argv is None else argv)
     config = small_flash(a.pairs) if a.small else with_pairs(flash(), a.pairs)
     dev = jax.devices()[0]
     bw = measure_bandwidth((1 << 26) if a.small else (1 << 32), max(3, a.iters))
@@ -1033,8 +1032,14 @@ def main(argv=None) -> dict:
     return out
 
 
-H200_COMMAND = ("pip install -q -e . --no-deps --no-build-isolation; PYTHONPATH=$PWD python "
-                "experiments/bench_decode.py --out $OUT/decode_h200.json --trace-dir $OUT/trace")
+H200_COMMAND = ("pip install -q -e . --no-deps --no-build-isolation; PYTHONPATH=$PWD python -m "
+                "dsv4_jax.research.bench_decode --out $OUT/decode_h200.json --trace-dir $OUT/trace")
+
+
+def main(argv=None) -> int:
+    """The `dsv4-bench-decode` console script: `run`, exit status 0."""
+    run(argv)
+    return 0
 
 
 def _line(case, row) -> str:
@@ -1052,4 +1057,4 @@ def _line(case, row) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
