@@ -132,6 +132,36 @@ def test_chunked_prefill_and_decode_match_hf_at_6k_tokens(long_case):
     assert_close_but_near_ties(np.concatenate(rows, axis=1), want, gaps, "chunked prefill + decode")
 
 
+
+@pytest.mark.slow
+def test_chunked_prefill_and_decode_equal_the_forward_at_16k():
+    """Project-internal at 16,384 tokens (4,096 CSA rows, the indexer keeps 512): prefill in 2,048-token chunks
+    and 64 decode steps against the full-sequence forward, on random weights. Both are float32 programs with
+    different reduction orders, so near-ties may flip here too: argmax agreement ≥ 99.9 % and ≥ 99.5 % of
+    rows within 1e-3 (the rule's figures, on every position)."""
+    c = C.tiny_long()
+    params = init_params(c, 0)
+    S, n_decode, chunk = 16384, 64, 2048
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (1, S), 2, c.vocab_size), np.int32)
+    want = np.asarray(dsv4_jax.forward(params, c, tokens))
+    state = decode.init_state(c, 1, S, 8)
+    rows = []
+    for start in range(0, S - n_decode, chunk):
+        part = tokens[:, start:min(start + chunk, S - n_decode)]
+        logits, state, _ = decode.extend(params, c, state, np.pad(part, ((0, 0), (0, chunk - part.shape[1]))),
+                                         [part.shape[1]])
+        rows.append(np.asarray(logits)[:, :part.shape[1]])
+    for i in range(S - n_decode, S):
+        step, state, _ = decode.decode_step(params, c, state, tokens[:, i])
+        rows.append(np.asarray(step)[:, None])
+    got = np.concatenate(rows, axis=1)
+    diff = np.abs(got - want).max(-1)
+    argmax = (got.argmax(-1) == want.argmax(-1)).mean()
+    print(f"16K chunked vs forward: argmax {argmax:.4%}, within {WITHIN}: {(diff <= WITHIN).mean():.4%}, "
+          f"worst {diff.max():.2e}")
+    assert 0.3 < np.abs(want).mean() < 3.0
+    assert argmax >= ARGMAX and (diff <= WITHIN).mean() >= FRACTION
+
 @pytest.mark.parametrize("block", [1, 64], ids=["decode", "prefill_chunk"])
 def test_temporaries_grow_linearly_with_the_context(block):
     """The compiled block step's temporaries at a fixed block size grow linearly with the state's length
@@ -211,7 +241,7 @@ def test_long_context_tool_writes_its_table(tmp_path, capsys):
     rows = res["rows"]
     assert [r["context"] for r in rows] == [300, 600] and res["meta"]["preset"] == "tiny_long"
     assert rows[1]["state_MB"] > rows[0]["state_MB"] and all(r["logits_finite"] for r in rows)
-    assert all(r["peak_rss_MB"] > r["expected_MB"] > r["params_MB"] > 0 for r in rows)
+    assert all(min(r["peak_rss_MB"], r["run_rss_MB"]) > r["expected_MB"] > r["params_MB"] > 0 for r in rows)
     assert (out / "results.md").exists() and (out / "long_context.png").exists()
     for args, message in ((["--contexts", "2000000"], "past the 1048576 positions"),
                           (["--contexts", "1k"], "comma-separated integers"), (["--chunk", "0"], "must be >= 1")):
