@@ -4,8 +4,9 @@ dsv4-batch-eval, dsv4-long-context, dsv4-train-drafter and dsv4-bench-decode.
 - Bad input: `OptionError` (raised by the value parsers below) and `fail(prog, message)`: one message on
   stderr, exit status 2, before any work (nothing is written). argparse's own errors exit 2 the same way.
 - Values: `items` (a comma list), `int_list` / `float_list` (sorted unique values, integer ranges 1-5),
-  `int_tuple` (integers in the order given); argparse types `positive_int`, `positive_ints`, `names`
-  (a comma list of known names), `mesh_shape` / `mesh_or_auto` (--mesh DATAxEXPERTxMODEL).
+  `int_tuple` (integers in the order given); argparse types `positive_int`, `positive_ints`,
+  `non_negative_float`, `names` (a comma list of known names), `mesh_shape` / `mesh_or_auto` (--mesh
+  DATAxEXPERTxMODEL).
 - Flags: `add_preset`, `add_kernels`, `add_mesh`, `add_out_dir` (+ --overwrite), `add_quiet`,
   `add_compile_cache` (+ `enable_compile_cache`).
 - `device_mesh`: a --mesh value as a `jax.sharding.Mesh` over every device; `claim_device_memory`: the
@@ -122,6 +123,19 @@ def _positive(text: str) -> int:
 
 positive_int = arg_type(_positive, "positive_int")                                          # one integer >= 1
 positive_ints = arg_type(lambda text: list(int_tuple(text, minimum=1)), "positive_ints")    # '1,8,16', order kept
+
+
+def _non_negative(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise OptionError(f"expected a number >= 0, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise OptionError(f"expected a finite number >= 0, got {text}")
+    return v
+
+
+non_negative_float = arg_type(_non_negative, "non_negative_float")                          # one number >= 0
 
 
 def names(allowed: Iterable[str] | None = None, what: str = "name") -> Callable[[str], list[str]]:

@@ -256,6 +256,89 @@ def test_hlo_loops_scaled_by_trip_count():
     assert hlo.executions(hlo.parse(unknown))[1][0]["trips"] is None       # counted once, and said so
 
 
+def test_hlo_launches_scaled_by_trip_count():
+    """Launched ops (fusions, custom calls, other unfused top-level ops; not bookkeeping, control flow, async
+    `-done` halves or collectives): SAMPLE's entry launches 2 fusions + a copy-start, its while body a negate
+    (10 trips), its condition a compare (11 runs). A CPU-compiled lax.scan of n steps: scaled − once =
+    (n − 1) × the body's ops + n × the condition's."""
+    m = hlo.parse(SAMPLE)
+    assert hlo.launches(m) == {"count": 5, "by_kind": {"fusion": 2, "custom-call": 0, "other": 3}}
+    assert hlo.launches(m, scale_loops=True) == {"count": 3 + 10 + 11,
+                                                 "by_kind": {"fusion": 2, "custom-call": 0, "other": 22}}
+    assert hlo.analyse(SAMPLE, scale_loops=True)["launches"]["count"] == 24
+
+    def scan_text(n):
+        def f(x, w):
+            return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi) * 2.0 + 1.0, None), x, w)[0]
+        return jax.jit(f).lower(jnp.zeros((4, 8)), jnp.zeros((n, 8, 8))).compile().as_text()
+
+    for n in (3, 6):
+        text = scan_text(n)
+        mod = hlo.parse(text)
+        (loop,) = hlo.analyse(text, scale_loops=True)["loops"]
+        assert loop["trips"] == n
+        ops = lambda name: sum(hlo._launched(i) is not None for i in mod.computations[name].instructions)
+        cond = next(i for c in mod.computations.values() for i in c.instructions
+                    if i.opcode == "while").attr("condition").lstrip("%")
+        assert ops(loop["body"]) > 0
+        assert hlo.launches(mod, True)["count"] - hlo.launches(mod)["count"] == \
+            (n - 1) * ops(loop["body"]) + n * ops(cond)
+
+
+def test_latency_roofline_arithmetic():
+    """latency roofline = max(HBM bytes / bandwidth, flops / peak) + collectives × µs each + ops × µs each, at
+    the chip's latencies (replaced by `chips.with_latencies`, negatives refused); rows without an op count
+    (no HLO text, older reports) get none; the report table prints it next to the roofline."""
+    got = AC.latency_roofline(2e-3, 10, 100, 5.0, 1.0)
+    assert got["latency_roofline_s"] == pytest.approx(2e-3 + 50e-6 + 100e-6)
+    assert got["collective_latency_s"] == pytest.approx(50e-6) and got["op_overhead_s"] == pytest.approx(100e-6)
+    chip = chips.with_latencies(chips.CHIPS["v5p"], 2.0, 0.5)
+    assert (chip.collective_latency_us, chip.op_overhead_us, chip.hbm_gbps) == (2.0, 0.5, 2765.0)
+    assert chips.with_latencies(chip, None, None) == chip
+    assert chips.CHIPS["v6e"].collective_latency_us == 5.0 and chips.CHIPS["v6e"].op_overhead_us == 1.0
+    for bad in ((-1.0, None), (None, -0.1), (float("nan"), None)):
+        with pytest.raises(ValueError, match=">= 0"):
+            chips.with_latencies(chip, *bad)
+    hbm = 2765e9 * 1e-3                                              # 1 ms of HBM bytes on v5p
+    row = {"cost": {"flops": 459e12 * 0.5e-3},                       # 0.5 ms of flops: memory-bound
+           "hlo": {"top_ops": {"total_bytes": hbm}, "collectives": {"count": 4},
+                   "launches": {"count": 300, "by_kind": {"fusion": 290, "custom-call": 10, "other": 0}}}}
+    e = AC.estimates(row, chip, 8)
+    assert e["roofline_s"] == pytest.approx(1e-3)
+    assert e["latency_roofline_s"] == pytest.approx(1e-3 + 4 * 2e-6 + 300 * 0.5e-6)
+    assert e["latency_counts"]["ops"] == 300 and e["op_overhead_us"] == 0.5
+    old = {"cost": row["cost"], "hlo": {k: v for k, v in row["hlo"].items() if k != "launches"}}
+    assert "latency_roofline_s" not in AC.estimates(old, chip, 8)
+    run = {"chips": 8, "chip": dataclasses.asdict(chip),
+           "programs": [{"program": "decode", "compiled": True, "estimate": e, **row}]}
+    cells = dict(zip(R.PROGRAM_HEAD, R.program_rows(run)[0]))
+    assert cells["ms roofline"] == R._ms(1e-3) and cells["ms latency roofline"] == R._ms(1.158e-3)
+    assert cells["collectives / ops"] == "4 / 300"
+    assert "2 µs per collective, 0.5 µs per" in R._latency_line(run)
+
+
+def test_latency_options_parse_and_reject_negatives(capsys):
+    """--collective-latency-us / --op-overhead-us: numbers ≥ 0 into the request (None: the chips' defaults) and
+    the report's meta; a negative or non-number is refused by argparse naming the flag."""
+    p = cli.build_parser()
+    a = p.parse_args(["--topology", "cpu", "--small", "--collective-latency-us", "2.5", "--op-overhead-us", "0"])
+    req = cli.parse_request(a, [])
+    assert (req.collective_latency_us, req.op_overhead_us) == (2.5, 0.0)
+    meta = runner.latency_meta(req)
+    assert (meta["collective_latency_us"], meta["op_overhead_us"]) == (2.5, 0.0)
+    assert meta["source"]["op_overhead_us"] == "command line"
+    default = runner.latency_meta(cli.parse_request(p.parse_args(["--topology", "cpu", "--small"]), []))
+    assert (default["collective_latency_us"], default["op_overhead_us"]) == (5.0, 1.0)
+    assert "assumed" in default["source"]["collective_latency_us"]
+    for argv, flag in ((["--op-overhead-us=-1"], "--op-overhead-us"),
+                       (["--collective-latency-us", "-3"], "--collective-latency-us"),
+                       (["--collective-latency-us", "fast"], "--collective-latency-us")):
+        with pytest.raises(SystemExit):
+            cli.main(["--topology", "cpu", "--small", "--plan", *argv])
+        err = capsys.readouterr().err
+        assert flag in err and ">= 0" in err, err
+
+
 def test_hlo_collectives():
     col = hlo.collectives(hlo.parse(SAMPLE))
     by = col["by_opcode"]

@@ -11,6 +11,14 @@ architecture pages (v5e: 819 GB/s, 197 / 393 TFLOP/s; v5p: 2765 GB/s, 459 / 918;
 v4: 1228 GB/s, 275 / 275). The HBM a program may use per device is asked from the compiler itself
 (`hbm_bytes`: libtpu reports "available HBM" when a program is too large — 95.74 GiB on v5p, 15.75 GiB on v5e,
 31.25 GiB on v6e with libtpu 0.0.42); `CHIPS[..].hbm_gib` is the fallback when that probe fails.
+
+Latencies of the latency-aware roofline (`Chip.collective_latency_us`, `Chip.op_overhead_us`): no per-chip
+figure is published on the Cloud TPU pages for either, so both are stated assumptions, the same on every
+generation: 5 µs per collective (a small-message ICI all-reduce / all-gather / all-to-all over a slice of a
+few hops: the order of magnitude public write-ups give for small ICI collectives, "< 10 µs") and 1 µs per
+launched op (a fusion or Mosaic kernel: its pipeline fill and drain, the first DMA's wait; order 1 µs or less).
+`with_latencies` replaces them (`dsv4-aot --collective-latency-us / --op-overhead-us`); the report records
+the values used (each run's "chip", the meta's "latency").
 """
 from __future__ import annotations
 
@@ -60,6 +68,8 @@ class Chip:
     int8_tops: float          # peak int8 rate
     dims: int                 # chip-grid dimensions in topology names (2-D or 3-D torus)
     vmem_msa_flag: str | None = None   # libtpu option that switches VMEM prefetching off (`no_prefetch_options`)
+    collective_latency_us: float = 5.0  # fixed cost per collective, µs (assumed: module docstring)
+    op_overhead_us: float = 1.0         # fixed cost per launched op (fusion, custom call, ...), µs (assumed)
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -68,6 +78,20 @@ class Chip:
     @property
     def flops_per_s(self) -> float:
         return self.bf16_tflops * 1e12
+
+
+LATENCY_SOURCE = ("assumed (no published per-chip figure): 5 us per collective (small-message ICI collective), "
+                  "1 us per launched op (fusion / kernel start-up)")
+
+
+def with_latencies(chip: Chip, collective_us: float | None = None, op_us: float | None = None) -> Chip:
+    """`chip` with its per-collective latency and per-op launch overhead (µs) replaced where given (None: kept);
+    a negative value is a ValueError."""
+    for name, v in (("collective latency", collective_us), ("op overhead", op_us)):
+        if v is not None and not v >= 0:
+            raise ValueError(f"{name} must be >= 0 µs, got {v:g}")
+    return dataclasses.replace(chip, **{k: v for k, v in (("collective_latency_us", collective_us),
+                                                          ("op_overhead_us", op_us)) if v is not None})
 
 
 CHIPS: dict[str, Chip] = {

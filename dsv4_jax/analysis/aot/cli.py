@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(v5e, v5p, v6e) and report its HBM bytes next to the default compile's (XLA's cost "
                         "analysis counts a prefetched weight three times); on: the default compile only (one "
                         "compile less per program)")
+    p.add_argument("--collective-latency-us", type=cli.non_negative_float, default=None, metavar="US",
+                   help="latency-aware roofline: fixed cost per collective in µs (default "
+                        f"{chips.Chip.collective_latency_us:g}: assumed, no published per-chip figure)")
+    p.add_argument("--op-overhead-us", type=cli.non_negative_float, default=None, metavar="US",
+                   help="latency-aware roofline: launch cost per separately run op (fusion, custom call, ...) "
+                        f"in µs (default {chips.Chip.op_overhead_us:g}: assumed)")
     p.add_argument("--no-kernels", action="store_true", help="skip the Mosaic TPU kernels section")
     p.add_argument("--no-plot", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default="aot_report.json",
@@ -233,7 +239,8 @@ def parse_request(a: argparse.Namespace, argv: list[str] | None) -> runner.AotRe
         force=a.force, kernels=not a.no_kernels, hlo_dir=a.hlo_dir,
         command="dsv4-aot " + " ".join(sys.argv[1:] if argv is None else argv), prefill_min=a.prefill_min,
         fit_as_run=not a.fit_from_unrolled, count=count, base=a.count_base, fit_from=tuple(fit_from),
-        sharding=a.sharding, hlo_dump_compile=not a.no_hlo_dump, vmem_prefetch=a.vmem_prefetch)
+        sharding=a.sharding, hlo_dump_compile=not a.no_hlo_dump, vmem_prefetch=a.vmem_prefetch,
+        collective_latency_us=a.collective_latency_us, op_overhead_us=a.op_overhead_us)
 
 
 def main(argv: Iterable[str] | None = None) -> int:

@@ -5,7 +5,8 @@ generated-code bytes; peak = argument + output − alias + temp); `cost_analysis
 transcendentals, and on TPU the compiler's own `optimal_seconds`); the HLO text's top ops by bytes and its
 collectives (`aot.hlo`, while bodies × their trip counts); the bytes bound split ideally over the chips; and
 time estimates at the chip's HBM bandwidth and peak bf16 rate (roofline: the larger of bytes / bandwidth and
-flops / peak).
+flops / peak; latency roofline: that + collectives × the chip's per-collective latency + launched ops × its
+per-op overhead, `latency_roofline`).
 
 How every layer is counted (`method`, recorded in each row as `cost_method`):
 
@@ -110,6 +111,29 @@ def estimates(result: dict, chip: Chip, chips: int) -> dict:
     out["roofline_s"] = max(mem_s, flops_s)
     out["roofline_limit"] = "flops" if flops_s > mem_s else "memory"
     out["bound_roofline_s"] = max(out.get("bound_s", 0.0), flops_s)
+    out.update(latency_terms(result.get("hlo", {}), out["roofline_s"], chip))
+    return out
+
+
+def latency_roofline(roofline_s: float, collectives: float, ops: float, collective_latency_us: float,
+                     op_overhead_us: float) -> dict:
+    """The latency-aware roofline of one program: roofline_s (max(HBM bytes / bandwidth, flops / peak), s) +
+    collectives × collective_latency_us + ops (launched separately: fusions, custom calls, ...) ×
+    op_overhead_us. Returns {"latency_roofline_s", "collective_latency_s", "op_overhead_s"} (seconds)."""
+    coll_s, ops_s = collectives * collective_latency_us * 1e-6, ops * op_overhead_us * 1e-6
+    return {"latency_roofline_s": roofline_s + coll_s + ops_s, "collective_latency_s": coll_s, "op_overhead_s": ops_s}
+
+
+def latency_terms(h: dict, roofline_s: float, chip: Chip) -> dict:
+    """`latency_roofline` from an HLO analysis (`hlo.analyse`, loop-scaled: collectives' and launched ops'
+    counts × trip counts) at the chip's latencies, with the counts and latencies used; {} when the analysis
+    has no op count (no HLO text, or a row saved before ops were counted)."""
+    if "launches" not in h or "collectives" not in h:
+        return {}
+    n_coll, n_ops = h["collectives"]["count"], h["launches"]["count"]
+    out = latency_roofline(roofline_s, n_coll, n_ops, chip.collective_latency_us, chip.op_overhead_us)
+    out.update(latency_counts={"collectives": n_coll, "ops": n_ops, "ops_by_kind": h["launches"]["by_kind"]},
+               collective_latency_us=chip.collective_latency_us, op_overhead_us=chip.op_overhead_us)
     return out
 
 

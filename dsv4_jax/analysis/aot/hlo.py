@@ -17,6 +17,9 @@ shape, opcode, operand names, attributes). On top of it:
   * `collectives`: every all-reduce / all-gather / all-to-all / reduce-scatter / collective-permute (and
     their async `-start` forms), with operand and result bytes and replica groups, per opcode.
   * `vmem_prefetches`: the copy-start instructions (XLA:TPU's copies of operands into VMEM ahead of use).
+  * `launches`: the ops a TPU runs one after another, each with its own start-up cost — fusions, custom calls
+    (Mosaic kernels) and the other top-level ops of the executed computations, collectives apart — per
+    kind; the latency-aware roofline (`compile.estimates`) charges each a launch overhead.
 A `while` body appears once in the text: its instructions are counted once (the AOT report unrolls the
 layer scans so that every layer appears).
 """
@@ -642,12 +645,48 @@ def vmem_prefetches(module: Module) -> int:
     return sum(ins.opcode == "copy-start" for comp in module.computations.values() for ins in comp.instructions)
 
 
+def _launched(ins: Instruction) -> str | None:
+    """The kind of op `ins` launches on its own ("fusion", "custom-call", "other"); None for bookkeeping, control
+    flow, the second halves of async pairs (`-done`, `-update`) and collectives (priced per collective)."""
+    op = ins.opcode
+    if op in _FREE or op in ("while", "conditional", "call") or op.endswith(("-done", "-update")):
+        return None
+    base = op[:-len("-start")] if op.endswith("-start") else op
+    if base in COLLECTIVES:
+        return None
+    return op if op in ("fusion", "custom-call") else "other"
+
+
+def _async_called(module: Module) -> set[str]:
+    """Computations run through async-start / call-start: their ops belong to that one launched op."""
+    return {c for comp in module.computations.values() for ins in comp.instructions
+            if ins.opcode in ("async-start", "call-start") for c in ins.called}
+
+
+def launches(module: Module, scale_loops: bool = False) -> dict:
+    """Ops launched separately per call of the program: {"count", "by_kind": {"fusion", "custom-call", "other":
+    count}}, over the executed computations (`executed_computations`: not fusion bodies, not the computations
+    an async-start runs, which count as that one op; `_launched` for what counts). scale_loops: an op in a
+    while body counts × the loop's trip count (its condition's ops × trips + 1), as `top_ops` scales bytes."""
+    skip = _async_called(module)
+    by = {"fusion": 0, "custom-call": 0, "other": 0}
+    for comp, runs in executed_computations(module, scale_loops):
+        if comp.name in skip:
+            continue
+        for ins in comp.instructions:
+            kind = _launched(ins)
+            if kind is not None:
+                by[kind] += runs
+    return {"count": sum(by.values()), "by_kind": by}
+
+
 def analyse(text: str, top: int = 15, scale_loops: bool = False) -> dict:
     """Top ops and collectives of HLO module text; scale_loops counts while bodies × their trip counts
     (the loops found, with trip counts or None when unknown, are in "loops")."""
     module = parse(text)
     out = {"top_ops": top_ops(module, top, scale_loops), "collectives": collectives(module, scale_loops),
-           "scale_loops": scale_loops, "vmem_prefetches": vmem_prefetches(module)}
+           "scale_loops": scale_loops, "vmem_prefetches": vmem_prefetches(module),
+           "launches": launches(module, scale_loops)}
     if scale_loops:
         out["loops"] = executions(module)[1]
     return out

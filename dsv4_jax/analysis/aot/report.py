@@ -56,6 +56,7 @@ def program_rows(run: dict) -> list[list]:
                      _g(c.get("flops"), 1e12, ".3g"), _g(c.get("bytes_accessed"), GB, ".3g"), _g(ops, GB, ".3g"),
                      _g(bpc, GB, ".3g"), f"{e['xla_bytes_over_bound']:.2f}" if "xla_bytes_over_bound" in e else "—",
                      _ms(e.get("xla_bytes_s")), _ms(e.get("flops_s")), _ms(e.get("roofline_s") if r.get("compiled") else None),
+                     _ms(e.get("latency_roofline_s") if r.get("compiled") else None), _latency_counts(e),
                      _ms(e.get("bound_s") or (bpc / run["chip"]["hbm_gbps"] / GB if bpc else None)),
                      _ms(c.get("optimal_seconds"))])
     return rows
@@ -64,7 +65,22 @@ def program_rows(run: dict) -> list[list]:
 PROGRAM_HEAD = ["program", "costs", "fits", "args GiB", "temp GiB", "out GiB", "peak GiB", "peak unrolled GiB",
                 "compile s", "TFLOP",
                 "XLA GB", "HLO-op GB", "bound GB", "XLA / bound", "ms @HBM (XLA bytes)", "ms @peak flops",
-                "ms roofline", "ms bound", "ms XLA optimal"]
+                "ms roofline", "ms latency roofline", "collectives / ops", "ms bound", "ms XLA optimal"]
+
+
+def _latency_counts(e: dict) -> str:
+    """"collectives / launched ops" behind a row's latency roofline (loop-scaled), or —."""
+    n = e.get("latency_counts")
+    return f"{n['collectives']:.0f} / {n['ops']:.0f}" if n else "—"
+
+
+def _latency_line(run: dict) -> str:
+    """The latencies a run's latency roofline used (µs), from its chip (reports before them: none)."""
+    c = run["chip"]
+    if "collective_latency_us" not in c:
+        return ""
+    return (f" Latency roofline: {c['collective_latency_us']:g} µs per collective, {c['op_overhead_us']:g} µs per "
+            f"launched op.")
 
 
 BOUND_HEAD = ["program", "bound GB (uniform)", "bound GB (balanced)", "HLO-op GB", "/ uniform", "/ balanced",
@@ -290,6 +306,15 @@ def _counting_line(report: dict) -> str:
     return "- XLA's costs: the program as run (layer scans kept): each repeated layer counted once ¹"
 
 
+def _latency_meta_text(m: dict) -> str:
+    lat = m.get("latency")
+    if not lat:
+        return "per run below"
+    src = set(lat["source"].values())
+    return (f"{lat['collective_latency_us']:g} µs per collective, {lat['op_overhead_us']:g} µs per op "
+            f"({'; '.join(sorted(src))})")
+
+
 def markdown(report: dict) -> str:
     m, sh = report["meta"], report["shapes"]
     L = ["# dsv4-aot: ahead-of-time compile, fit and traffic report", "",
@@ -314,8 +339,10 @@ def markdown(report: dict) -> str:
          "top-level HLO instructions of the program as run, loop bodies × trip counts (`dsv4_jax.analysis.aot.hlo`; top ops "
          "and collectives likewise); bound = what the step must read (active weights under uniform routing + cache "
          "rows, `dsv4_jax.analysis.aot.bounds`) split evenly over the chips. Times at the chip's HBM bandwidth and peak "
-         "bf16 rate; roofline = max(HLO-op bytes / bandwidth, flops / peak); ms XLA optimal = the TPU "
-         "compiler's own `optimal_seconds`.",
+         "bf16 rate; roofline = max(HLO-op bytes / bandwidth, flops / peak); latency roofline = roofline + "
+         "collectives × the per-collective latency + launched ops (fusions, custom calls and other top-level ops, "
+         "loop bodies × trip counts; `dsv4_jax.analysis.aot.hlo.launches`) × the per-op overhead (column \"collectives / ops\"; "
+         f"latencies: {_latency_meta_text(m)}); ms XLA optimal = the TPU compiler's own `optimal_seconds`.",
          ""]
     if counting_method(report) == "scan":
         L += ["**Compiled with the layer scans kept (`--no-unroll`)**: one compile per program, the program as a "
@@ -334,7 +361,8 @@ def markdown(report: dict) -> str:
         L += [f"## {run['topology']}, {run['weights']} weights", "",
               f"{run['chips']} chips on {run['hosts']} host(s), {run['chip']['device_kind']}; mesh (data, expert, "
               f"model) = {run['mesh_text']}; HBM per chip {run['hbm_bytes'] / GIB:.2f} GiB ({run['hbm_source']}); "
-              f"{run['chip']['hbm_gbps']:g} GB/s, {run['chip']['bf16_tflops']:g} bf16 TFLOP/s.", "",
+              f"{run['chip']['hbm_gbps']:g} GB/s, {run['chip']['bf16_tflops']:g} bf16 TFLOP/s.{_latency_line(run)}",
+              "",
               table(PROGRAM_HEAD, program_rows(run)), ""]
         notes = [f"- {r['program']}: {r['reason'][:300]}" for r in run["programs"] if r.get("reason")]
         notes += [f"- {r['program']}: {r['notes']}" for r in run["programs"] if r.get("notes")]

@@ -159,6 +159,8 @@ class AotRequest:
     compile a program whose HLO libtpu cannot print once more for XLA's dump (`compile.dumped_text`);
     vmem_prefetch: "both" also compiles each program as run with XLA's VMEM prefetching off where the chip's
     option is known (`chips.no_prefetch_options`; the row's "no_prefetch"), "on" only the default compile.
+    collective_latency_us / op_overhead_us: the latency-aware roofline's µs per collective and per launched op
+    (`chips.with_latencies`; None: the chip's assumed defaults), recorded in the meta's "latency".
     """
 
     topologies: tuple[str, ...]
@@ -183,6 +185,8 @@ class AotRequest:
     fit_from: tuple[tuple[str, dict], ...] = ()
     sharding: str | None = None
     vmem_prefetch: str = "both"
+    collective_latency_us: float | None = None
+    op_overhead_us: float | None = None
 
 
 VMEM_PREFETCH = ("both", "on")
@@ -199,13 +203,15 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
     t0 = time.perf_counter()
     say = lambda msg: _log(msg, t0, log)
     how = counting(config, r.count, r.fit_as_run, r.base)
-    report = {"meta": meta(r.command), "model": {"name": config.name, "layers": config.num_layers,
+    report = {"meta": {**meta(r.command), "latency": latency_meta(r)}, "model": {"name": config.name, "layers": config.num_layers,
                                                "params_b": P.count_params(config) / 1e9,
                                                "unroll_layers": how.method == "unrolled"},
               "counting": _counting_meta(how), "backends": how.program.backends.describe(),
               "shapes": dataclasses.asdict(shapes), "runs": []}
     for tname in r.topologies:
         topo = chips.parse(tname)
+        topo = dataclasses.replace(topo, chip=chips.with_latencies(topo.chip, r.collective_latency_us,
+                                                                   r.op_overhead_us))
         devs = chips.devices(topo)
         hbm, source = (r.hbm_gib * chips.GIB, "--hbm-gib") if r.hbm_gib else chips.hbm_bytes(topo, devs)
         how_t, rules_t, preset_name = how, r.rules, None
@@ -257,6 +263,14 @@ class Target:
     hbm: float
     options: dict | None
     no_prefetch: dict | None = None
+
+
+def latency_meta(r: AotRequest) -> dict:
+    """The latency-aware roofline's latencies of a request (µs) and where they came from."""
+    given = {"collective_latency_us": r.collective_latency_us, "op_overhead_us": r.op_overhead_us}
+    defaults = {k: getattr(chips.Chip, k) for k in given}
+    return {**{k: defaults[k] if v is None else v for k, v in given.items()},
+            "source": {k: "command line" if v is not None else chips.LATENCY_SOURCE for k, v in given.items()}}
 
 
 def _counting_meta(how: Counting) -> dict:
@@ -384,5 +398,7 @@ def summary_line(row: dict) -> str:
             f"{'fits' if row['fits'] else 'DOES NOT FIT'}; "
             f"{c['flops'] / 1e12:.3g} TFLOP, XLA {c['bytes_accessed'] / 1e9:.3g} GB, HLO ops "
             f"{row['hlo']['top_ops']['total_bytes'] / 1e9:.3g} GB, bound "
-            f"{e.get('bound_per_chip_bytes', 0) / 1e9:.3g} GB per chip; roofline {e['roofline_s'] * 1e3:.3g} ms; "
+            f"{e.get('bound_per_chip_bytes', 0) / 1e9:.3g} GB per chip; roofline {e['roofline_s'] * 1e3:.3g} ms"
+            + (f", latency roofline {e['latency_roofline_s'] * 1e3:.3g} ms ({e['latency_counts']['ops']} ops)"
+               if "latency_roofline_s" in e else "") + "; "
             f"{row['hlo']['collectives']['count']} collectives")
