@@ -133,17 +133,41 @@ def test_chunked_prefill_and_decode_match_hf_at_6k_tokens(long_case):
 
 
 
+def _relative_gaps(scores: np.ndarray, k: int) -> np.ndarray:
+    """scores [B,S,T] (−inf = invalid) -> the gap between the k-th and (k+1)-th best valid score relative to
+    the best, [B,S]; inf where a query sees ≤ k rows (`hf_reference.topk_boundary_gaps` for our own run)."""
+    if scores.shape[-1] <= k:
+        return np.full(scores.shape[:-1], np.inf)
+    top = -np.partition(-scores.astype(np.float64), (0, k - 1, k), axis=-1)[..., :k + 1]
+    top.sort(axis=-1)
+    best, kth, nxt = top[..., -1], top[..., -k], top[..., -k - 1]
+    gap = (kth - nxt) / np.maximum(np.abs(best), 1e-30)
+    return np.where(np.isfinite(nxt), gap, np.inf)
+
+
 @pytest.mark.slow
-def test_chunked_prefill_and_decode_equal_the_forward_at_16k():
+def test_chunked_prefill_and_decode_equal_the_forward_at_16k(monkeypatch):
     """Project-internal at 16,384 tokens (4,096 CSA rows, the indexer keeps 512): prefill in 2,048-token chunks
-    and 64 decode steps against the full-sequence forward, on random weights. Both are float32 programs with
-    different reduction orders, so near-ties may flip here too: argmax agreement ≥ 99.9 % and ≥ 99.5 % of
-    rows within 1e-3 (the rule's figures, on every position)."""
+    and 64 decode steps against the full-sequence forward, on random weights, under the module's tie-aware
+    rule with the forward as the reference (its indexer scores recorded through a callback)."""
+    from dsv4_jax.model.layers import indexer as indexer_layer
     c = C.tiny_long()
     params = init_params(c, 0)
     S, n_decode, chunk = 16384, 64, 2048
     tokens = np.asarray(jax.random.randint(jax.random.key(3), (1, S), 2, c.vocab_size), np.int32)
+    gaps, select_mask = [], indexer_layer.select_mask
+
+    def recording(q, keys, h, p, config, positions, ratio, n_rows=None):
+        sc = indexer_layer.masked_scores(q, keys, h, p, config, positions, ratio, n_rows)
+        jax.debug.callback(lambda v: gaps.append(_relative_gaps(np.asarray(v), config.index_topk)), sc)
+        return select_mask(q, keys, h, p, config, positions, ratio, n_rows)
+
+    monkeypatch.setattr(indexer_layer, "select_mask", recording)
+    jax.clear_caches()
     want = np.asarray(dsv4_jax.forward(params, c, tokens))
+    monkeypatch.setattr(indexer_layer, "select_mask", select_mask)
+    jax.clear_caches()
+    assert len(gaps) == c.layer_types.count(C.CSA)
     state = decode.init_state(c, 1, S, 8)
     rows = []
     for start in range(0, S - n_decode, chunk):
@@ -154,13 +178,7 @@ def test_chunked_prefill_and_decode_equal_the_forward_at_16k():
     for i in range(S - n_decode, S):
         step, state, _ = decode.decode_step(params, c, state, tokens[:, i])
         rows.append(np.asarray(step)[:, None])
-    got = np.concatenate(rows, axis=1)
-    diff = np.abs(got - want).max(-1)
-    argmax = (got.argmax(-1) == want.argmax(-1)).mean()
-    print(f"16K chunked vs forward: argmax {argmax:.4%}, within {WITHIN}: {(diff <= WITHIN).mean():.4%}, "
-          f"worst {diff.max():.2e}")
-    assert 0.3 < np.abs(want).mean() < 3.0
-    assert argmax >= ARGMAX and (diff <= WITHIN).mean() >= FRACTION
+    assert_close_but_near_ties(np.concatenate(rows, axis=1), want, np.stack(gaps), "16K chunked vs forward")
 
 @pytest.mark.parametrize("block", [1, 64], ids=["decode", "prefill_chunk"])
 def test_temporaries_grow_linearly_with_the_context(block):
