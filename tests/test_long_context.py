@@ -149,25 +149,39 @@ def _relative_gaps(scores: np.ndarray, k: int) -> np.ndarray:
 def test_chunked_prefill_and_decode_equal_the_forward_at_16k(monkeypatch):
     """Project-internal at 16,384 tokens (4,096 CSA rows, the indexer keeps 512): prefill in 2,048-token chunks
     and 64 decode steps against the full-sequence forward, on random weights, under the module's tie-aware
-    rule with the forward as the reference (its indexer scores recorded through a callback)."""
-    from dsv4_jax.model.layers import indexer as indexer_layer
+    rule with the forward as the reference. Its near-ties are recorded through callbacks: the indexer's
+    512th / 513th scores, and the router's k-th / (k+1)-th expert-selection scores (s + bias) — a second
+    top-k that flips on near-ties (at 16K tokens under the tests' XLA flags one such flip changed a position's
+    logits by 0.84)."""
+    from dsv4_jax.model.layers import indexer as indexer_layer, moe as moe_layer
+    from dsv4_jax.ops import moe as ops_moe
+    from dsv4_jax.ops.linear import linear
     c = C.tiny_long()
     params = init_params(c, 0)
     S, n_decode, chunk = 16384, 64, 2048
     tokens = np.asarray(jax.random.randint(jax.random.key(3), (1, S), 2, c.vocab_size), np.int32)
-    gaps, select_mask = [], indexer_layer.select_mask
+    gaps, select_mask, route = [], indexer_layer.select_mask, moe_layer.route
 
     def recording(q, keys, h, p, config, positions, ratio, n_rows=None):
         sc = indexer_layer.masked_scores(q, keys, h, p, config, positions, ratio, n_rows)
         jax.debug.callback(lambda v: gaps.append(_relative_gaps(np.asarray(v), config.index_topk)), sc)
         return select_mask(q, keys, h, p, config, positions, ratio, n_rows)
 
+    def recording_route(x, tok, p, config, mlp_type):
+        if mlp_type == C.MOE:                              # hash layers select nothing
+            sel = ops_moe.router_scores(linear(x, p["weight"]).astype(jnp.float32)) + p["bias"]
+            jax.debug.callback(lambda v: gaps.append(_relative_gaps(np.asarray(v)[None], config.num_experts_per_tok)),
+                               sel)
+        return route(x, tok, p, config, mlp_type)
+
+    monkeypatch.setattr(moe_layer, "route", recording_route)
     monkeypatch.setattr(indexer_layer, "select_mask", recording)
     jax.clear_caches()
     want = np.asarray(dsv4_jax.forward(params, c, tokens))
     monkeypatch.setattr(indexer_layer, "select_mask", select_mask)
+    monkeypatch.setattr(moe_layer, "route", route)
     jax.clear_caches()
-    assert len(gaps) == c.layer_types.count(C.CSA)
+    assert len(gaps) == c.layer_types.count(C.CSA) + c.mlp_layer_types.count(C.MOE)
     state = decode.init_state(c, 1, S, 8)
     rows = []
     for start in range(0, S - n_decode, chunk):
