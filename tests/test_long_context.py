@@ -86,6 +86,23 @@ def assert_close_but_near_ties(got: np.ndarray, want: np.ndarray, gaps: np.ndarr
     assert argmax >= ARGMAX and frac >= FRACTION and far.max() <= WORST
 
 
+def chunked_logits(params, config, tokens: np.ndarray, n_decode: int, chunk: int) -> np.ndarray:
+    """Logits [B,S,V] of tokens [1,S]: prefill of the first S − n_decode in `chunk`-token calls (the last one
+    right-padded: one program), then n_decode single-token decode steps."""
+    n_prefill = tokens.shape[1] - n_decode
+    state = decode.init_state(config, 1, tokens.shape[1], 8)
+    rows = []
+    for start in range(0, n_prefill, chunk):
+        part = tokens[:, start:min(start + chunk, n_prefill)]
+        n = part.shape[1]
+        logits, state, _ = decode.extend(params, config, state, np.pad(part, ((0, 0), (0, chunk - n))), [n])
+        rows.append(np.asarray(logits)[:, :n])
+    for i in range(n_prefill, tokens.shape[1]):
+        step, state, _ = decode.decode_step(params, config, state, tokens[:, i])
+        rows.append(np.asarray(step)[:, None])
+    return np.concatenate(rows, axis=1)
+
+
 @pytest.fixture(scope="module")
 def long_case(tmp_path_factory):
     torch.manual_seed(0)
@@ -117,20 +134,8 @@ def test_chunked_prefill_and_decode_match_hf_at_6k_tokens(long_case):
     """Prefill in 2,048-token chunks (the last one right-padded), then 64 single-token decode steps: every
     row against HF's full forward."""
     config, params, tokens, want, gaps = long_case
-    n_decode, chunk = 64, 2048
-    n_prefill = tokens.shape[1] - n_decode
-    state = decode.init_state(config, 1, tokens.shape[1], 8)
-    rows = []
-    for start in range(0, n_prefill, chunk):
-        part = tokens[:, start:min(start + chunk, n_prefill)]
-        n = part.shape[1]
-        padded = np.pad(part, ((0, 0), (0, chunk - n)))
-        logits, state, _ = decode.extend(params, config, state, padded, [n])
-        rows.append(np.asarray(logits)[:, :n])
-    for i in range(n_prefill, tokens.shape[1]):
-        step, state, _ = decode.decode_step(params, config, state, tokens[:, i])
-        rows.append(np.asarray(step)[:, None])
-    assert_close_but_near_ties(np.concatenate(rows, axis=1), want, gaps, "chunked prefill + decode")
+    got = chunked_logits(params, config, tokens, 64, 2048)
+    assert_close_but_near_ties(got, want, gaps, "chunked prefill + decode")
 
 
 
@@ -175,17 +180,7 @@ def run_internal_16k(out: str) -> None:
     want = np.asarray(dsv4_jax.forward(params, c, tokens))
     indexer_layer.select_mask, moe_layer.route = select_mask, route
     assert len(gaps) == c.layer_types.count(C.CSA) + c.mlp_layer_types.count(C.MOE)
-    state = decode.init_state(c, 1, S, 8)
-    rows = []
-    for start in range(0, S - n_decode, chunk):
-        part = tokens[:, start:min(start + chunk, S - n_decode)]
-        logits, state, _ = decode.extend(params, c, state, np.pad(part, ((0, 0), (0, chunk - part.shape[1]))),
-                                         [part.shape[1]])
-        rows.append(np.asarray(logits)[:, :part.shape[1]])
-    for i in range(S - n_decode, S):
-        step, state, _ = decode.decode_step(params, c, state, tokens[:, i])
-        rows.append(np.asarray(step)[:, None])
-    np.savez(out, got=np.concatenate(rows, axis=1), want=want, gaps=np.stack(gaps))
+    np.savez(out, got=chunked_logits(params, c, tokens, n_decode, chunk), want=want, gaps=np.stack(gaps))
 
 
 @pytest.mark.slow
