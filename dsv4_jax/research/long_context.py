@@ -47,13 +47,10 @@ from ..model import decode
 from ..model.params import init_params
 from ..model.state import state_bytes
 from ..ops import indexer as ops_indexer
+from .bench_decode import tree_bytes
 from .report import atomic_dir, check_out_dir, write_json
 
 DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384,32768"
-
-
-def _bytes(tree) -> int:
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
 def _status_kib(field: str) -> int:
@@ -137,7 +134,7 @@ def measure(preset: str, L: int, chunk: int, steps: int, seed: int = 0) -> dict:
            "prefill_s": round(prefill_s, 3), "prefill_tok_s": round(L / prefill_s, 1),
            "decode_ms": round(1e3 * statistics.median(step_s), 3), "indexer_ms": round(_indexer_ms(config, L), 3),
            "state_MB": round(sb["total"] / 1e6, 2), "state_parts_MB": {k: round(v / 1e6, 2) for k, v in sb.items()},
-           "params_MB": round(_bytes(params) / 1e6, 2), "chunk_temp_MB": round(temp / 1e6, 2),
+           "params_MB": round(tree_bytes(params) / 1e6, 2), "chunk_temp_MB": round(temp / 1e6, 2),
            "logits_finite": finite}
     row["expected_MB"] = round(row["params_MB"] + row["state_MB"] + row["chunk_temp_MB"], 2)
     row["base_rss_MB"] = round(base_rss / 1024, 1)
