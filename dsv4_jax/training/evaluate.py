@@ -108,13 +108,14 @@ def block_costs(params, config, sizes, taps=(), prompt_len: int = 64, chain: int
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "setup"))
-def _propose(params, config, drafter: str, setup, state, pos, last, key, knobs):
-    return registry.get(drafter).propose(Bound(params, config, setup), state, pos, last, key, knobs, True)[0]
+def _propose(params, config, drafter, setup, state, pos, last, key, knobs):
+    """drafter: the Drafter object (static: the jit key holds it, not its registered name)."""
+    return drafter.propose(Bound(params, config, setup), state, pos, last, key, knobs, True)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "setup"))
-def _observe(params, config, drafter: str, setup, state, aux, tokens, start, n_valid):
-    return registry.get(drafter).observe(Bound(params, config, setup), state, aux, tokens, start, n_valid)
+def _observe(params, config, drafter, setup, state, aux, tokens, start, n_valid):
+    return drafter.observe(Bound(params, config, setup), state, aux, tokens, start, n_valid)
 
 
 def drafter_costs(params, config, name: str, meta, ks, prompt_len: int = 64, chain: int = 20,
@@ -141,9 +142,9 @@ def drafter_costs(params, config, name: str, meta, ks, prompt_len: int = 64, cha
         block = jax.tree.map(lambda a, S=setup.k + 1: a[:, :S], aux)
         tokens, n_block = prompt[:, :setup.k + 1], jnp.full((1,), setup.k + 1, jnp.int32)
         key, last = jax.random.PRNGKey(0), prompt[:, -1]
-        calls["propose", k] = lambda st=dstate, su=setup: _propose(view, config, name, su, st, n, last, key, knobs)
+        calls["propose", k] = lambda st=dstate, su=setup: _propose(view, config, drafter, su, st, n, last, key, knobs)
         calls["observe", k] = lambda st=dstate, su=setup, b=block, t=tokens, nb=n_block: _observe(
-            view, config, name, su, st, b, t, n, nb)
+            view, config, drafter, su, st, b, t, n, nb)
     out = {"propose": {}, "observe": {}}
     for (part, k), t in _fastest(calls, chain, repeats).items():
         out[part][k] = t
