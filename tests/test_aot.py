@@ -493,7 +493,7 @@ def test_programs_from_abstract_shapes():
     assert progs["spec-dspark", "bf16"].tokens_per_sequence == 6 and "block size 5" in progs["spec-dspark", "bf16"].notes
     assert progs["prefill", "release"].bound["total"] < progs["prefill", "fp8"].bound["total"] < b["prefill"]
     args = progs["spec-mtp", "bf16"].args
-    assert args[2].target.pos.shape == (4,) and args[2].drafter.cache["win_kv"].sharding.spec[0] == "expert"
+    assert args[2].target.pos.shape == (4,) and args[2].drafter.cache.window.kv.sharding.spec[0] == "expert"
 
 
 # ---- compiles on the CPU backend ------------------------------------------------------------------

@@ -132,7 +132,7 @@ def _state_bytes(config: ModelConfig, sizes: dict, batch: int, context: int, max
         per += b / split
     if drafter_layers:
         one = config.replace(num_layers=1, layer_types=(SLIDING,), compress_ratios=(0,), mlp_layer_types=(MOE,))
-        for s in layer_cache_shapes(one, 0, batch, context, max_block, dtype).values():
+        for s in jax.tree.leaves(layer_cache_shapes(one, 0, batch, context, max_block, dtype)):
             b = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize * drafter_layers
             sp = partition_spec(s.shape, ("state_batch",) + (None,) * (len(s.shape) - 1), sizes, rules)
             split = math.prod(sizes[ax] for e in sp for ax in (e if isinstance(e, tuple) else (e,)) if ax is not None)

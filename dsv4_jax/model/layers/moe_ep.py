@@ -374,7 +374,7 @@ def moe_block(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: Model
 
     x [T,D] with T = batch·S (the batch-major flattening of [batch, S, D]), idx / w [T,k] from the router,
     p the layer's ffn parameters ({"experts": ..., "shared_experts": ...}; the experts possibly a
-    `StackedExperts`, `target.reads_expert_stack`: its stack goes into the shard_map whole, each device its
+    `StackedExperts`, `inplace.reads_expert_stack`: its stack goes into the shard_map whole, each device its
     slice of every layer, with the layer's index) -> [T,D] in x.dtype.
     """
     ep = config.backends.ep
