@@ -16,6 +16,7 @@ from dsv4_jax.model import params as P
 from dsv4_jax.ops import quant
 from dsv4_jax.parallel.expert_words import shard_group
 from dsv4_jax.analysis.aot import bounds as AB, chips, cli, compile as AC, ep as EP, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
+from dsv4_jax.analysis.aot import fit_summary as FS, placement_table as PT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -938,36 +939,39 @@ def test_libtpu_no_prefetch_compile_drops_the_prefetches():
     assert row["no_prefetch"]["vmem_prefetches"] == 0 and row["no_prefetch"]["hlo_op_bytes"] > 0
 
 
-def _load_traffic_script():
-    import importlib.util
-    path = os.path.join(os.path.dirname(HERE), "experiments", "aot_ep_traffic.py")
-    spec = importlib.util.spec_from_file_location("aot_ep_traffic", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_traffic_script_is_a_thin_caller_of_the_report():
-    """experiments/aot_ep_traffic.py only maps placement variants to dsv4-aot requests (a GSPMD mesh, or a
-    sharding preset with its rules changed) and lays the report rows side by side; on the CPU backend one
-    variant's report goes through it end to end."""
-    mod = _load_traffic_script()
-    a = mod.argparse.Namespace(topology="cpu", weights="bf16", context=64, verify_tokens=3, pairs=0, count="scan",
-                               vmem_prefetch="both")
-    gspmd = mod.request("gspmd-tp", 1, ("decode",), a)
+def test_placements_table_is_a_thin_caller_of_the_report():
+    """`dsv4-aot placements` (`aot.placement_table`) only maps placement variants to dsv4-aot requests (a GSPMD
+    mesh, or a sharding preset with its rules changed) and lays the report rows side by side; on the CPU backend
+    one variant's report goes through it end to end."""
+    a = PT.PlacementStudy(topology="cpu", weights="bf16", context=64, verify_tokens=3, pairs=0, count="scan",
+                          vmem_prefetch="both")
+    gspmd = PT.request("gspmd-tp", 1, ("decode",), a)
     assert gspmd.mesh == (1, 1, 8) and gspmd.sharding is None and gspmd.shapes.max_block == 3
-    v1 = mod.request("latency-v1", 8, ("decode", "verify"), a)
+    v1 = PT.request("latency-v1", 8, ("decode", "verify"), a)
     assert v1.sharding == "latency" and v1.rules and all(v == () for v in v1.rules.values())
     assert v1.programs == ("decode", "verify") and v1.vmem_prefetch == "both" and not v1.kernels
     req = runner.AotRequest(("cpu",), ("bf16",), I.Shapes(1, 64, 2, 8), scan_config(0, hidden=128),
                             programs=("decode", "verify"), kernels=False, count="scan")
     rep = runner.run(req, log=None)
-    rows = mod.table_rows("cpu-test", rep)
-    assert [r[1] for r in rows] == ["decode", "verify 3"] and all(len(r) == len(mod.HEAD) for r in rows)
+    rows = PT.table_rows("cpu-test", rep)
+    assert [r[1] for r in rows] == ["decode", "verify 3"] and all(len(r) == len(PT.HEAD) for r in rows)
     dec = rep["runs"][0]["programs"][0]
     assert rows[0][4] == f"{dec['hlo']['top_ops']['total_bytes'] / 1e9:.3g}" and rows[0][7] == "—"  # CPU: no 2nd compile
     assert rows[0][5] == f"{dec['estimate']['hlo_op_bytes_over_bound']:.2f}"
-    assert "| cpu-test | verify 3 |" in mod.markdown(a, [("cpu-test", rep)])
+    assert "| cpu-test | verify 3 |" in PT.markdown(a, [("cpu-test", rep)])
+
+
+def test_fit_table_subcommand_reads_saved_reports(capsys, tmp_path):
+    """`dsv4-aot fit-table` (`aot.fit_summary`) compiles nothing: one row per saved program, with the flags that
+    reproduce it."""
+    path = os.path.join(os.path.dirname(HERE), "experiments", "results", "aot_2026-12-01_v5p-2x2x1_fp8.json")
+    out = tmp_path / "rows.json"
+    assert cli.main(["fit-table", path, "--reproduce", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert rows and all(r["source"] == path for r in rows)
+    assert text.count("| v5p") == len(rows) and "--topology v5p:2x2x1" in text
+    assert FS.key_flags("dsv4-aot --topology v6e:2x4 --batch 8 --out x.json") == "--topology v6e:2x4 --batch 8"
 
 
 MOSAIC = """HloModule m, is_scheduled=true

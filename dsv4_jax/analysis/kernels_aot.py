@@ -15,11 +15,23 @@ ignores. Next to it:
   some ops and a while body once — read it as XLA's view, not a measurement).
 
 `compile_case(case, topology)` returns one record (a dict, JSON-ready); `run(topology, cases)` all of them.
-`experiments/tpu_kernels_aot.py` is the command line; the `dsv4-aot` report calls these functions.
+The `dsv4-aot` report calls these functions; `dsv4-aot kernels` (`main`) is the command line of this table alone:
+
+    dsv4-aot kernels --topology v5p:2x2x1 --topology v6e:2x2 --out experiments/results/tpu_kernels_aot_<date>.json
+
+compile time, per-chip argument / temp bytes, BlockSpec and ideal bytes and the reference's XLA bytes per
+topology and case; prints the table, writes JSON (every operand) and Markdown next to it.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import sys
 import time
 
 import jax
@@ -281,3 +293,74 @@ def run(topology: str, cases: list[Case] | None = None, s: Shapes = FLASH, refer
             log(rec)
         out.append(rec)
     return out
+
+
+# ---- the command line (`dsv4-aot kernels`) ----
+
+MiB = 2 ** 20
+HEADER = ["topology", "case", "compile", "compile s", "args MiB", "temp MiB", "BlockSpec MiB", "ideal MiB",
+          "kernel prog. XLA MiB", "ref XLA MiB", "ref temp MiB", "routing / fill"]
+
+
+def table_row(rec: dict) -> list[str]:
+    """One record as the cells of HEADER (the BlockSpec bytes of its random routing, else its first scenario)."""
+    bs = rec["blockspec_bytes"]
+    kind = "random" if "random" in bs else next(iter(bs))
+    bs = bs[kind]
+    k = rec.get("compiled", {})
+    ref = rec.get("reference", {})
+    return [rec["topology"], rec["case"], "ok" if rec["compile_ok"] else "FAIL",
+            f"{rec.get('compile_s', float('nan')):.1f}", f"{k.get('argument_bytes', 0) / MiB:.0f}",
+            f"{k.get('temp_bytes', 0) / MiB:.1f}", f"{bs['total'] / MiB:.1f}", f"{bs['ideal'] / MiB:.1f}",
+            f"{k.get('xla_bytes_accessed', float('nan')) / MiB:.1f}",
+            f"{ref.get('xla_bytes_accessed', float('nan')) / MiB:.1f}", f"{ref.get('temp_bytes', 0) / MiB:.1f}",
+            kind]
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(table_row(r)) + " |" for r in records]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dsv4-aot kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--topology", action="append", help="libtpu topology name (repeatable); default v5p:2x2x1, "
+                                                        "v6e:2x2")
+    ap.add_argument("--case", action="append", help="only cases whose name contains this (repeatable)")
+    ap.add_argument("--no-reference", action="store_true", help="skip the XLA reference compiles")
+    ap.add_argument("--out", help="JSON path (a .md with the table is written next to it)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[2:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    if not libtpu.available():
+        print(f"dsv4-aot kernels: error: {libtpu.HELP}", file=sys.stderr)
+        return 2
+    libtpu.set_env()
+    topologies = args.topology or ["v5p:2x2x1", "v6e:2x2"]
+    cases = [c for c in default_cases() if not args.case or any(s in c.name for s in args.case)]
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "cpus": os.cpu_count(), "jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu"),
+            "command": "dsv4-aot kernels " + " ".join(argv), "shapes": dataclasses.asdict(FLASH)}
+    print(json.dumps(meta), flush=True)
+
+    def log(rec):
+        print(" | ".join(table_row(rec)) + ("" if rec["compile_ok"] else "  " + rec["error"]), flush=True)
+
+    records = []
+    for topo in topologies:
+        records += run(topo, cases, reference=not args.no_reference, log=log)
+    table = markdown(records)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(f"# TPU kernels ahead-of-time compile — {meta['date'][:10]}\n\n"
+                    f"- command: `{meta['command']}`\n- machine: {meta['host']}, {meta['cpus']} CPUs, no TPU; jax "
+                    f"{meta['jax']}, libtpu {meta['libtpu']}\n\n{table}\n")
+    return 0 if all(r["compile_ok"] for r in records) else 1
