@@ -260,6 +260,13 @@ def test_local_experts_read_a_layer_stack_in_place():
     assert not moe_ep.reads_stack_in_place("reference", 3, 6, stack)
 
 
+def test_one_dispatch_table_for_both_moe_paths():
+    """The single-device MoE's implementations (`Backends.moe` but "ep") and the expert-parallel local matmuls
+    (`ExpertParallel.local`) are the rows of one table, `experts.TABLE`."""
+    from dsv4_jax import backends as B
+    assert set(B.IMPLS["moe"]) - {"ep"} <= set(EX.TABLE) and set(B.EP_LOCAL) == set(EX.TABLE)
+
+
 def test_local_experts_picks_slices_for_few_assignments(local_case):
     """`local_experts` (reference) equals the numpy formulation on both sides of the sliced / sorted switch."""
     x, idx, w, local, w1, w2, w3 = local_case

@@ -159,8 +159,11 @@ def _dequant(fmt: str, codes, scale):
     return quant.dequantize(quant.QArray(codes, scale, qf, jnp.bfloat16), jnp.bfloat16)
 
 
-def reference_decode(x, idx, w, w1, w2, w3, s1, s2, s3, *, fmt: str, limit: float):
-    """XLA reference for few tokens: gather the selected experts' codes, dequantize them, SwiGLU (ops.moe)."""
+def reference_decode(x, idx, w, codes, scales, *, fmt: str, limit: float):
+    """XLA reference for few tokens: gather the selected experts' codes, dequantize them, SwiGLU (ops.moe).
+    codes (w1, w2, w3) and scales as `kernels.tpu_moe.experts_decode` takes them."""
+    (w1, w2, w3), (s1, s2, s3) = codes, scales
+
     def take(c, sc):
         return _dequant(fmt, c[idx], None if sc is None else sc[idx])       # [T, k, N, K]
     g = jnp.einsum("td,tkid->tki", x, take(w1, s1))
@@ -169,8 +172,9 @@ def reference_decode(x, idx, w, w1, w2, w3, s1, s2, s3, *, fmt: str, limit: floa
     return ops_moe.combine(y, w, x.dtype)
 
 
-def reference_prefill(x, idx, w, w1, w2, w3, s1, s2, s3, *, fmt: str, limit: float):
+def reference_prefill(x, idx, w, codes, scales, *, fmt: str, limit: float):
     """XLA reference for many tokens: dequantize every expert, sorted grouped matmul (ops.moe)."""
+    (w1, w2, w3), (s1, s2, s3) = codes, scales
     W1, W2, W3 = _dequant(fmt, w1, s1), _dequant(fmt, w2, s2), _dequant(fmt, w3, s3)
     return ops_moe.experts_sorted(x, idx, w, W1, W2, W3, limit)
 
@@ -186,10 +190,11 @@ def _programs(case: Case, s: Shapes, sharding):
         T = case.tokens
         args = [_sds((T, s.hidden), jnp.bfloat16, sharding), _sds((T, s.top_k), jnp.int32, sharding),
                 _sds((T, s.top_k), jnp.float32, sharding)] + expert_arrays(case.fmt, s, sharding)
-        kw = dict(limit=s.swiglu_limit, fmt=case.fmt)
         kern = tpu_moe.experts_decode if case.kernel == "moe_decode" else tpu_moe.experts_prefill
         ref = reference_decode if case.kernel == "moe_decode" else reference_prefill
-        return (lambda *a: kern(*a, **kw)), (lambda *a: ref(*a, **kw)), args
+        spec = tpu_moe.Spec(s.swiglu_limit, case.fmt)
+        return (lambda x, i, w, *e: kern(x, i, w, e[:3], e[3:], spec)), \
+            (lambda x, i, w, *e: ref(x, i, w, e[:3], e[3:], fmt=case.fmt, limit=s.swiglu_limit)), args
     B, S, T, H, dI = case.batch, case.queries, case.rows, s.index_heads, s.index_dim
     args = [_sds((B, S, H, dI), jnp.bfloat16, sharding), _sds((B, T, dI), jnp.bfloat16, sharding),
             _sds((B, S, H), jnp.float32, sharding), _sds((B, S), jnp.int32, sharding),
@@ -233,7 +238,7 @@ def blockspec_bytes(case: Case, s: Shapes = FLASH) -> dict:
     if case.kernel.startswith("moe"):
         T, E = case.tokens, s.n_experts
         arrays = expert_arrays(case.fmt, s, None)
-        weights, scales, up, down = tpu_moe.abstract_experts(*arrays[:3], arrays[3:], case.fmt)
+        ex = tpu_moe.abstract_experts(*arrays[:3], arrays[3:], case.fmt)
         per_expert = sum(_nbytes(a) for a in arrays) // E
         act = T * s.hidden * 2 * 2                                       # x in, y out (bf16)
         out = {}
@@ -242,12 +247,12 @@ def blockspec_bytes(case: Case, s: Shapes = FLASH) -> dict:
             idx = routing(kind, T, s)
             ideal = len(np.unique(idx)) * per_expert + act
             if case.kernel == "moe_decode":
-                plan = tpu_moe.decode_plan((T, s.hidden), jnp.bfloat16, idx.shape, weights, scales, up, down)
+                plan = tpu_moe.decode_plan((T, s.hidden), jnp.bfloat16, idx.shape, ex)
                 per_op = tpu_moe.decode_traffic(plan, idx)
             else:
                 bM = tpu_moe.row_tile(T * s.top_k, E, jnp.bfloat16)
                 M = moe_prefill.padded_rows(T * s.top_k, E, bM)
-                plans = tpu_moe.prefill_plans(M, jnp.bfloat16, weights, scales, up, down, block_m=bM,
+                plans = tpu_moe.prefill_plans(M, jnp.bfloat16, ex, block_m=bM,
                                               block_n=tpu_moe.PREFILL_BLOCK_N)
                 per_op = tpu_moe.prefill_traffic(plans, idx, E, bM)
             out[kind] = {"total": int(sum(per_op.values())), "ideal": int(ideal),
@@ -256,7 +261,8 @@ def blockspec_bytes(case: Case, s: Shapes = FLASH) -> dict:
     B, S, T = case.batch, case.queries, case.rows
     H, dI = s.index_heads, s.index_dim
     positions = np.full((B, S), case.ratio * T - 1, np.int32)             # every row visible
-    per_op = tpu_indexer.traffic(B, S, T, H, dI, jnp.bfloat16, jnp.bfloat16, positions, np.full((B,), T),
+    per_op = tpu_indexer.traffic(jax.ShapeDtypeStruct((B, S, H, dI), jnp.bfloat16),
+                                 jax.ShapeDtypeStruct((B, T, dI), jnp.bfloat16), positions, np.full((B,), T),
                                  case.ratio)
     ideal = B * T * dI * 2 + B * S * H * (dI * 2 + 4) + B * S * T * 4
     return {"full": {"total": int(sum(per_op.values())), "ideal": int(ideal), "per_operand": per_op}}

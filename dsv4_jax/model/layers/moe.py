@@ -22,7 +22,7 @@ from ...kernels import routing
 from ...ops import moe as ops
 from ...ops.linear import linear
 from . import experts, moe_ep
-from .stacked_experts import StackedExperts
+from .stacked_experts import StackedExperts  # noqa: F401  (the MoE's expert input type; target.py imports it from here)
 
 
 def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_type: str):
@@ -31,11 +31,11 @@ def route(x: jax.Array, tokens: jax.Array, p: dict, config: ModelConfig, mlp_typ
     hashed = mlp_type == HASH_MOE
     bias = None if hashed else p["bias"]
     hash_idx = p["tid2eid"][tokens] if hashed else None
-    kw = dict(k=config.num_experts_per_tok, norm=config.norm_topk_prob, eps=config.router_eps,
-              scale=config.routed_scaling_factor)
+    router = ops.Router(config.num_experts_per_tok, config.norm_topk_prob, config.router_eps,
+                        config.routed_scaling_factor)
     if require(config.backends.routing, "routing") == "pallas":
-        return routing.route_from_logits(logits, bias, hash_idx, interpret=config.backends.interpret, **kw)
-    return ops.route_from_logits(logits, bias, hash_idx, **kw)
+        return routing.route_from_logits(logits, bias, hash_idx, router=router, interpret=config.backends.interpret)
+    return ops.route_from_logits(logits, bias, hash_idx, router)
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: ModelConfig) -> jax.Array:

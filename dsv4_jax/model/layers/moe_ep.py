@@ -60,8 +60,9 @@ from ...ops import moe as ops
 from ...ops import quant
 from ...ops.quant import QArray
 from ..params import ParamSpec, moe_specs
-from .experts import Assignments, ExpertCall, reads_stack_in_place, routed  # noqa: F401  (reads_stack_in_place: the
-from .stacked_experts import StackedExperts                                # in-place rule local_experts follows)
+from .experts import Assignments, ExpertCall, routed
+from .experts import reads_stack_in_place  # noqa: F401  (the in-place rule `local_experts` follows, named here too)
+from .stacked_experts import StackedExperts
 from ...ops.partitioning import leaf_partition_spec, mesh_sizes, partition_spec
 
 ROUTED = ("w1", "w2", "w3")
