@@ -203,7 +203,7 @@ def experts_decode(x, idx, w, codes, scales, spec: Spec):
     """Routed experts for few tokens (see the module docstring) -> [T, D] in x.dtype.
 
     x [T, D] bf16 / f32; idx int [T, k]; w f32 [T, k]; codes (w1, w2, w3): w1, w3 [E, I, D] and w2 [E, D, I]
-    codes of format `spec.fmt` with their scales (w1_scale, w2_scale, w3_scale; None when dense).
+    codes of format `Spec.fmt` with their scales (w1_scale, w2_scale, w3_scale; None when dense).
     """
     ex = prepare_experts(*codes, scales, spec.fmt, spec.block)
     weights, scales, up, down = ex

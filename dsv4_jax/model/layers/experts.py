@@ -13,7 +13,7 @@ per-device local matmul of the expert-parallel MoE (`moe_ep.local_experts`, the 
     dense       (local experts) few assignments: `experts_sliced`; many: every local expert once over all tokens
                 (`experts_dense`; FP4 word stacks one expert slice at a time, `experts_each`)
 
-Experts may arrive as their segment's stack (`StackedExperts`, `target.reads_expert_stack`): a row that reads
+Experts may arrive as their segment's stack (`StackedExperts`, `inplace.reads_expert_stack`): a row that reads
 the stack in place (`reads_stack_in_place`: the GPU kernels always, the Mosaic kernels while their padded tile
 bound stays small) gets the stack seen as [reps·E, ...] with ids offset by rep·E; every other row gets the
 layer's slice.
