@@ -153,6 +153,32 @@ def test_a_registered_drafter_runs_in_the_loop(tiny):
         registry.unregister("mtp")
 
 
+class NoDrafts(RepeatLast):
+    """Another drafter under RepeatLast's name: proposes nothing."""
+
+    def propose(self, run, state, pos, last, key, knobs, greedy):
+        drafts, q, _ = super().propose(run, state, pos, last, key, knobs, greedy)
+        return drafts, q, jnp.zeros(pos.shape, jnp.int32)
+
+
+def test_reregistering_a_drafter_changes_the_next_run(tiny):
+    """The loop's jit key holds the Drafter object, not its name (docs/design.md property 1): a drafter
+    registered anew under a name is a new program; the result reads as a pair or by attribute."""
+    config, params, tokens = tiny
+    prompts = [tokens[0, :4].tolist()]
+    runs = []
+    try:
+        for drafter in (RepeatLast(), NoDrafts()):
+            registry.register(drafter)
+            runs.append(d.generate(params, config, prompts, 8, drafter="test-repeat-last", draft_n_max=2,
+                                   eos_token_id=-1))
+    finally:
+        registry.unregister("test-repeat-last")
+    (toks, stats), again = runs
+    assert stats["drafted"] > 0 and again.stats["drafted"] == 0 and again.tokens == toks
+    assert again.rounds == again.stats["rounds"] and again.mean_accepted_length == 1.0
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """An official FP8/FP4 release with an MTP block and a separate DSpark directory, through dsv4-convert."""

@@ -24,9 +24,9 @@ def _primed(model, prompts, drafter: str, chunk):
     config, params = model
     r = G.prepare(params, config, prompts, 8, speculation=Speculation(drafter=drafter, draft_n_max=2),
                   run=RunShape(max_len=96, drafter_pool=("mtp", "dspark"), prefill_chunk=chunk))
-    return G.start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths), max_len=r.max_len, opts=r.opts,
-                   knobs=r.knobs, key=jax.random.PRNGKey(0), max_block=r.max_block, prefill_taps=r.prefill_taps,
-                   prefill_chunk=r.prefill_chunk)
+    return G.start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths), max_len=r.max_len,
+                   program=r.program, knobs=r.knobs, key=jax.random.PRNGKey(0), max_block=r.max_block,
+                   prefill_taps=r.prefill_taps, prefill_chunk=r.prefill_chunk)
 
 
 def _leaves_close(x, y) -> bool:

@@ -295,7 +295,7 @@ def test_the_resolver_sees_a_stale_name():
     ix = _Index()
     for good in ("moe_ep.reads_stack_in_place", "inplace.reads_expert_stack", "ops.branch.switch_in_place",
                  "moe.StackedExperts", "dsv4_jax.model.decode.process_block", "speculative/loop.py",
-                 "loop.Options.verify", "Knobs.draft_n", "attn.wq_a"):
+                 "program.Program.verify", "Knobs.draft_n", "attn.wq_a"):
         assert _resolves(_classify(good), ix), good
     for stale in ("moe.no_such_function", "spec.loop", "cache.py", "sharding.param_shardings",
                   "generate.prefill_chunked", "spec/loop.py", "NoSuchClass.x"):

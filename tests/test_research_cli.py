@@ -20,7 +20,7 @@ from dsv4_jax.config import HASH_MOE, MOE, _schedule
 from dsv4_jax.io.demo_io import save_bundle
 from dsv4_jax.model.params import init_dspark, init_mtp
 from dsv4_jax.research import batch_eval, common, prompts as P, report, sweep
-from dsv4_jax.research.runner import (RunPlan, Setting, bucket_of, generate_padded, length_buckets, plan_options,
+from dsv4_jax.research.runner import (SweepPlan, Setting, bucket_of, generate_padded, length_buckets, plan_options,
                                       plan_shapes)
 from dsv4_jax.speculative import generate as spec_generate, loop, scheduler
 
@@ -232,7 +232,7 @@ def test_buckets_and_plan():
     assert length_buckets(lengths, 3) == (96, 144, 704)         # 6 x 96 + 2 x 144 + 704 = 1568 < 32 + 7 x 144 + 704
     buckets, max_len = plan_shapes(lengths, 64, 3)
     assert buckets == (144, 704) and max_len == 704 + 64 + 3 + 1
-    plan = RunPlan(max_new_tokens=64, buckets=buckets, max_len=max_len, max_block=4)
+    plan = SweepPlan(max_new_tokens=64, buckets=buckets, max_len=max_len, max_block=4)
     assert plan.pad_to == 704 and plan.pad_for([26, 115]) == 144 and plan.pad_for([26, 699]) == 704
     assert bucket_of(144, buckets) == 144
     with pytest.raises(ValueError, match="longer than every bucket"):

@@ -110,7 +110,7 @@ def test_every_request_equals_it_decoded_alone(model, requests, alone, eos, none
     assert any(eos in w for w in want) and any(len(w) == n for w, n in zip(want, budgets))
     runs = {schedule: eng.run(schedule) for schedule in ("continuous", "static")}
     for run in runs.values():
-        _check_requests(run, want, budgets, eng.opts.k)
+        _check_requests(run, want, budgets, eng.program.k)
         assert {r.slot for r in run.results} == set(range(batch))
     # static admits a batch when the previous one is done; continuous refills slots while others run
     admissions = {s: len({r.admitted_chunk for r in run.results}) for s, run in runs.items()}
@@ -168,7 +168,7 @@ def test_batched_admission_equals_one_at_a_time(model, eos):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, 90, n).tolist() for n in (16, 11, 9)]
     eng = engine(model, (prompts, [5, 6, 7]), "mtp", 4, eos)       # the programs of the mtp-B4 case
-    empty = lambda: S.empty_carry(params, eng.config, batch=4, max_len=MAX_LEN, opts=eng.opts,
+    empty = lambda: S.empty_carry(params, eng.config, batch=4, max_len=MAX_LEN, program=eng.program,
                                   key=jax.random.PRNGKey(0))
     group, calls = eng.admit(empty(), [(0, 3), (1, 0), (2, 1)], jax.random.PRNGKey(0))
     assert calls == 2                                   # one call per chunk for all three rows
@@ -193,7 +193,7 @@ def test_refill_min_groups_refills(model, requests, alone, eos):
     prompts, budgets = requests
     eng = engine(model, requests, "mtp", 4, eos, refill_min=2, prefill_ahead=1)
     run = eng.run("continuous")
-    _check_requests(run, expected(alone, budgets, eos), budgets, eng.opts.k)
+    _check_requests(run, expected(alone, budgets, eos), budgets, eng.program.k)
     assert run.refills < N_REQ - 3 and run.prefill_calls >= run.refills
     assert 0 < run.decode_s < run.wall_s
 
@@ -210,8 +210,8 @@ def test_batch_axes_of_the_carry(model):
     cfg, params, meta = model
     eng = SlotEngine.build(params, cfg, [[3, 4]], 2, batch=3, max_len=MAX_LEN, prefill_len=PREFILL_LEN,
                            drafter="dspark", draft_n_max=2, dspark_meta=meta)
-    shapes = jax.eval_shape(lambda: S.empty_carry(params, eng.config, batch=3, max_len=MAX_LEN, opts=eng.opts,
-                                                  key=jax.random.PRNGKey(0)))
+    shapes = jax.eval_shape(lambda: S.empty_carry(params, eng.config, batch=3, max_len=MAX_LEN,
+                                                  program=eng.program, key=jax.random.PRNGKey(0)))
     leaves = jax.tree.leaves(shapes)
     assert len(eng.carry_axes) == len(leaves)
     for ax, leaf in zip(eng.carry_axes, leaves):
@@ -237,7 +237,7 @@ def test_bad_requests(model):
     eng = SlotEngine.build(params, cfg, [[1, 2]], 4, batch=1, max_len=MAX_LEN, prefill_len=PREFILL_LEN)
     with pytest.raises(ValueError, match="schedule must be one of"):
         eng.run("fifo")
-    assert eng.opts.max_new_tokens == MAX_LEN        # the output buffer: budgets are per-request data
+    assert eng.program.max_new_tokens == MAX_LEN        # the output buffer: budgets are per-request data
 
 
 MESH_SCRIPT = r"""

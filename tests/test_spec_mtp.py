@@ -12,6 +12,8 @@ from dsv4_jax.model.state import Span
 from dsv4_jax.model.target import hidden_states
 from dsv4_jax.model.params import init_mtp
 from dsv4_jax.speculative import generate as spec_generate, loop, prefill as spec_prefill
+from dsv4_jax.speculative.program import Program
+from dsv4_jax.speculative.round import round_step
 
 from . import mtp_reference as ref
 
@@ -143,9 +145,9 @@ def _final_carry(params, config, prompts, k, **run):
                               max_len=256, max_block=4, **run)
     key = jax.random.PRNGKey(r.seed)
     carry = spec_generate.start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths), max_len=r.max_len,
-                                opts=r.opts, knobs=r.knobs, key=key, max_block=r.max_block,
+                                program=r.program, knobs=r.knobs, key=key, max_block=r.max_block,
                                 prefill_taps=r.prefill_taps)
-    return loop.run_rounds(params, r.config, carry, r.knobs, r.opts)
+    return loop.run_rounds(params, r.config, carry, r.knobs, r.program)
 
 
 @pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])   # 2: a branch past the switch's first
@@ -267,12 +269,13 @@ def test_loop_is_one_on_device_while(model):
     """The whole generation after the prefill is one while primitive: no host callbacks inside."""
     config, params = model
     from dsv4_jax.speculative.generate import start
-    opts = loop.Options(drafter="mtp", k=2, greedy=True, max_new_tokens=4, eos_token_id=-1)
-    knobs = registry.get("mtp").default_knobs()
-    carry = start(params, config, np.array([[5, 6, 7]], np.int32), np.array([3]), max_len=32, opts=opts,
+    mtp = registry.get("mtp")
+    program = Program(drafter=mtp, setup=DraftSetup(k=2), greedy=True, max_new_tokens=4, eos_token_id=-1)
+    knobs = mtp.default_knobs()
+    carry = start(params, config, np.array([[5, 6, 7]], np.int32), np.array([3]), max_len=32, program=program,
                   knobs=knobs, key=jax.random.PRNGKey(0))
     jaxpr = jax.make_jaxpr(lambda c: jax.lax.while_loop(
-        lambda c: loop._cond(c, opts), lambda c: loop.round_step(params, config, c, knobs, opts), c))(carry)
+        lambda c: loop.cond(c, program), lambda c: round_step(params, config, c, knobs, program), c))(carry)
     text = str(jaxpr)
     assert [e.primitive.name for e in jaxpr.eqns] == ["while"]
     assert "callback" not in text

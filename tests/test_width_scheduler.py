@@ -12,7 +12,7 @@ import dsv4_jax as d
 from dsv4_jax.demo import tiny_demo
 from dsv4_jax.model.params import init_mtp
 from dsv4_jax.ops import width
-from dsv4_jax.speculative import cost_table, generate as spec_generate, loop
+from dsv4_jax.speculative import cost_table, generate as spec_generate, loop, width_policy
 from dsv4_jax.speculative.cost_table import CostTable, CostTableError
 from dsv4_jax.training.evaluate import heldout_prompts
 
@@ -197,14 +197,15 @@ def test_auto_greedy_equals_plain(demo_runs, drafter):
     assert wide(cheap) > wide(steep)                    # dearer verify widths: narrower rounds
     # speculation that does not pay stops within the warm-up rounds (3 sequences x 1..WARMUP_ROUNDS: after one
     # where the scheduler's forecast agrees), speculation that cannot pay never starts, cheap one never stops
-    assert 3 <= drafting(plain_h) <= 3 * loop.WARMUP_ROUNDS < sum(plain_h.values())
+    assert 3 <= drafting(plain_h) <= 3 * width_policy.WARMUP_ROUNDS < sum(plain_h.values())
     assert drafting(hists["hopeless"]) == 0 < hists["hopeless"]["plain"]
     assert cheap["plain"] < plain_h["plain"]
 
 
 def test_two_loop_program_equals_the_round_by_round_twin(demo_runs):
-    """run_rounds under the scheduler is two while loops (drafting rounds, then plain rounds after the switch:
-    `loop.rounds_loop`); the host-driven twin takes the same decision inside every round (`loop.round_step`).
+    """On the device the scheduler's drafting rounds run until the switch, the plain rounds after it in the
+    `none` program (`loop.decode`); the host-driven twin takes the same decision inside every round
+    (`round.round_step`).
     Same tokens and the same statistics, the switch included (the "plain" table forces it)."""
     demo, prompts, plain, kw = demo_runs
     run = lambda host: d.generate(demo.params, demo.config, prompts, 48, drafter="dspark", draft_n_max="auto",
@@ -213,6 +214,20 @@ def test_two_loop_program_equals_the_round_by_round_twin(demo_runs):
     assert a == b == plain
     assert sa["width_histogram"] == sb["width_histogram"] and sa["width_histogram"]["plain"] > 0
     assert sa["expected_tokens_per_round"] == sb["expected_tokens_per_round"]
+
+
+def test_plain_rounds_after_the_switch_run_the_none_programs_executable(demo_runs):
+    """After the switch to plain decoding the rest of an auto run executes the loop a drafter=None run of the
+    same shapes compiles (`loop.decode`): that run then compiles no loop of its own. The drafting rounds
+    before the switch are reported."""
+    demo, prompts, plain, kw = demo_runs
+    out, st = d.generate(demo.params, demo.config, prompts, 48, drafter="mtp", draft_n_max="auto",
+                         cost_table=TABLES["plain"], **kw)
+    n = loop.run_rounds._cache_size()
+    none, _ = d.generate(demo.params, demo.config, prompts, 48, max_block=BOUND + 1, **kw)
+    assert loop.run_rounds._cache_size() == n
+    assert out == none == plain and st["width_histogram"]["plain"] > 0
+    assert 0 < st["drafting_rounds"] == st["rounds"] - st["width_histogram"]["plain"]
 
 
 def test_fixed_widths_in_the_scheduler_program_equal_plain(demo_runs):

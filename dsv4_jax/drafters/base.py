@@ -11,6 +11,7 @@ knowing their names:
                                          weights are there and build the static `DraftSetup` (drafts
                                          per round, target tap layers, hashable settings) — part of
                                          the jit key; bundle: a checkpoint's drafter metadata by name
+    max_drafts(setup)                    its cap on drafts per round (None: none), host side
     knobs(options)                       -> the dynamic part, a pytree of arrays the loop carries
                                          opaquely in `Knobs.drafter` (default: the dynamic fields)
 
@@ -53,7 +54,7 @@ class Knobs:
     # drafts per round when the loop is compiled for a wider bound (`RunShape.dynamic_draft_n`): int32
     # scalar <= DraftSetup.k, the run's verify width − 1; None: DraftSetup.k (the static case)
     draft_n: jax.Array | None = None
-    # the width scheduler (`Options.adaptive`, docs/width_scheduler.md): width_mode int32 [] (MODE_FIXED:
+    # the width scheduler (`Program.adaptive`, docs/width_scheduler.md): width_mode int32 [] (MODE_FIXED:
     # verify draft_n drafts; MODE_AUTO: choose each round; MODE_PLAIN: decode without the drafter),
     # width_cost [k+1] seconds per round verifying w = 0..k drafts, plain_cost [] seconds per plain round;
     # accept_scale [k]: the round's calibration factors (set by the loop, read by sequential drafters)
@@ -143,6 +144,11 @@ class Drafter:
 
     def configure(self, params: dict, config: ModelConfig, k: int, options=None, bundle=None) -> DraftSetup:
         return DraftSetup(k=0)
+
+    def max_drafts(self, setup: DraftSetup) -> int | None:
+        """The most drafts per round it proposes under setup, whatever k it was asked for (DSpark: its block
+        size); None: as many as asked."""
+        return None
 
     # ---- traced ---------------------------------------------------------------------------------
 

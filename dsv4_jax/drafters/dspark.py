@@ -231,6 +231,9 @@ class DSparkDrafter(Drafter):
         dcfg = resolve(config, params["dspark"], meta if meta is not None else (bundle or {}).get(self.name))
         return DraftSetup(k=min(k, dcfg.block_size), taps=dcfg.target_layer_ids, settings=dcfg)
 
+    def max_drafts(self, setup) -> int:
+        return setup.settings.block_size
+
     def init(self, run, batch, max_len, dtype):
         return init(run.params["dspark"], run.config, batch, dtype)
 

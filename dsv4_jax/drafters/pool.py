@@ -37,11 +37,13 @@ class PoolOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One drafter of a pool: its registered name and its static setup less k (k is the pool's)."""
+    """One drafter of a pool: its registered name, the Drafter object itself (the traced methods call it:
+    no registry lookup under jit) and its static setup less k (k is the pool's)."""
 
     name: str
     taps: tuple[int, ...]
     settings: object = None
+    drafter: Drafter | None = None
 
     def setup(self, k: int) -> DraftSetup:
         return DraftSetup(k=k, taps=self.taps, settings=self.settings)
@@ -58,7 +60,8 @@ def _member_aux(aux: dict, pool_taps: tuple[int, ...], member: Member) -> dict:
 
 class PoolDrafter(Drafter):
     """Members behind one drafter; the member index in its knobs (dynamic) picks the one that drafts. State:
-    (index int32 [], tuple of the members' states). lookup: name -> Drafter (`registry.get`)."""
+    (index int32 [], tuple of the members' states). lookup: name -> Drafter (`registry.get`), host side only
+    (`configure`, the options): the traced methods call each `Member.drafter`."""
 
     name = NAME
     Options = PoolOptions
@@ -97,7 +100,7 @@ class PoolDrafter(Drafter):
         members, ks = [], {}
         for drafter, opts in self._members(options):
             s = drafter.configure(params, config, k, opts, bundle)
-            members.append(Member(drafter.name, tuple(s.taps), s.settings))
+            members.append(Member(drafter.name, tuple(s.taps), s.settings, drafter))
             ks[drafter.name] = s.k
         if len(set(ks.values())) > 1:
             raise ValueError(f"drafter_pool: the members propose different numbers of drafts at draft_n_max {k}: "
@@ -105,12 +108,16 @@ class PoolDrafter(Drafter):
         taps = tuple(sorted({t for m in members for t in m.taps}))
         return DraftSetup(k=next(iter(ks.values())), taps=taps, settings=tuple(members))
 
+    def max_drafts(self, setup: DraftSetup) -> int | None:
+        caps = [m.drafter.max_drafts(m.setup(setup.k)) for m in setup.settings]
+        return min((c for c in caps if c is not None), default=None)
+
     def _run(self, run: Bound, m: Member) -> Bound:
         return Bound(run.params, run.config, m.setup(run.setup.k))
 
     def init(self, run, batch, max_len, dtype):
         return (jnp.zeros((), jnp.int32),
-                tuple(self.lookup(m.name).init(self._run(run, m), batch, max_len, dtype) for m in run.setup.settings))
+                tuple(m.drafter.init(self._run(run, m), batch, max_len, dtype) for m in run.setup.settings))
 
     def begin(self, run, batch, max_len, dtype, knobs):
         _, states = self.init(run, batch, max_len, dtype)
@@ -121,7 +128,7 @@ class PoolDrafter(Drafter):
 
         def branch(i: int, m: Member):
             def go(states):
-                new = self.lookup(m.name).observe(self._run(run, m), states[i], _member_aux(aux, run.setup.taps, m),
+                new = m.drafter.observe(self._run(run, m), states[i], _member_aux(aux, run.setup.taps, m),
                                                   tokens, start, n_valid)
                 return states[:i] + (new,) + states[i + 1:]
             return go
@@ -133,14 +140,14 @@ class PoolDrafter(Drafter):
 
         def branch(i: int, m: Member):
             mine = knobs.replace(drafter=knobs.drafter[1][i])
-            return lambda: self.lookup(m.name).propose(self._run(run, m), states[i], pos, last, key, mine, greedy)
+            return lambda: m.drafter.propose(self._run(run, m), states[i], pos, last, key, mine, greedy)
 
         return jax.lax.switch(index, [branch(i, m) for i, m in enumerate(run.setup.settings)])
 
     def propose_scored(self, run, state, pos, last, key, knobs, greedy):
         """Members' `propose_scored`; a member without confidences reports −1 (not recorded), and the pool
         None when no member has any."""
-        if not any(self.lookup(m.name).scored for m in run.setup.settings):
+        if not any(m.drafter.scored for m in run.setup.settings):
             return self.propose(run, state, pos, last, key, knobs, greedy) + (None,)
         index, states = state
 
@@ -148,7 +155,7 @@ class PoolDrafter(Drafter):
             mine = knobs.replace(drafter=knobs.drafter[1][i])
 
             def go():
-                d, q, n, conf = self.lookup(m.name).propose_scored(self._run(run, m), states[i], pos, last, key,
+                d, q, n, conf = m.drafter.propose_scored(self._run(run, m), states[i], pos, last, key,
                                                                    mine, greedy)
                 return d, q, n, jnp.full(d.shape, -1.0, jnp.float32) if conf is None else conf
             return go

@@ -29,7 +29,7 @@ Every case runs with kernels off ("reference": the jnp paths) and on ("pallas"),
 static `Backends` (`--kernels`, `dsv4_jax.backends`), so the two variants are two jit cache entries side
 by side; on CPU the Pallas kernels run in interpret mode, so kernel timings there are meaningless.
 
-Forced acceptance: the rounds run with `loop.Options(forced_acceptance=True)` (`ops.sampling.verify_forced`):
+Forced acceptance: the rounds run with `program.Program(forced_acceptance=True)` (`ops.sampling.verify_forced`):
 every proposed draft is accepted (n_accept = max(real n_accept, n_draft) = n_draft) and the bonus token is
 the target's argmax after the last draft. The real drafter runs (its cost is paid: MTP chain, DSpark
 stages, Markov and confidence heads), the real verification is still computed, and every round commits
@@ -87,6 +87,8 @@ from ..ops.sampling import verify_forced
 from ..model.random_init import random_experts, random_tree
 from ..model.schedule import segments
 from ..speculative import loop
+from ..speculative import stats as spec_stats
+from ..speculative.program import Carry, Program
 from ..analysis import traffic
 from ..analysis.traffic import bytes_bound, stored_bytes
 
@@ -289,25 +291,22 @@ class Bench:
         return None
 
     # speculative rounds
-    def carry(self, cfg, opts: loop.Options, batch: int, context: int):
+    def carry(self, cfg, opts: Program, batch: int, context: int):
         B, k = batch, opts.k
         st = self.state(batch, context)
-        dstate = registry.get(opts.drafter).init(opts.bind(self.params, cfg), B, st.max_len, jnp.bfloat16)
+        dstate = opts.drafter.init(opts.bind(self.params, cfg), B, st.max_len, jnp.bfloat16)
         last = self.tokens(B, 1)[:, 0]
-        z = lambda *s: jnp.zeros(s, jnp.int32)
         out = jnp.full((B, opts.max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(last)
-        return loop.Carry(out=out, out_len=jnp.ones((B,), jnp.int32),
-                          limit=jnp.full((B,), opts.max_new_tokens, jnp.int32), last=last, done=jnp.zeros((B,), bool),
-                          target=st, drafter=dstate, key=jax.random.PRNGKey(0),
-                          stats=loop.Stats(rounds=z(B), drafted=z(B), accepted=z(B), per_position=z(B, k),
-                                           proposed_at=z(B, k), length_hist=z(B, k + 1)), round=z())
+        return Carry(out=out, out_len=jnp.ones((B,), jnp.int32), limit=jnp.full((B,), opts.max_new_tokens, jnp.int32),
+                     last=last, done=jnp.zeros((B,), bool), target=st, drafter=dstate, key=jax.random.PRNGKey(0),
+                     stats=spec_stats.zeros(opts.stats, B, k, opts.max_new_tokens), round=jnp.zeros((), jnp.int32))
 
-    def options(self, drafter: str, k: int) -> loop.Options:
+    def options(self, drafter: str, k: int) -> Program:
         """Greedy rounds with forced acceptance (every proposed draft accepted; module docstring)."""
-        setup = registry.get(drafter).configure(self.params, self.config, k)
-        return loop.Options(drafter=drafter, k=setup.k, greedy=True,
-                            max_new_tokens=1 + self.a.loop_rounds * (setup.k + 1), eos_token_id=-1,
-                            taps=setup.taps, settings=setup.settings, forced_acceptance=True)
+        d = registry.get(drafter)
+        setup = d.configure(self.params, self.config, k)
+        return Program(drafter=d, setup=setup, greedy=True, max_new_tokens=1 + self.a.loop_rounds * (setup.k + 1),
+                       eos_token_id=-1, forced_acceptance=True, stats=spec_stats.StatsSpec(verification=False))
 
     def rounds(self, impl: str, drafter: str, k: int, batch: int, context: int, modes=("device",)) -> dict:
         """Time R forced-acceptance rounds in each mode: device (while_loop), host (Python loop, sync per

@@ -1,7 +1,7 @@
 """Timed generation runs for the research CLIs: settings, shared shapes, warm-up, repeats.
 
 Every run is `dsv4_jax.generate` with the option groups of `plan_options` (`padded_options`, also behind
-`generate_padded`): fixed shapes chosen for the whole invocation (`RunPlan`), so that settings share
+`generate_padded`): fixed shapes chosen for the whole invocation (`SweepPlan`), so that settings share
 compiled programs:
 
   * prompts are right-padded to one of a few length buckets (`length_buckets`: at most --prompt-buckets
@@ -12,7 +12,7 @@ compiled programs:
     bucket for all draft_n_max values (`RunShape.max_block`);
   * the drafters of the sweep are compiled together (`RunShape.drafter_pool`): one loop program per
     draft width shared by MTP and DSpark, the drafter chosen at run time;
-  * with `RunPlan.dynamic_draft_n` (dsv4-sweep --shared-draft-widths, its default) one loop program
+  * with `SweepPlan.dynamic_draft_n` (dsv4-sweep --shared-draft-widths, its default) one loop program
     serves every draft_n_max: the drafting is compiled once with draft_n_max a run-time bound, the
     verify still draft_n_max + 1 wide (`RunShape.dynamic_draft_n`: a switch over the widths; the same
     tokens and per-round cost as the per-width program);
@@ -149,7 +149,7 @@ def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], sett
                     **padded_options(setting, plan, plan.pad_to))
 
 
-def plan_options(batch: Sequence[dict], setting: Setting, plan: "RunPlan", cost_table=None) -> dict:
+def plan_options(batch: Sequence[dict], setting: Setting, plan: "SweepPlan", cost_table=None) -> dict:
     """`padded_options` of a batch under the plan (its bucket, the plan's shapes and knobs); cost_table: an
     auto setting's."""
     return padded_options(setting, plan, plan.pad_for([len(p["tokens"]) for p in batch]), cost_table)
@@ -194,7 +194,7 @@ def bucket_of(n: int, buckets: Sequence[int]) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunPlan:
+class SweepPlan:
     """Shapes and knobs shared by every run of a CLI invocation.
 
     buckets: the prompt lengths runs are padded to (`length_buckets`); max_len: the cache capacity of
@@ -254,7 +254,7 @@ def effective_draft_n_max(setting: Setting, model) -> int:
     return model.draft_setup(setting.spec, setting.draft_n_max).k
 
 
-def run_batch(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, repeats: int = 1,
+def run_batch(model, batch: Sequence[dict], setting: Setting, plan: SweepPlan, repeats: int = 1,
               cost_table=None) -> dict[str, Any]:
     """Run one batch of prompts `repeats` times with the same seed; medians are reported (cost_table: an
     auto setting's).
@@ -285,14 +285,14 @@ def merge_runs(runs: Sequence[dict]) -> dict[str, Any]:
             "prefill_s": statistics.median(prefills), "decode_s": statistics.median(decodes)}
 
 
-def warm_up(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, cost_table=None) -> float:
+def warm_up(model, batch: Sequence[dict], setting: Setting, plan: SweepPlan, cost_table=None) -> float:
     """One untimed run of the batch shape (compilation, when its programs are new); returns its wall time."""
     t0 = time.perf_counter()
     run_batch(model, batch, setting, plan, repeats=1, cost_table=cost_table)
     return time.perf_counter() - t0
 
 
-def calibrate_setting(model, batch: Sequence[dict], setting: Setting, plan: RunPlan, *, refresh: bool = False,
+def calibrate_setting(model, batch: Sequence[dict], setting: Setting, plan: SweepPlan, *, refresh: bool = False,
                       progress=None, cache_dir: str | None = None):
     """The cost table of an auto setting: `cost_table.cached_or_calibrate` on the program its runs of this
     batch shape call (under a drafter pool, named after the setting's drafter). -> (CostTable, "cached" |
@@ -303,7 +303,7 @@ def calibrate_setting(model, batch: Sequence[dict], setting: Setting, plan: RunP
                                drafter=setting.spec)
 
 
-def precompile(model, prompts: Sequence[dict], settings: Sequence[Setting], plan: RunPlan,
+def precompile(model, prompts: Sequence[dict], settings: Sequence[Setting], plan: SweepPlan,
                threads: int = 1) -> dict[str, Any]:
     """Compile every program the settings' runs call (each batch shape), `threads` at a time, before any
     run (`speculative.precompile`); the warm-ups and timed runs then find them compiled.
@@ -317,7 +317,7 @@ def precompile(model, prompts: Sequence[dict], settings: Sequence[Setting], plan
     return compile_all(progs, threads)
 
 
-def shapes(prompts: Sequence[dict], size: int, plan: RunPlan) -> list[list[dict]]:
+def shapes(prompts: Sequence[dict], size: int, plan: SweepPlan) -> list[list[dict]]:
     """One batch per distinct compiled shape (batch size, bucket) among `batches(prompts, size)`."""
     seen, out = set(), []
     for g in batches(prompts, size):

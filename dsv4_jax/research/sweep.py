@@ -40,7 +40,7 @@ from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
 from . import prompts as prompts_mod
 from .prompts import PromptError
-from .runner import (BASELINE, SPEC_TYPES, RunPlan, Setting, batches, calibrate_setting, effective_draft_n_max,
+from .runner import (BASELINE, SPEC_TYPES, SweepPlan, Setting, batches, calibrate_setting, effective_draft_n_max,
                      grid_settings, merge_runs, per_sequence, plan_shapes, pool_for, precompile, run_batch, shapes,
                      warm_up)
 
@@ -163,7 +163,7 @@ def aggregate_line(s: dict) -> str:
             f"mean_acc_len={s['mean_accepted_length']:.2f}{sp}")
 
 
-def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: RunPlan, a, bar) -> dict:
+def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: SweepPlan, a, bar) -> dict:
     """The cost table of every auto setting's (drafter, batch size, greedy) (`Setting.table_key`): --cost-table's,
     or the cached / measured calibration of the setting's own program at its first batch shape; each printed
     when obtained. -> {key: {"table": CostTable, "how": "given" | "cached" | "measured"}}."""
@@ -185,7 +185,7 @@ def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: R
     return out
 
 
-def time_settings(model, prompts: list[dict], settings: Sequence[Setting], plan: RunPlan, repeats: int, bar,
+def time_settings(model, prompts: list[dict], settings: Sequence[Setting], plan: SweepPlan, repeats: int, bar,
                   tables: dict, interleaved: bool = True) -> tuple[list, list]:
     """Warm up every setting's batch shapes, then time every batch `repeats` times. interleaved (default): in
     passes, each pass running every setting once in turn, so that a change of the machine's speed during the
@@ -305,7 +305,7 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
     """Shared shapes of every run (length buckets, one max_len and max_block, the drafter pool), the
     progress total; prints the notes.
 
-    Returns (max_new_tokens, RunPlan, progress-bar total).
+    Returns (max_new_tokens, SweepPlan, progress-bar total).
     """
     max_new = a.max_new_tokens or suite_max_new
     max_draft = max(effective_draft_n_max(s, model) for s in settings)
@@ -313,7 +313,7 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
     specs = [t for t in SPEC_TYPES if any(s.spec == t for s in settings)]
     pool = None if a.no_shared_programs else pool_for(model, specs, max(s.draft_n_max for s in settings))
     dynamic = a.shared_draft_widths and not a.no_shared_programs
-    plan = RunPlan(max_new_tokens=max_new, buckets=buckets, max_len=max_len,
+    plan = SweepPlan(max_new_tokens=max_new, buckets=buckets, max_len=max_len,
                    max_block=None if a.no_shared_programs else max_draft + 1, drafter_pool=pool,
                    dynamic_draft_n=dynamic, adaptive_widths=dynamic and any(s.auto for s in settings),
                    seed=a.seed, top_p=a.top_p, eos_token_id=common.eos_for(a),
@@ -326,7 +326,7 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
     return max_new, plan, total
 
 
-def programs(settings: Sequence[Setting], prompts: list[dict], plan: RunPlan, model) -> dict:
+def programs(settings: Sequence[Setting], prompts: list[dict], plan: SweepPlan, model) -> dict:
     """How many large programs the run compiles: prefills (one per bucket and batch size, or per batch size
     with the chunked prefill), loops (one per drafter or pool, draft width, temperature kind and batch size;
     one for every width with `plan.dynamic_draft_n`) and, in those shared loops, the verify widths beyond
@@ -357,7 +357,7 @@ COMPILE_S_PER_LAYER = {"prefill": 1.3, "loop": 1.15, "extra_width": 1.1}
 RUN_S_PER_LAYER_TOKEN = 0.25e-3
 
 
-def estimate_s(settings, prompts, plan: RunPlan, model, repeats: int) -> tuple[float, float]:
+def estimate_s(settings, prompts, plan: SweepPlan, model, repeats: int) -> tuple[float, float]:
     """(compile seconds, run seconds): a rough forecast from the program and run counts, scaled by the
     model's layers (calibrated on the bundled model on 2 idle cores; a converted checkpoint takes far
     longer)."""
@@ -430,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: RunPlan) -> dict:
+def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: SweepPlan) -> dict:
     return {"tool": "dsv4-sweep", "env": report.environment("dsv4-sweep", argv), "model": model.describe(),
             "suite": suite,
             "categories": sorted({p["category"] for p in prompts}), "n_prompts": len(prompts),

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..drafters.base import MODE_FIXED, MODE_PLAIN
-from .loop import run_rounds
+from .loop import decode
 from .prefill import start
 
 FORMAT = "dsv4_jax.cost_table/1"
@@ -174,8 +174,8 @@ def cache_key(config, prepared, drafter: str) -> dict:
                         "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
             "shapes": {"model": config.name, "config": hashlib.sha1(repr(config).encode()).hexdigest()[:12],
                        "batch": int(r.tokens.shape[0]), "prompt": int(r.tokens.shape[1]), "max_len": r.max_len,
-                       "k": r.opts.k, "max_new_tokens": r.opts.max_new_tokens, "greedy": r.opts.greedy,
-                       "drafter": drafter, "settings": repr(r.opts.settings), "verify": r.opts.verify},
+                       "k": r.program.k, "max_new_tokens": r.program.max_new_tokens, "greedy": r.program.greedy,
+                       "drafter": drafter, "settings": repr(r.program.setup.settings), "verify": r.program.verify},
             "versions": {"jax": jax.__version__, "dsv4_jax": _version()}}
 
 
@@ -195,11 +195,11 @@ def cache_path(key: dict, cache_dir: str | None = None) -> str:
 def seconds_per_round(params, config, r, knobs) -> float:
     """Time the loop once (prefill untimed) at the given knobs: seconds per round of the batch."""
     carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
-                                        max_len=r.max_len, opts=r.opts, knobs=knobs,
+                                        max_len=r.max_len, program=r.program, knobs=knobs,
                                         key=jax.random.PRNGKey(r.seed), max_block=r.max_block,
                                         prefill_taps=r.prefill_taps, prefill_chunk=r.prefill_chunk))
     t0 = time.perf_counter()
-    carry = jax.block_until_ready(run_rounds(params, r.config, carry, knobs, r.opts))
+    carry = jax.block_until_ready(decode(params, r.config, carry, knobs, r.program))
     return (time.perf_counter() - t0) / max(int(carry.round), 1)
 
 
@@ -210,11 +210,12 @@ def calibrate(params: dict, config, prepared, *, repeats: int = CALIBRATION_PASS
     callable(str) or None; drafter: the name the table is for (default the program's; a drafter pool's run
     names its member)."""
     r = prepared
-    if not r.opts.adaptive:
+    if not r.program.adaptive:
         raise ValueError("calibrate needs a run prepared with the width scheduler (draft_n_max='auto')")
-    drafter = drafter or r.opts.drafter
+    drafter = drafter or r.program.drafter.name
     time_at = lambda knobs: seconds_per_round(params, config, r, knobs)
-    return measure(time_at, r.knobs, r.opts.k, repeats=repeats, progress=progress, drafter=drafter,
+    time_at(r.knobs.replace(width_mode=jnp.int32(MODE_PLAIN)))    # compile the `none` program plain rounds run in
+    return measure(time_at, r.knobs, r.program.k, repeats=repeats, progress=progress, drafter=drafter,
                    batch=int(r.tokens.shape[0]), key=cache_key(config, r, drafter))
 
 
@@ -264,7 +265,7 @@ def cached_or_calibrate(params: dict, config, prepared, *, cache_dir: str | None
                         drafter: str | None = None) -> tuple[CostTable, str]:
     """The cached table for this machine, program shapes and versions, or a fresh calibration saved there.
     drafter: as in `calibrate`. -> (table, "cached" | "measured")."""
-    drafter = drafter or prepared.opts.drafter
+    drafter = drafter or prepared.program.drafter.name
     return cached(cache_key(config, prepared, drafter), lambda: calibrate(
         params, config, prepared, repeats=repeats, progress=progress, drafter=drafter), cache_dir, refresh)
 

@@ -3,11 +3,31 @@
 Options come in three groups (`speculative.options`: Sampling, Speculation, RunShape) or as their published
 keywords, the drafter's own options (`Speculation.options`) as keywords too; the config may be a
 `ModelConfig` or the bundle `load_checkpoint` returns (DSpark's settings then come from the checkpoint);
-`backends=` picks the kernels (`dsv4_jax.backends`), resolved here, before anything is traced. The
-prefill and the drafter priming are `speculative.prefill`'s (shared with the slot engine).
+`backends=` picks the kernels (`dsv4_jax.backends`), resolved here, before anything is traced.
+
+    prepare(...) -> RunPlan      validated once: the drafter looked up and configured (`Drafter.configure`,
+                                 once), the static `program.Program` (the loop's jit key, holding the
+                                 Drafter object and its composed `DraftSetup`) and the run's data
+    start_plan(params, plan)     the prefill and the drafter priming (`speculative.prefill`, shared with the
+                                 slot engine) -> the loop's first `Carry`
+    loop.decode(...)             the rounds (`speculative.round`) -> the last carry
+    summarize(...)               the statistics (`speculative.stats`) -> `Generated(tokens, stats)`
+
+How many drafts a round verifies, from the caller to the round (three names):
+
+    name                     where                           what
+    draft_n_max              `Speculation.draft_n_max`       asked for (or draft_n_max_bound under "auto")
+    k                        `DraftSetup.k` = `Program.k`    the bound the loop is compiled for: draft_n_max
+                                                             capped by the drafter (`Drafter.max_drafts`), or
+                                                             max_block − 1 under RunShape.dynamic_draft_n
+    draft_n                  `RunPlan.draft_n`,              the run's drafts per round (<= k): a traced
+                             `Knobs.draft_n`                 scalar under a run-time bound, else None (= k);
+                                                             the round verifies min(n_draft, draft_n)
+    draft_n_max              stats["draft_n_max"]            reported: the run's draft_n
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, NamedTuple
 
@@ -18,16 +38,20 @@ import numpy as np
 from ..backends import Backends
 from ..bundle import CheckpointConfig, unbundle
 from ..config import ModelConfig
-from ..model.decode import CapacityError
 from ..drafters import pool, registry
-from ..drafters.base import MODE_AUTO, MODE_FIXED
-from .cost_table import CostTable, as_table, cached_or_calibrate
-from .loop import Carry, Knobs, Options, run_rounds, run_rounds_python
+from ..drafters.base import MODE_AUTO, Knobs
+from ..model.decode import CapacityError
 from ..ops.host import to_host
-from ..ops.verification import RULES, expected_accepted
+from ..ops.verification import RULES
+from . import stats as S
+from .cost_table import CostTable, as_table, cached_or_calibrate
+from .loop import decode
 from .options import LONG_PROMPT_CHUNK, RunShape, Sampling, Speculation, group_options
 from .prefill import (chunk_plan, init_rows, next_tokens, prefill_piece, prefill_target, prime, prime_piece,  # noqa: F401
                       start, start_carry)
+from .program import Carry, Program
+from .stats import StatsSpec
+from .width_policy import width_knobs
 
 NO_DRAFTER = (None, "none")
 AUTO = "auto"      # Speculation.draft_n_max: the width scheduler (docs/width_scheduler.md)
@@ -78,98 +102,42 @@ def synthetic_rates(value) -> tuple[float, ...] | None:
     return tuple(float(r) for r in (value if isinstance(value, (tuple, list)) else (value,)))
 
 
-def summarize(c: Carry, opts: Options, wall_s: float, k: int | None = None) -> dict[str, Any]:
-    """Statistics of a finished run (docs/drafter_math.md §4.1 definitions); per-sequence arrays as lists.
-
-    k: the run's drafts per round (default opts.k; less when the loop was compiled for a wider bound,
-    `RunShape.dynamic_draft_n`)."""
-    s = to_host(c.stats)
-    k = opts.k if k is None else k  # the carry may be sized for a wider bound (RunShape.max_block): trim
-    s = s.replace(per_position=s.per_position[:, :k], proposed_at=s.proposed_at[:, :k],
-                  length_hist=s.length_hist[:, :k + 1])
+def summarize(c: Carry, program: Program, wall_s: float, draft_n: int | None = None) -> dict[str, Any]:
+    """Statistics of a finished run (docs/drafter_math.md §4.1 definitions, `stats.summary`); per-sequence
+    arrays as lists. draft_n: the run's drafts per round (default program.k; less when the loop was compiled
+    for a wider bound, `RunShape.dynamic_draft_n`)."""
     n_out = to_host(c.out_len)
-    rounds, drafted, accepted = int(s.rounds.sum()), int(s.drafted.sum()), int(s.accepted.sum())
-    return {
-        "drafter": opts.drafter, "draft_n_max": k, "rounds": rounds, "drafted": drafted, "accepted": accepted,
-        "generated": int(n_out.sum()), "per_sequence_generated": n_out.tolist(),
-        "per_position_accepted": s.per_position.sum(0).tolist(),
-        "per_position_proposed": s.proposed_at.sum(0).tolist(),
-        "draft_length_histogram": s.length_hist.sum(0).tolist(),     # rounds by drafts proposed (0..k)
-        # accept_rate@j: rounds whose draft j was accepted / rounds that proposed a draft j
-        "per_position_accept_rate": [float(a / p) if p else 0.0 for a, p in
-                                     zip(s.per_position.sum(0), s.proposed_at.sum(0))],
-        "mean_accepted_length": (accepted + rounds) / rounds if rounds else 0.0,   # includes the bonus token
-        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-        "per_sequence": {"rounds": s.rounds.tolist(), "drafted": s.drafted.tolist(), "accepted": s.accepted.tolist()},
-        "wall_s": wall_s, "tokens_per_s": float(n_out.sum()) / wall_s if wall_s > 0 else 0.0,
-        **verification_summary(s, opts, k),
-        **width_summary(s, k),
-    }
+    out = S.summary(to_host(c.stats), program, program.k if draft_n is None else draft_n)
+    return {**out, "generated": int(n_out.sum()), "per_sequence_generated": n_out.tolist(), "wall_s": wall_s,
+            "tokens_per_s": float(n_out.sum()) / wall_s if wall_s > 0 else 0.0}
 
 
-def width_summary(s, k: int) -> dict[str, Any]:
-    """The width scheduler's statistics (docs/width_scheduler.md): rounds per verified width (0..k, then
-    "plain": rounds without the drafter) and the expected vs realised tokens per round; s: numpy Stats."""
-    if s.width_hist is None:
-        return {}
-    hist = s.width_hist.sum(0)
-    rounds = int(s.rounds.sum())
-    return {"width_histogram": {**{str(w): int(hist[w]) for w in range(k + 1)}, "plain": int(hist[-1])},
-            "expected_tokens_per_round": float(s.predicted.sum()) / rounds if rounds else 0.0,
-            "modelled_cost_s": float(s.cost_sum.sum())}
+@dataclasses.dataclass(frozen=True, eq=False)
+class RunPlan:
+    """A validated run (`prepare`): the loop's static `Program` (its jit key) and the run's data."""
 
-
-def verification_summary(s, opts: Options, k: int) -> dict[str, Any]:
-    """The verify rule's statistics (docs/verification.md): analytic beside empirical per-position acceptance,
-    per-request acceptance histograms (vLLM's names), DSpark confidence bins; s: numpy Stats."""
-    if s.expected_at is None:
-        return {}
-    prop = s.proposed_at.sum(0)
-    rate = lambda x: [float(a / p) if p else 0.0 for a, p in zip(x, prop)]
-    rounds = int(s.rounds.sum())
-    out = {"verify": "synthetic" if opts.synthetic_accept else ("greedy" if opts.greedy else opts.verify),
-           "acceptance": "synthetic" if opts.synthetic_accept else ("forced" if opts.forced_acceptance else "real"),
-           "synthetic_accept": list(opts.synthetic_accept) if opts.synthetic_accept else None,
-           "per_position_expected_accept_rate": rate(s.expected_at[:, :k].sum(0)),
-           "per_position_alpha": rate(s.alpha_at[:, :k].sum(0)),
-           "expected_mean_accepted_length": (float(s.expected_at.sum()) + rounds) / rounds if rounds else 0.0,
-           "acceptance_histogram": s.accept_hist[:, :k + 1].sum(0).tolist(),
-           # vLLM's per-request spec-decode counters (num_drafts, num_draft_tokens, num_accepted_tokens,
-           # num_accepted_tokens_per_pos) plus the histogram of accepted drafts per round (0..k)
-           "per_request": [{"num_drafts": int(s.rounds[b]), "num_draft_tokens": int(s.drafted[b]),
-                            "num_accepted_tokens": int(s.accepted[b]),
-                            "num_accepted_tokens_per_pos": s.per_position[b, :k].tolist(),
-                            "acceptance_histogram": s.accept_hist[b, :k + 1].tolist()}
-                           for b in range(s.rounds.shape[0])]}
-    if opts.synthetic_accept:
-        out["synthetic_expected_mean_accepted_length"] = 1.0 + expected_accepted(opts.synthetic_accept, k)
-    if s.calib[:, :k].sum() > 0:
-        out["calibration"] = {"bins": s.calib[:, :k].sum(0).tolist(), "brier_sum": s.brier_at[:, :k].sum(0).tolist()}
-    return out
-
-
-class Prepared(NamedTuple):
-    """A validated run: what `start` and the loop take."""
-
+    program: Program             # static: drafter, DraftSetup (k: the compiled bound), sampling mode, budget ...
     config: ModelConfig          # the target config, backends resolved
     tokens: np.ndarray           # [B,S] right-padded prompts
     lengths: np.ndarray          # [B]
-    opts: Options
-    knobs: Knobs
+    knobs: Knobs                 # dynamic: temperature, top_p, the drafter's knobs, draft_n, the width costs
+    draft_n: int                 # the run's drafts per round (<= program.k; Knobs.draft_n under a run-time bound)
     max_len: int
-    seed: int
-    host_loop: bool
-    max_block: int               # the decode state's and carry's widest verify block (>= opts.k + 1)
-    prefill_taps: tuple          # tap layers the prefill computes (contains opts.taps)
-    draft_n: int                 # the run's drafts per round (< opts.k under RunShape.dynamic_draft_n)
+    max_block: int               # the decode state's and carry's widest verify block (>= program.k + 1)
+    prefill_taps: tuple          # tap layers the prefill computes (contains program.taps)
+    seed: int = 0
+    host_loop: bool = False
     prefill_chunk: int | None = None   # the prefill in chunks of this many tokens (RunShape.prefill_chunk)
     cost_table: Any = None             # Speculation.cost_table (auto runs; `priced`)
+
+    def replace(self, **changes) -> "RunPlan":
+        return dataclasses.replace(self, **changes)
 
 
 def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
             sampling: Sampling | None = None, speculation: Speculation | None = None, run: RunShape | None = None,
-            backends: Backends | str | None = None, **options) -> Prepared:
-    """Validate the options (groups and / or published keywords, see `speculative.options`) and build a run."""
+            backends: Backends | str | None = None, **options) -> RunPlan:
+    """Validate the options (groups and / or published keywords, see `speculative.options`) and plan a run."""
     sp, spec, shape = group_options(sampling, speculation, run, **options)
     config, bundle_meta = unbundle(config, backends)
     drafter = registry.get(spec.drafter)
@@ -189,23 +157,21 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
     auto = spec.draft_n_max == AUTO
     adaptive = (auto or shape.adaptive_widths) and drafter.name != "none"
     dynamic = (shape.dynamic_draft_n or adaptive) and drafter.name != "none"
-    max_block_given = shape.max_block
-    if auto and max_block_given is None:
-        max_block_given = spec.draft_n_max_bound + 1
-    if dynamic and max_block_given is None:
+    max_block = shape.max_block
+    if auto and max_block is None:
+        max_block = spec.draft_n_max_bound + 1
+    if dynamic and max_block is None:
         raise ValueError("dynamic_draft_n needs max_block: the verify width the loop is compiled for")
-    n_run = spec.draft_n_max_bound if auto else spec.draft_n_max
-    # the program's drafts per round: the run's, or the bound max_block - 1 (dynamic_draft_n)
-    k_program = max_block_given - 1 if dynamic else max(n_run, 1)
-    setup = drafter.configure(params, config, k_program, dopts, bundle)
-    k = setup.k
-    # the run's drafts per round (a drafter may cap draft_n_max: DSpark at its block size)
-    draft_n = drafter.configure(params, config, n_run, dopts, bundle).k if dynamic else k
-    if draft_n > k:
-        raise ValueError(f"draft_n_max={n_run} needs verify blocks wider than max_block={max_block_given}")
-    max_block = max_block_given or k + 1
-    if max_block < k + 1:
-        raise ValueError(f"max_block={max_block} is narrower than a verify block of draft_n_max {k} (+1)")
+    draft_n = spec.draft_n_max_bound if auto else spec.draft_n_max
+    # the program's bound: the run's draft_n_max, or max_block - 1 (dynamic_draft_n); a drafter may cap it
+    setup = drafter.configure(params, config, max_block - 1 if dynamic else max(draft_n, 1), dopts, bundle)
+    cap = drafter.max_drafts(setup)
+    draft_n = min(draft_n, draft_n if cap is None else cap) if dynamic else setup.k
+    if draft_n > setup.k:
+        raise ValueError(f"draft_n_max={draft_n} needs verify blocks wider than max_block={max_block}")
+    max_block = max_block or setup.k + 1
+    if max_block < setup.k + 1:
+        raise ValueError(f"max_block={max_block} is narrower than a verify block of draft_n_max {setup.k} (+1)")
     need = tokens.shape[1] + max_new_tokens + max_block
     max_len = shape.max_len or need
     if need > max_len:
@@ -219,42 +185,73 @@ def prepare(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens,
     if chunk is None and tokens.shape[1] > LONG_PROMPT_CHUNK:
         chunk = LONG_PROMPT_CHUNK
     eos = config.eos_token_id if shape.eos_token_id is None else shape.eos_token_id
-    opts = Options(drafter=drafter.name, k=k, greedy=sp.temperature == 0, max_new_tokens=max_new_tokens,
-                   eos_token_id=int(eos), taps=setup.taps, settings=setup.settings,
-                   # greedy and synthetic runs ignore the rule: one program for both (docs/verification.md §2)
-                   verify=spec.verify if sp.temperature > 0 and spec.synthetic_accept is None else "token",
-                   synthetic_accept=synthetic_rates(spec.synthetic_accept), adaptive=adaptive)
+    program = Program(drafter=drafter, setup=setup, greedy=sp.temperature == 0, max_new_tokens=max_new_tokens,
+                      eos_token_id=int(eos),
+                      # greedy and synthetic runs ignore the rule: one program for both (docs/verification.md §2)
+                      verify=spec.verify if sp.temperature > 0 and spec.synthetic_accept is None else "token",
+                      synthetic_accept=synthetic_rates(spec.synthetic_accept), adaptive=adaptive,
+                      stats=StatsSpec(width=adaptive, trace=shape.round_trace))
     knobs = Knobs(temperature=jnp.float32(max(sp.temperature, 1e-6)), top_p=jnp.float32(sp.top_p),
                   drafter=drafter.knobs(dopts), draft_n=jnp.int32(draft_n) if dynamic else None)
     if adaptive:
-        knobs = width_knobs(knobs, as_table(spec.cost_table) if auto else None, k, auto)
+        knobs = width_knobs(knobs, as_table(spec.cost_table) if auto else None, setup.k, auto)
     prefill_taps = setup.taps
     if shape.drafter_pool and drafter.name == "none":    # share the pool's runs' prefill program
         members = tuple(shape.drafter_pool)
-        prefill_taps = registry.get(pool.NAME).configure(params, config, k_program,
+        prefill_taps = registry.get(pool.NAME).configure(params, config, max_block - 1,
                                                          pool.PoolOptions(members, members[0]), bundle).taps
-    return Prepared(config, tokens, lengths, opts, knobs, max_len, sp.seed, shape.host_loop, max_block, prefill_taps,
-                    draft_n, chunk, spec.cost_table)
+    return RunPlan(program=program, config=config, tokens=tokens, lengths=lengths, knobs=knobs, draft_n=draft_n,
+                   max_len=max_len, max_block=max_block, prefill_taps=prefill_taps, seed=sp.seed,
+                   host_loop=shape.host_loop, prefill_chunk=chunk, cost_table=spec.cost_table)
 
 
-def width_knobs(knobs: Knobs, table: CostTable | None, k: int, auto: bool) -> Knobs:
-    """The width scheduler's knobs: MODE_AUTO priced by the table (None: unit costs, to be replaced by a
-    calibration before the run) or MODE_FIXED (the table unused)."""
-    n = int(knobs.draft_n)
-    cost, plain = table.costs(n) if table is not None else (np.ones((n + 1,), np.float32), np.float32(1.0))
-    cost = np.pad(cost, (0, k - n), constant_values=np.float32(1e9))   # widths beyond the run's bound: never
-    return knobs.replace(width_mode=jnp.int32(MODE_AUTO if auto else MODE_FIXED), width_cost=jnp.asarray(cost),
-                         plain_cost=jnp.asarray(plain))
-
-
-def priced(params: dict, r: Prepared, table, progress=None) -> tuple[Prepared, CostTable | None, str | None]:
+def priced(params: dict, r: RunPlan, table, progress=None) -> tuple[RunPlan, CostTable | None, str | None]:
     """An auto run with its cost table: the given one, or the cached / freshly measured one for this machine
     and the run's shapes (`cost_table.cached_or_calibrate`). -> (run, table, "given" | "cached" | "measured")."""
-    if not r.opts.adaptive or int(r.knobs.width_mode) != MODE_AUTO:
+    if not r.program.adaptive or int(r.knobs.width_mode) != MODE_AUTO:
         return r, None, None
     table, how = (as_table(table), "given") if table is not None else \
         cached_or_calibrate(params, r.config, r, progress=progress)
-    return r._replace(knobs=width_knobs(r.knobs, table, r.opts.k, True)), table, how
+    return r.replace(knobs=width_knobs(r.knobs, table, r.program.k, True)), table, how
+
+
+def start_plan(params: dict, r: RunPlan) -> Carry:
+    """The prefilled carry of a planned run (`prefill.start`)."""
+    return start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths), max_len=r.max_len,
+                 program=r.program, knobs=r.knobs, key=jax.random.PRNGKey(r.seed), max_block=r.max_block,
+                 prefill_taps=r.prefill_taps, prefill_chunk=r.prefill_chunk)
+
+
+class Generated(NamedTuple):
+    """What `generate` returns: `tokens, stats = generate(...)` unpacks it; stats["key"] as before."""
+
+    tokens: list[list[int]]      # per prompt, the generated tokens (the first one from the prefill)
+    stats: dict[str, Any]        # every statistic (`summarize`, plus prefill_s, decode_s, cost_table)
+
+    @property
+    def rounds(self) -> int:
+        return self.stats["rounds"]
+
+    @property
+    def accepted(self) -> int:
+        return self.stats["accepted"]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per round including the bonus token."""
+        return self.stats["mean_accepted_length"]
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.stats["draft_acceptance_rate"]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats["tokens_per_s"]
+
+    @property
+    def wall_s(self) -> float:
+        return self.stats["wall_s"]
 
 
 def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
@@ -288,25 +285,22 @@ def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens
         prompts longer than `options.LONG_PROMPT_CHUNK` tokens in chunks of that many).
     backends: the kernels (a `Backends`, or "auto" | "reference" | "pallas"; default: the config's).
 
-    Returns (tokens: list of int lists, stats dict: rounds, drafted, accepted, per-position
-    acceptance, mean accepted length incl. the bonus token, draft acceptance rate, wall time
-    (prefill_s + decode_s), tokens/s).
+    Returns a `Generated`: .tokens (list of int lists) and .stats (dict: rounds, drafted, accepted,
+    per-position acceptance, mean accepted length incl. the bonus token, draft acceptance rate, wall time
+    (prefill_s + decode_s), tokens/s; RunShape.round_trace: per_round_accepted / per_round_drafted), the
+    main numbers also as attributes; `tokens, stats = generate(...)` unpacks it.
     """
     r = prepare(params, config, prompt_tokens, max_new_tokens, sampling=sampling, speculation=speculation, run=run,
                 backends=backends, **options)
     r, table, how = priced(params, r, r.cost_table)
     t0 = time.perf_counter()
-    carry = jax.block_until_ready(start(params, r.config, jnp.asarray(r.tokens), jnp.asarray(r.lengths),
-                                        max_len=r.max_len, opts=r.opts, knobs=r.knobs, key=jax.random.PRNGKey(r.seed),
-                                        max_block=r.max_block, prefill_taps=r.prefill_taps,
-                                        prefill_chunk=r.prefill_chunk))
+    carry = jax.block_until_ready(start_plan(params, r))
     t1 = time.perf_counter()
-    loop = run_rounds_python if r.host_loop else run_rounds
-    carry = jax.block_until_ready(loop(params, r.config, carry, r.knobs, r.opts))
+    carry = jax.block_until_ready(decode(params, r.config, carry, r.knobs, r.program, r.host_loop))
     t2 = time.perf_counter()
     out, n = to_host((carry.out, carry.out_len))
-    stats = summarize(carry, r.opts, t2 - t0, r.draft_n)
+    stats = summarize(carry, r.program, t2 - t0, r.draft_n)
     stats.update(prefill_s=t1 - t0, decode_s=t2 - t1)   # the first token comes from the prefill
     if table is not None:
         stats["cost_table"] = dict(table.to_json(), how=how)
-    return [out[b, :n[b]].tolist() for b in range(out.shape[0])], stats
+    return Generated([out[b, :n[b]].tolist() for b in range(out.shape[0])], stats)

@@ -3,7 +3,7 @@
     Sampling      temperature, top_p, seed                         what is drawn
     Speculation   drafter, draft_n_max, options (the drafter's own: `Drafter.Options`)   how drafts are made
     RunShape      eos_token_id, max_len, pad_to, host_loop, max_block, drafter_pool, dynamic_draft_n,
-                  prefill_chunk
+                  prefill_chunk, adaptive_widths, round_trace
                                                                      when to stop, fixed shapes, loop driver
 
 `generate(..., sampling=Sampling(temperature=0.8), speculation=Speculation("dspark", 5))` and
@@ -76,7 +76,7 @@ class RunShape:
     (`Knobs.draft_n`): the drafter is compiled once and proposes at most draft_n_max drafts (MTP's
     chain and DSpark's Markov head run that many steps), and the verify block is still draft_n_max + 1
     wide — the verify and commit are a switch over the widths 2..max_block, one copy of the target
-    step each (`speculative.loop.round_step`; `ops.branch.switch_in_place`, which updates the decode state in
+    step each (`speculative.round.round_step`; `ops.branch.switch_in_place`, which updates the decode state in
     place), so a round costs what it costs in its own program.
     Greedy tokens, statistics and decode states equal the static program's; sampled runs draw from the
     same distributions but other random numbers (the drafter's draws are split for the bound).
@@ -85,7 +85,9 @@ class RunShape:
     once up to LONG_PROMPT_CHUNK tokens, longer prompts in chunks of LONG_PROMPT_CHUNK: a block's indexer
     scores [S, H, S/m] grow with S², a chunk's with S).
     adaptive_widths (with dynamic_draft_n): compile the width scheduler into the loop program, so fixed
-    draft_n_max runs share the program of draft_n_max="auto" runs (same tokens; docs/width_scheduler.md)."""
+    draft_n_max runs share the program of draft_n_max="auto" runs (same tokens; docs/width_scheduler.md).
+    round_trace: record every round's accepted and verified drafts per sequence (`stats.Trace`; the
+    statistics' per_round_accepted / per_round_drafted: acceptance against the output position)."""
 
     eos_token_id: int | None = None
     max_len: int | None = None
@@ -96,6 +98,7 @@ class RunShape:
     dynamic_draft_n: bool = False
     prefill_chunk: int | None = None
     adaptive_widths: bool = False
+    round_trace: bool = False
 
 
 GROUPS = {"sampling": Sampling, "speculation": Speculation, "run": RunShape}

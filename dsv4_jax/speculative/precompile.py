@@ -18,15 +18,15 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from .generate import Prepared
-from .loop import round_jit, run_rounds
+from .generate import RunPlan
+from .loop import hand_over, plain_knobs, plain_program, round_jit, run_rounds
 from .prefill import init_rows, prefill_piece, prefill_target, prime, prime_piece, start_carry
 
 KIND_ORDER = {"loop": 0, "prefill": 1, "prime": 2, "init": 3}     # biggest first: the pool's threads finish together
 
 
 @dataclasses.dataclass(frozen=True)
-class Program:
+class Call:
     """One jitted call of a run: fn(*args, **kwargs), args concrete or jax.ShapeDtypeStruct."""
 
     kind: str                 # "prefill" | "prime" | "loop" | "init" (a chunked prefill's empty rows)
@@ -45,7 +45,7 @@ class Program:
         return self.fn.trace(*self.args, **self.kwargs).lower().compile()
 
 
-def programs(params: dict, r: Prepared) -> list[Program]:
+def programs(params: dict, r: RunPlan) -> list[Call]:
     """The prefill, priming and loop programs `generate` runs for the prepared run r (nothing executes).
 
     Each is called as `generate` calls it (the same arguments positional or by keyword): jit's caches
@@ -54,17 +54,17 @@ def programs(params: dict, r: Prepared) -> list[Program]:
     key = jax.random.PRNGKey(r.seed)
     fill = dict(max_len=r.max_len, max_block=r.max_block, taps=r.prefill_taps)
     loop = round_jit if r.host_loop else run_rounds
-    opts = r.opts.replace(k=r.max_block - 1)          # the carry's bound (`start`)
+    program = r.program.at_bound(r.max_block - 1)     # the carry's bound (`start`)
     if r.prefill_chunk is None:
         prefilled = jax.eval_shape(lambda p, t, n: prefill_target(p, r.config, t, n, **fill), params, tokens, lengths)
-        prime_kw = dict(max_len=r.max_len, opts=opts, prefill_taps=r.prefill_taps, knobs=r.knobs, key=key)
+        prime_kw = dict(max_len=r.max_len, program=program, prefill_taps=r.prefill_taps, knobs=r.knobs, key=key)
         prime_args = (params, r.config, *prefilled, tokens, lengths)
         carry = jax.eval_shape(lambda p, *a: prime(p, r.config, *a, **prime_kw), params, *prime_args[2:])
-        steps = [Program("prefill", prefill_target, (params, r.config, tokens, lengths), fill),
-                 Program("prime", prime, prime_args, prime_kw)]
+        steps = [Call("prefill", prefill_target, (params, r.config, tokens, lengths), fill),
+                 Call("prime", prime, prime_args, prime_kw)]
     else:
         B, C = tokens.shape[0], r.prefill_chunk
-        init_kw = dict(batch=B, max_len=r.max_len, opts=opts)
+        init_kw = dict(batch=B, max_len=r.max_len, program=program)
         rows = jax.eval_shape(lambda p, k: init_rows(p, r.config, k, **init_kw), params, r.knobs)
         chunk, vec = jax.ShapeDtypeStruct((B, C), jnp.int32), lambda dtype: jax.ShapeDtypeStruct((B,), dtype)
         piece_args = (params, r.config, rows.target, chunk, vec(jnp.int32))
@@ -72,23 +72,28 @@ def programs(params: dict, r: Prepared) -> list[Program]:
                                       *piece_args[2:])
         prime_args = (params, r.config, rows.drafter, rows.first, aux, last, chunk, vec(jnp.int32), vec(jnp.int32),
                       vec(jnp.bool_), key, r.knobs)
-        carry = jax.eval_shape(lambda rw, k: start_carry(rw, k, opts=opts), rows, key)
-        steps = [Program("prefill", prefill_piece, piece_args, {"taps": r.prefill_taps}),
-                 Program("init", init_rows, (params, r.config, r.knobs), init_kw),
-                 Program("prime", prime_piece, prime_args, dict(opts=opts, prefill_taps=r.prefill_taps)),
-                 Program("prime", start_carry, (rows, key), {"opts": opts})]
-    return [*steps, Program("loop", loop, (params, r.config, carry, r.knobs, r.opts), {}, size=r.opts.k)]
+        carry = jax.eval_shape(lambda rw, k: start_carry(rw, k, program=program), rows, key)
+        steps = [Call("prefill", prefill_piece, piece_args, {"taps": r.prefill_taps}),
+                 Call("init", init_rows, (params, r.config, r.knobs), init_kw),
+                 Call("prime", prime_piece, prime_args, dict(program=program, prefill_taps=r.prefill_taps)),
+                 Call("prime", start_carry, (rows, key), {"program": program})]
+    steps.append(Call("loop", loop, (params, r.config, carry, r.knobs, r.program), {}, size=r.program.k))
+    if r.program.adaptive and not r.host_loop:      # after a switch to plain decoding: the `none` program
+        plain = plain_program(r.program)
+        lean = jax.eval_shape(lambda c: hand_over(c, plain), carry)
+        steps.append(Call("loop", run_rounds, (params, r.config, lean, plain_knobs(r.knobs), plain), {}))
+    return steps
 
 
-def distinct(progs: Sequence[Program]) -> list[Program]:
+def distinct(progs: Sequence[Call]) -> list[Call]:
     """One of each program, biggest first (loops by draft width, then prefills, then primings)."""
-    seen: dict[tuple, Program] = {}
+    seen: dict[tuple, Call] = {}
     for p in progs:
         seen.setdefault(p.key(), p)
     return sorted(seen.values(), key=lambda p: (KIND_ORDER[p.kind], -p.size))
 
 
-def compile_all(progs: Sequence[Program], threads: int = 1) -> dict[str, Any]:
+def compile_all(progs: Sequence[Call], threads: int = 1) -> dict[str, Any]:
     """Compile the distinct programs on `threads` threads. -> {"programs": n, "wall_s": seconds}."""
     todo = distinct(progs)
     t0 = time.perf_counter()

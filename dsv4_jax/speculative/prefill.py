@@ -28,11 +28,11 @@ import numpy as np
 from flax import struct
 
 from ..config import ModelConfig
-from ..drafters import registry
 from ..model.decode import advance, process_block
 from ..model.state import DecodeState, init_state
 from ..ops.sampling import sample_first
-from .loop import Carry, Knobs, Options, initial_carry
+from ..drafters.base import Knobs
+from .program import Carry, Program, initial_carry
 
 
 @struct.dataclass
@@ -44,25 +44,25 @@ class Rows:
     first: jax.Array           # [P] the first generated token (valid once the prompt's last chunk ran)
 
 
-def _drafter_aux(aux: dict, prefill_taps: tuple[int, ...], opts: Options) -> dict:
-    """The drafter's view of a prefill's aux: its own tap layers (opts.taps) among the prefill's."""
-    return {"hidden": aux["hidden"], "taps": aux["taps"][:, :, [prefill_taps.index(t) for t in opts.taps]]}
+def _drafter_aux(aux: dict, prefill_taps: tuple[int, ...], program: Program) -> dict:
+    """The drafter's view of a prefill's aux: its own tap layers (program.taps) among the prefill's."""
+    return {"hidden": aux["hidden"], "taps": aux["taps"][:, :, [prefill_taps.index(t) for t in program.taps]]}
 
 
 def _prime(params: dict, config: ModelConfig, dstate, first: jax.Array, aux: dict, last_logits: jax.Array,
            nxt: jax.Array, start: jax.Array, n_valid: jax.Array, final: jax.Array, key, knobs: Knobs, *,
-           opts: Options, prefill_taps: tuple[int, ...]):
+           program: Program, prefill_taps: tuple[int, ...]):
     """Prime the drafter on positions start + [0, C) (n_valid [B] real ones) and sample the first token of
     the rows whose prompt ends there (final [B]) from last_logits [B,V] (each row's logits at its last
     real position). nxt [B,C]: the token after each position; at a final row's last position the sampled
     first token. -> (drafter state, first [B])."""
-    sampled = sample_first(key, last_logits, knobs.temperature, knobs.top_p, opts.greedy)
+    sampled = sample_first(key, last_logits, knobs.temperature, knobs.top_p, program.greedy)
     first = jnp.where(final, sampled, first)
     C = nxt.shape[1]
     at_last = final[:, None] & (jnp.arange(C)[None, :] == jnp.maximum(n_valid - 1, 0)[:, None])
     nxt = jnp.where(at_last, first[:, None], nxt)
-    dstate = registry.get(opts.drafter).observe(opts.bind(params, config), dstate,
-                                                _drafter_aux(aux, prefill_taps, opts), nxt, start, n_valid)
+    dstate = program.drafter.observe(program.bind(params, config), dstate, _drafter_aux(aux, prefill_taps, program),
+                                     nxt, start, n_valid)
     return dstate, first
 
 
@@ -83,37 +83,38 @@ def prefill_target(params: dict, config: ModelConfig, tokens: jax.Array, lengths
     return advance(state, n), last_logits, aux
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "opts", "prefill_taps"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "program", "prefill_taps"),
+                   donate_argnames=("state",))
 def prime(params: dict, config: ModelConfig, state, last_logits: jax.Array, aux: dict, tokens: jax.Array,
-          lengths: jax.Array, *, max_len: int, opts: Options, prefill_taps: tuple[int, ...], knobs: Knobs,
+          lengths: jax.Array, *, max_len: int, program: Program, prefill_taps: tuple[int, ...], knobs: Knobs,
           key) -> Carry:
     """Sample the first token, prime the drafter on the whole prompt tokens [B,S] and build the loop's
     initial carry (one jit).
 
-    opts.k sizes the carry (statistics [B,k], output room, the drafter's state): `start` passes the run's
+    program.k sizes the carry (statistics [B,k], output room, the drafter's state): `start` passes the run's
     bound (max_block − 1), so every draft_n_max up to it shares this program. aux["taps"] holds
-    prefill_taps; the drafter reads its own opts.taps among them."""
+    prefill_taps; the drafter reads its own program.taps among them."""
     B = tokens.shape[0]
     tokens = jnp.asarray(tokens)
     key, k_first = jax.random.split(key)
-    dstate = registry.get(opts.drafter).begin(opts.bind(params, config), B, max_len, params["embed"].dtype, knobs)
+    dstate = program.drafter.begin(program.bind(params, config), B, max_len, params["embed"].dtype, knobs)
     n = jnp.asarray(lengths)
     dstate, first = _prime(params, config, dstate, jnp.zeros((B,), jnp.int32), aux, last_logits,
                            jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1).astype(jnp.int32),
                            jnp.zeros((B,), jnp.int32), n,
-                           jnp.ones((B,), bool), k_first, knobs, opts=opts, prefill_taps=prefill_taps)
-    return initial_carry(first, state, dstate, key, opts)
+                           jnp.ones((B,), bool), k_first, knobs, program=program, prefill_taps=prefill_taps)
+    return initial_carry(first, state, dstate, key, program)
 
 
 # ---- chunked -----------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "opts"))
-def init_rows(params: dict, config: ModelConfig, knobs: Knobs, *, batch: int, max_len: int, opts: Options) -> Rows:
-    """P = batch empty rows (pos 0) to prefill into: the target state for verify blocks of opts.k + 1, the
+@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "program"))
+def init_rows(params: dict, config: ModelConfig, knobs: Knobs, *, batch: int, max_len: int, program: Program) -> Rows:
+    """P = batch empty rows (pos 0) to prefill into: the target state for verify blocks of program.k + 1, the
     drafter's start state (`begin`)."""
     dtype = params["embed"].dtype
-    return Rows(target=init_state(config, batch, max_len, opts.k + 1, dtype),
-                drafter=registry.get(opts.drafter).begin(opts.bind(params, config), batch, max_len, dtype, knobs),
+    return Rows(target=init_state(config, batch, max_len, program.k + 1, dtype),
+                drafter=program.drafter.begin(program.bind(params, config), batch, max_len, dtype, knobs),
                 first=jnp.zeros((batch,), jnp.int32))
 
 
@@ -128,33 +129,34 @@ def prefill_piece(params: dict, config: ModelConfig, state, tokens: jax.Array, n
     return advance(state, n_valid), last, aux
 
 
-@functools.partial(jax.jit, static_argnames=("config", "opts", "prefill_taps"), donate_argnames=("dstate",))
+@functools.partial(jax.jit, static_argnames=("config", "program", "prefill_taps"), donate_argnames=("dstate",))
 def prime_piece(params: dict, config: ModelConfig, dstate, first: jax.Array, aux: dict, last_logits: jax.Array,
                 nxt: jax.Array, start: jax.Array, n_valid: jax.Array, final: jax.Array, key, knobs: Knobs, *,
-                opts: Options, prefill_taps: tuple[int, ...]):
+                program: Program, prefill_taps: tuple[int, ...]):
     """The drafter primed on one chunk (`_prime`), the first token sampled where the prompt ends. -> (drafter
     state, first [B])."""
     return _prime(params, config, dstate, first, aux, last_logits, nxt, start, n_valid, final, key, knobs,
-                  opts=opts, prefill_taps=prefill_taps)
+                  program=program, prefill_taps=prefill_taps)
 
 
 def prefill_chunk(params: dict, config: ModelConfig, rows: Rows, tokens: jax.Array, n_valid: jax.Array, nxt,
-                  final: jax.Array, start: int, key, knobs: Knobs, *, opts: Options, taps: tuple[int, ...]) -> Rows:
+                  final: jax.Array, start: int, key, knobs: Knobs, *, program: Program,
+                  taps: tuple[int, ...]) -> Rows:
     """One prompt chunk tokens [P,C] (n_valid [P] real ones, right-padded; 0: the row's prompt ended before)
     into the rows at positions start + [0, C): `prefill_piece` then `prime_piece`. nxt [P,C]: the token
     after each position (the prompt shifted left); final [P]: the prompt's last token is in this chunk;
-    taps: the tap layers the target computes (containing opts.taps). key: for the first token."""
+    taps: the tap layers the target computes (containing program.taps). key: for the first token."""
     state, last, aux = prefill_piece(params, config, rows.target, tokens, n_valid, taps=taps)
     dstate, first = prime_piece(params, config, rows.drafter, rows.first, aux, last, jnp.asarray(nxt),
-                                jnp.full(n_valid.shape, start, jnp.int32), n_valid, final, key, knobs, opts=opts,
-                                prefill_taps=taps)
+                                jnp.full(n_valid.shape, start, jnp.int32), n_valid, final, key, knobs,
+                                program=program, prefill_taps=taps)
     return Rows(target=state, drafter=dstate, first=first)
 
 
-@functools.partial(jax.jit, static_argnames=("opts",), donate_argnames=("rows",))
-def start_carry(rows: Rows, key, *, opts: Options) -> Carry:
+@functools.partial(jax.jit, static_argnames=("program",), donate_argnames=("rows",))
+def start_carry(rows: Rows, key, *, program: Program) -> Carry:
     """The loop's initial carry of prefilled rows (their first token emitted)."""
-    return initial_carry(rows.first, rows.target, rows.drafter, key, opts)
+    return initial_carry(rows.first, rows.target, rows.drafter, key, program)
 
 
 def chunk_plan(lengths: np.ndarray, chunk: int, width: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -173,23 +175,23 @@ def next_tokens(tokens: np.ndarray, width: int) -> np.ndarray:
 
 
 def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, *, max_len: int,
-          opts: Options, knobs: Knobs, key, max_block: int | None = None, prefill_taps: tuple | None = None,
+          program: Program, knobs: Knobs, key, max_block: int | None = None, prefill_taps: tuple | None = None,
           prefill_chunk: int | None = None) -> Carry:
     """Prefill the prompts, sample the first token, and prime the drafter: the loop's initial carry.
 
-    max_block (default opts.k + 1) sizes the decode state and the carry for verify blocks up to that
-    width; prefill_taps (default opts.taps, must contain them) are the tap layers the prefill computes;
+    max_block (default program.k + 1) sizes the decode state and the carry for verify blocks up to that
+    width; prefill_taps (default program.taps, must contain them) are the tap layers the prefill computes;
     prefill_chunk: the chunked programs (module docstring), chunks of that many tokens."""
-    max_block = opts.k + 1 if max_block is None else max_block
-    prefill_taps = tuple(opts.taps) if prefill_taps is None else tuple(prefill_taps)
-    if max_block < opts.k + 1 or not set(opts.taps) <= set(prefill_taps):
-        raise ValueError(f"max_block {max_block} / prefill taps {prefill_taps} do not cover k={opts.k}, "
-                         f"taps {opts.taps}")
-    opts = opts.replace(k=max_block - 1)
+    max_block = program.k + 1 if max_block is None else max_block
+    prefill_taps = tuple(program.taps) if prefill_taps is None else tuple(prefill_taps)
+    if max_block < program.k + 1 or not set(program.taps) <= set(prefill_taps):
+        raise ValueError(f"max_block {max_block} / prefill taps {prefill_taps} do not cover k={program.k}, "
+                         f"taps {program.taps}")
+    program = program.at_bound(max_block - 1)
     if prefill_chunk is None:
         state, last_logits, aux = prefill_target(params, config, tokens, lengths, max_len=max_len,
                                                  max_block=max_block, taps=prefill_taps)
-        return prime(params, config, state, last_logits, aux, tokens, lengths, max_len=max_len, opts=opts,
+        return prime(params, config, state, last_logits, aux, tokens, lengths, max_len=max_len, program=program,
                      prefill_taps=prefill_taps, knobs=knobs, key=key)
     tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
     B, S = tokens.shape
@@ -198,12 +200,13 @@ def start(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Arr
     padded[:, :S] = tokens
     nxt = next_tokens(padded, width)
     key, k_first = jax.random.split(key)          # as `prime`: the same first tokens
-    rows = init_rows(params, config, knobs, batch=B, max_len=max_len, opts=opts)
+    rows = init_rows(params, config, knobs, batch=B, max_len=max_len, program=program)
     for lo, n_valid, final in chunk_plan(lengths, prefill_chunk, S):
         hi = lo + prefill_chunk
         rows = _chunk_step(params, config, rows, jnp.asarray(padded[:, lo:hi]), jnp.asarray(n_valid),
-                           nxt[:, lo:hi], jnp.asarray(final), lo, k_first, knobs, opts=opts, taps=prefill_taps)
-    return start_carry(rows, key, opts=opts)
+                           nxt[:, lo:hi], jnp.asarray(final), lo, k_first, knobs, program=program,
+                           taps=prefill_taps)
+    return start_carry(rows, key, program=program)
 
 
 _chunk_step = prefill_chunk    # within `start`, its argument prefill_chunk (a size) shadows the function

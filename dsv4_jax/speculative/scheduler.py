@@ -50,9 +50,11 @@ from ..ops.host import to_host
 from . import slots as S
 from . import cost_table
 from .cost_table import CostTable
-from .generate import prepare, width_knobs
+from .generate import prepare
 from .prefill import chunk_plan
 from .options import RunShape, Sampling, Speculation
+from .stats import Verification, Width
+from .width_policy import width_knobs
 
 SCHEDULES = ("static", "continuous")
 
@@ -97,27 +99,30 @@ class RequestResult:
                 "per_position_accept_rate": self.per_position_accept_rate}
 
 
-def verification_evidence(st, b: int, opts) -> dict | None:
+def verification_evidence(st, b: int, program) -> dict | None:
     """Request b's verification statistics (docs/verification.md) from numpy Stats: analytic and Σ min(p, q)
     sums per position, the histogram of accepted drafts per round (vLLM's per-request layout), confidence bins."""
-    if st.expected_at is None:
+    v = st.group(Verification)
+    if v is None:
         return None
-    calib = {"bins": st.calib[b].tolist(), "brier_sum": st.brier_at[b].tolist()} if st.calib[b].sum() > 0 else None
-    return {"verify": "synthetic" if opts.synthetic_accept else ("greedy" if opts.greedy else opts.verify),
-            "acceptance": "synthetic" if opts.synthetic_accept else "real",
-            "synthetic_accept": list(opts.synthetic_accept) if opts.synthetic_accept else None,
-            "per_position_expected": st.expected_at[b].tolist(), "per_position_alpha_sum": st.alpha_at[b].tolist(),
-            "acceptance_histogram": st.accept_hist[b].tolist(), "calibration": calib}
+    calib = {"bins": v.calib[b].tolist(), "brier_sum": v.brier_at[b].tolist()} if v.calib[b].sum() > 0 else None
+    synthetic = program.synthetic_accept
+    return {"verify": "synthetic" if synthetic else ("greedy" if program.greedy else program.verify),
+            "acceptance": "synthetic" if synthetic else "real",
+            "synthetic_accept": list(synthetic) if synthetic else None,
+            "per_position_expected": v.expected_at[b].tolist(), "per_position_alpha_sum": v.alpha_at[b].tolist(),
+            "acceptance_histogram": v.accept_hist[b].tolist(), "calibration": calib}
 
 
 def width_evidence(st, b: int) -> dict | None:
     """Request b's width-scheduler statistics (docs/width_scheduler.md) from numpy Stats: rounds per verified
     width ("0".."K", "plain"), Σ expected tokens of its rounds, Σ cost-table seconds; None without the scheduler."""
-    if st.width_hist is None:
+    w = st.group(Width)
+    if w is None:
         return None
-    hist = st.width_hist[b].tolist()
-    return {"width_histogram": {**{str(w): int(n) for w, n in enumerate(hist[:-1])}, "plain": int(hist[-1])},
-            "expected_tokens": float(st.predicted[b]), "modelled_cost_s": float(st.cost_sum[b])}
+    hist = w.width_hist[b].tolist()
+    return {"width_histogram": {**{str(i): int(n) for i, n in enumerate(hist[:-1])}, "plain": int(hist[-1])},
+            "expected_tokens": float(w.predicted[b]), "modelled_cost_s": float(w.cost_sum[b])}
 
 
 @dataclasses.dataclass
@@ -175,12 +180,12 @@ class SlotEngine:
         self.config, self.knobs, self.max_len = prepared.config, prepared.knobs, prepared.max_len
         # the output buffer holds max_len tokens, more than any request can generate: the budgets stay
         # per-request data (Carry.limit) and the compiled programs depend on max_len alone
-        self.opts = prepared.opts.replace(max_new_tokens=prepared.max_len)
+        self.program = prepared.program.replace(max_new_tokens=prepared.max_len)
         self.requests = [(list(map(int, t)), int(n)) for t, n in requests]
         self.batch, self.chunk_rounds, self.prefill_len, self.refill_min = batch, chunk_rounds, prefill_len, refill_min
         self.prefill_ahead = prefill_ahead
         self.widths = prefill_widths(batch)
-        self.carry_axes = S.carry_axes(params, self.config, self.max_len, self.opts)
+        self.carry_axes = S.carry_axes(params, self.config, self.max_len, self.program)
 
     @classmethod
     def build(cls, params: dict, config: Any | CheckpointConfig, prompts: Sequence[Sequence[int]],
@@ -242,11 +247,12 @@ class SlotEngine:
         for r, i in enumerate(piece):
             prompt = self.requests[i][0]
             toks[r, :len(prompt)], lengths[r] = prompt, len(prompt)
-        rows = S.init_rows(self.params, self.config, self.knobs, batch=P, max_len=self.max_len, opts=self.opts)
+        rows = S.init_rows(self.params, self.config, self.knobs, batch=P, max_len=self.max_len, program=self.program)
         for lo, n_valid, final in chunk_plan(lengths, C, n_chunks * C):
             rows = S.prefill_chunk(self.params, self.config, rows, jnp.asarray(toks[:, lo:lo + C]),
                                    jnp.asarray(n_valid), toks[:, lo + 1:lo + C + 1], jnp.asarray(final), lo,
-                                   jax.random.fold_in(key, lo), self.knobs, opts=self.opts, taps=self.opts.taps)
+                                   jax.random.fold_in(key, lo), self.knobs, program=self.program,
+                                   taps=self.program.taps)
         return rows
 
     def _insert(self, carry, placed: Sequence[tuple["Prefilled", int]]):
@@ -261,7 +267,7 @@ class SlotEngine:
             slots, limits = np.full((P,), self.batch, np.int32), np.zeros((P,), np.int32)
             for pre, b in members:
                 slots[pre.row], limits[pre.row] = b, self.requests[pre.request][1]
-            carry = S.insert(carry, rows, jnp.asarray(slots), jnp.asarray(limits), opts=self.opts,
+            carry = S.insert(carry, rows, jnp.asarray(slots), jnp.asarray(limits), program=self.program,
                              axes=self.carry_axes)
         return carry
 
@@ -282,7 +288,7 @@ class SlotEngine:
         max_rounds = jnp.int32(self.chunk_rounds)
         t0 = time.perf_counter()
         now = lambda: time.perf_counter() - t0
-        carry = S.empty_carry(self.params, self.config, batch=B, max_len=self.max_len, opts=self.opts,
+        carry = S.empty_carry(self.params, self.config, batch=B, max_len=self.max_len, program=self.program,
                               key=key_loop)
         pending = collections.deque(range(len(self.requests)))
         ready: collections.deque[Prefilled] = collections.deque()     # prefilled, waiting for a slot
@@ -315,7 +321,7 @@ class SlotEngine:
             # the first, like continuous with refill_min 1, so that both see a finish equally soon
             wait = max(1, min(self.refill_min, len(pending) + len(ready))) if schedule == "continuous" else 1
             carry = S.run_chunk(self.params, self.config, carry, self.knobs, max_rounds, jnp.int32(wait),
-                                opts=self.opts)
+                                program=self.program)
             chunks += 1
             done = to_host(carry.done)
             finished = [b for b in range(B) if in_slot[b] is not None and done[b]]
@@ -327,10 +333,10 @@ class SlotEngine:
                     results[i] = RequestResult(
                         index=i, tokens=out[b, :out_len[b]].tolist(), max_new_tokens=self.requests[i][1], slot=b,
                         admitted_chunk=admitted_chunk[i], admitted_s=admitted[i], first_token_s=first_at[i],
-                        finished_s=t, rounds=int(st.rounds[b]), drafted=int(st.drafted[b]),
-                        accepted=int(st.accepted[b]), per_position_accepted=st.per_position[b].tolist(),
-                        per_position_proposed=st.proposed_at[b].tolist(),
-                        spec_decode=verification_evidence(st, b, self.opts), width=width_evidence(st, b))
+                        finished_s=t, rounds=int(st.core.rounds[b]), drafted=int(st.core.drafted[b]),
+                        accepted=int(st.core.accepted[b]), per_position_accepted=st.core.per_position[b].tolist(),
+                        per_position_proposed=st.core.proposed_at[b].tolist(),
+                        spec_decode=verification_evidence(st, b, self.program), width=width_evidence(st, b))
                     in_slot[b] = None
         rounds = int(carry.round)
         return RunResult(schedule=schedule, results=[results[i] for i in range(len(self.requests))], wall_s=now(),
@@ -345,9 +351,9 @@ class SlotEngine:
         its chunked dispatch and partly filled batches — not a static `generate`'s. Cached like
         `cached_or_calibrate` (the key adds the engine's batch, chunking and schedule); `priced` then prices
         the engine's auto rounds by it. -> (table, "cached" | "measured")."""
-        if not self.opts.adaptive or int(self.knobs.width_mode) != MODE_AUTO:
+        if not self.program.adaptive or int(self.knobs.width_mode) != MODE_AUTO:
             raise ValueError("calibrate needs an engine built with draft_n_max='auto'")
-        drafter = drafter or self.opts.drafter
+        drafter = drafter or self.program.drafter.name
         key = cost_table.cache_key(self.config, self.p, drafter)
         key["shapes"].update(batch=self.batch, engine={"schedule": schedule, "chunk_rounds": self.chunk_rounds,
                                                        "prefill_len": self.prefill_len, "refill_min": self.refill_min,
@@ -363,12 +369,12 @@ class SlotEngine:
             return run.decode_s / max(run.rounds, 1)
 
         return cost_table.cached(key, lambda: cost_table.measure(
-            time_at, self.knobs, self.opts.k, repeats=repeats, progress=progress, drafter=drafter, batch=self.batch,
+            time_at, self.knobs, self.program.k, repeats=repeats, progress=progress, drafter=drafter, batch=self.batch,
             key=key), cache_dir, refresh)
 
     def priced(self, table: CostTable) -> None:
-        """Price this engine's auto rounds by table (the width scheduler's knobs, `generate.width_knobs`)."""
-        self.knobs = width_knobs(self.knobs, table, self.opts.k, True)
+        """Price this engine's auto rounds by table (the width scheduler's knobs, `width_policy.width_knobs`)."""
+        self.knobs = width_knobs(self.knobs, table, self.program.k, True)
 
     def warm_up(self) -> float:
         """Compile every program of a run (prefill and insert at every width, the chunk) on copies of the
@@ -377,12 +383,12 @@ class SlotEngine:
         saved = self.requests
         self.requests = [(saved[0][0], min(2, saved[0][1]))] * self.batch
         try:
-            carry = S.empty_carry(self.params, self.config, batch=self.batch, max_len=self.max_len, opts=self.opts,
-                                  key=jax.random.PRNGKey(0))
+            carry = S.empty_carry(self.params, self.config, batch=self.batch, max_len=self.max_len,
+                                  program=self.program, key=jax.random.PRNGKey(0))
             for w in self.widths:
                 carry, _ = self.admit(carry, [(r, r) for r in range(w)], jax.random.PRNGKey(0))
             jax.block_until_ready(S.run_chunk(self.params, self.config, carry, self.knobs,
-                                              jnp.int32(self.chunk_rounds), jnp.int32(1), opts=self.opts))
+                                              jnp.int32(self.chunk_rounds), jnp.int32(1), program=self.program))
         finally:
             self.requests = saved
         return time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """Decode slots for continuous batching: the device programs that the host scheduler (`speculative.scheduler`) drives.
 
-B slots share one loop `Carry` (`speculative.loop`: output buffer, budgets, done flags, target and drafter
+B slots share one loop `Carry` (`speculative.program`: output buffer, budgets, done flags, target and drafter
 state, statistics — every leaf has its batch axis somewhere, `batch_axes`). Between decode chunks the
 host refills freed slots, in the JetStream / MaxText manner (prefill → insert → generate):
 
@@ -16,7 +16,7 @@ host refills freed slots, in the JetStream / MaxText manner (prefill → insert 
                   `min_finished` sequences that were running at the start of the chunk have finished
                   (or none is left running)
 
-Shapes are fixed by (config, B, max_len, opts): the chunk program compiles once per run, whatever
+Shapes are fixed by (config, B, max_len, program): the chunk program compiles once per run, whatever
 the prompts, budgets, refills or chunk length (`max_rounds`, `min_finished` are traced scalars);
 init_rows, prefill and insert compile once per prefill width P.
 """
@@ -29,8 +29,9 @@ import jax.numpy as jnp
 
 from ..model.state import init_state
 from ..config import ModelConfig
-from ..drafters import registry
-from .loop import Carry, Knobs, Options, initial_carry, rounds_loop
+from ..drafters.base import Knobs
+from .loop import rounds_loop
+from .program import Carry, Program, initial_carry
 from .prefill import Rows, init_rows, prefill_chunk
 
 __all__ = ["Rows", "batch_axes", "carry_axes", "empty_carry", "init_rows", "insert", "prefill_chunk", "run_chunk",
@@ -54,22 +55,22 @@ def _dtype(params: dict):
     return params["embed"].dtype
 
 
-def _init_parts(params: dict, config: ModelConfig, batch: int, max_len: int, opts: Options):
-    state = init_state(config, batch, max_len, opts.k + 1, _dtype(params))
-    dstate = registry.get(opts.drafter).init(opts.bind(params, config), batch, max_len, _dtype(params))
+def _init_parts(params: dict, config: ModelConfig, batch: int, max_len: int, program: Program):
+    state = init_state(config, batch, max_len, program.k + 1, _dtype(params))
+    dstate = program.drafter.init(program.bind(params, config), batch, max_len, _dtype(params))
     return state, dstate
 
 
-def rows_axes(params: dict, config: ModelConfig, max_len: int, opts: Options) -> tuple[int | None, ...]:
+def rows_axes(params: dict, config: ModelConfig, max_len: int, program: Program) -> tuple[int | None, ...]:
     """`batch_axes` of `Rows`."""
-    return batch_axes(lambda n: Rows(*_init_parts(params, config, n, max_len, opts), jnp.zeros((n,), jnp.int32)))
+    return batch_axes(lambda n: Rows(*_init_parts(params, config, n, max_len, program), jnp.zeros((n,), jnp.int32)))
 
 
-def carry_axes(params: dict, config: ModelConfig, max_len: int, opts: Options) -> tuple[int | None, ...]:
+def carry_axes(params: dict, config: ModelConfig, max_len: int, program: Program) -> tuple[int | None, ...]:
     """`batch_axes` of the loop `Carry`."""
     def make(n):
-        state, dstate = _init_parts(params, config, n, max_len, opts)
-        return initial_carry(jnp.zeros((n,), jnp.int32), state, dstate, jax.random.PRNGKey(0), opts)
+        state, dstate = _init_parts(params, config, n, max_len, program)
+        return initial_carry(jnp.zeros((n,), jnp.int32), state, dstate, jax.random.PRNGKey(0), program)
     return batch_axes(make)
 
 
@@ -89,25 +90,25 @@ def _scatter_rows(big, rows, slots: jax.Array, axes: tuple):
     return _leafwise(one, axes, big, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "opts"))
-def empty_carry(params: dict, config: ModelConfig, *, batch: int, max_len: int, opts: Options, key) -> Carry:
+@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "program"))
+def empty_carry(params: dict, config: ModelConfig, *, batch: int, max_len: int, program: Program, key) -> Carry:
     """B idle slots (done, budget 0): the carry before the first insert."""
-    state, dstate = _init_parts(params, config, batch, max_len, opts)
-    c = initial_carry(jnp.zeros((batch,), jnp.int32), state, dstate, key, opts, jnp.zeros((batch,), jnp.int32))
+    state, dstate = _init_parts(params, config, batch, max_len, program)
+    c = initial_carry(jnp.zeros((batch,), jnp.int32), state, dstate, key, program, jnp.zeros((batch,), jnp.int32))
     return c.replace(done=jnp.ones((batch,), bool))
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "axes"), donate_argnames=("carry",))
-def insert(carry: Carry, rows: Rows, slots: jax.Array, limits: jax.Array, *, opts: Options, axes: tuple) -> Carry:
+@functools.partial(jax.jit, static_argnames=("program", "axes"), donate_argnames=("carry",))
+def insert(carry: Carry, rows: Rows, slots: jax.Array, limits: jax.Array, *, program: Program, axes: tuple) -> Carry:
     """Write P prefilled rows into slots [P] (index B: skip the row) with budgets limits [P]: fresh
     outputs (the first token emitted), statistics and done flags. axes: `carry_axes` (static)."""
-    fresh = initial_carry(rows.first, rows.target, rows.drafter, carry.key, opts, limits)
+    fresh = initial_carry(rows.first, rows.target, rows.drafter, carry.key, program, limits)
     return _scatter_rows(carry, fresh, slots, axes)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "opts"), donate_argnames=("carry",))
+@functools.partial(jax.jit, static_argnames=("config", "program"), donate_argnames=("carry",))
 def run_chunk(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, max_rounds: jax.Array,
-              min_finished: jax.Array, *, opts: Options) -> Carry:
+              min_finished: jax.Array, *, program: Program) -> Carry:
     """Speculative rounds (one on-device while loop) until max_rounds have run, min_finished of the
     sequences running at the start have finished, or every slot is done. carry.round counts rounds
     over the whole run."""
@@ -118,4 +119,4 @@ def run_chunk(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, max
         finished = jnp.sum(c.done & running)
         return jnp.any(~c.done) & (finished < min_finished) & (c.round - r0 < max_rounds)
 
-    return rounds_loop(params, config, carry, knobs, opts, cond)
+    return rounds_loop(params, config, carry, knobs, program, cond)

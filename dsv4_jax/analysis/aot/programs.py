@@ -3,15 +3,15 @@
     prefill       `decode.process_block` on a chunk of [B, prefill_chunk] tokens against a state at `context`
     decode        `decode.process_block` on [B, 1] (the call `decode_step` makes)
     verify        `decode.process_block` on [B, k+1] (the call `verify` makes)
-    spec-mtp      one round of the speculative loop with the MTP drafter (`speculative.loop.round_step`: draft k,
+    spec-mtp      one round of the speculative loop with the MTP drafter (`speculative.round.round_step`: draft k,
                   verify k+1, accept, commit, observe) — one round, not `run_rounds`: the loop is a
                   `while_loop`, whose body XLA's cost analysis would count once whatever the trip count
     spec-dspark   the same with the DSpark drafter (3 stages, 3 taps, Markov rank 256; k ≤ block size 5)
 
 `bound["by_k"]` (verify and the rounds) holds the bound at every k of the speculation payoff forecast
 (`forecast.round_times`). The config passed in carries the backends; the report sets `unroll_layers=True`
-so every layer is in the program text. The speculative round's options (`speculative.loop.Options`) and carry
-are built in `_round` only.
+so every layer is in the program text. The speculative round's static program (`speculative.program.Program`)
+and carry are built in `_round` only.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from ...model.decode import process_block
 from ...drafters import registry
 from ...drafters.base import Bound, Knobs
 from ...speculative import loop
+from ...speculative import stats as spec_stats
+from ...speculative.program import Carry as LoopCarry, Program as Loop
 from . import bounds
 from . import forecast as F
 from . import inputs as I
@@ -101,9 +103,9 @@ def _block(name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, S: 
 
 
 def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, rules) -> Program:
-    """One speculative round (`speculative.loop.round_step`, greedy verification) with the drafter `drafter_name`
+    """One speculative round (`speculative.round.round_step`, greedy verification) with the drafter `drafter_name`
     (configured, initialised and run through the `drafters.registry` interface): the only place that builds
-    the loop's Options and Carry."""
+    the loop's Program and Carry."""
     B, dt = sh.batch, I.COMPUTE_DTYPE
     params = _target(config, mesh, weights, rules)
     if drafter_name == "mtp":
@@ -119,8 +121,8 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
     batch_axis = 0 if drafter_name == "mtp" else 1
     dstate = jax.eval_shape(lambda: drafter.init(Bound(params, config, setup), B, sh.max_len, dt))
     dstate = jax.tree.map(lambda x: I.batch_array(mesh, x.shape, x.dtype, batch_axis, rules), dstate)
-    opts = loop.Options(drafter=drafter_name, k=k, greedy=True, max_new_tokens=MAX_NEW_TOKENS,
-                        eos_token_id=config.eos_token_id, taps=setup.taps, settings=setup.settings)
+    opts = Loop(drafter=drafter, setup=setup, greedy=True, max_new_tokens=MAX_NEW_TOKENS,
+                eos_token_id=config.eos_token_id, stats=spec_stats.StatsSpec(verification=False))
     if drafter_name == "mtp":
         round_bound = lambda kk: bounds.mtp_round_bound(config, weights, B, sh.context, kk)
         ks = F.K_RANGE
@@ -133,13 +135,14 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
     bound = round_bound(k)
     bound["by_k"] = {str(kk): round_bound(kk)["total"] for kk in ks}     # the payoff forecast's rounds
     ints = lambda *shape: I.batch_array(mesh, shape, jnp.int32, rules=rules)
-    carry = loop.Carry(
+    carry = LoopCarry(
         out=ints(B, MAX_NEW_TOKENS + k + 1), out_len=ints(B), limit=ints(B), last=ints(B),
         done=I.batch_array(mesh, (B,), jnp.bool_, rules=rules),
         target=I.decode_state(config, mesh, B, sh.max_len, sh.max_block, rules), drafter=dstate,
         key=I.replicated(mesh, (2,), jnp.uint32),
-        stats=loop.Stats(rounds=ints(B), drafted=ints(B), accepted=ints(B), per_position=ints(B, k),
-                         proposed_at=ints(B, k), length_hist=ints(B, k + 1)),
+        stats=spec_stats.Stats(spec_stats.Core(rounds=ints(B), drafted=ints(B), accepted=ints(B),
+                                               per_position=ints(B, k), proposed_at=ints(B, k),
+                                               length_hist=ints(B, k + 1)), ()),
         round=I.replicated(mesh, (), jnp.int32))
     scalar = lambda: I.replicated(mesh, (), jnp.float32)
     knobs = Knobs(temperature=scalar(), top_p=scalar(),
