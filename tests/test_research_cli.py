@@ -216,8 +216,8 @@ def test_padded_generation_equals_generate(bundle, sweep_out):
         want, ws = d.generate(m.params, m.bundle, [prompt], 8, drafter=setting.drafter,
                               draft_n_max=max(setting.draft_n_max, 1))
         got, stats = generate_padded(m.params, m.bundle, [prompt], setting,
-                                     RunPlan(8, (meta["pad_to"],), meta["max_len"], max_block=meta["max_block"],
-                                             drafter_pool=tuple(meta["drafter_pool"])))
+                                     SweepPlan(8, (meta["pad_to"],), meta["max_len"], max_block=meta["max_block"],
+                                               drafter_pool=tuple(meta["drafter_pool"])))
         assert got == want and stats["generated"] == len(got[0])
         for key in ("rounds", "drafted", "accepted", "per_position_accepted", "per_position_proposed",
                     "draft_length_histogram"):

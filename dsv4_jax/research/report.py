@@ -122,6 +122,37 @@ def aggregate(batch_records: Sequence[dict]) -> dict:
             **aggregate_verification(batch_records), **aggregate_width(batch_records)}
 
 
+# ---- acceptance vs output position --------------------------------------------------------------
+
+OUTPUT_BUCKET = 16     # output positions per bucket of `by_output_position`
+
+
+def round_starts(trace: Sequence[Sequence[int]]) -> list[int]:
+    """The output position of each round's first emitted token; trace: [drafted, accepted] per round in
+    order. The prefill emits output token 0, a round emits its accepted drafts and one more token."""
+    starts, at = [], 1
+    for _, accepted in trace:
+        starts.append(at)
+        at += accepted + 1
+    return starts
+
+
+def by_output_position(traces: Iterable[Sequence[Sequence[int]]], bucket: int = OUTPUT_BUCKET) -> list[dict]:
+    """Acceptance against the output position (decay over a generation): the rounds of every trace grouped
+    by the output position of their first emitted token, in buckets of `bucket` tokens. -> one row per
+    bucket reached: start, rounds, drafted, accepted, accept_rate = accepted / drafted, mean_accepted_length
+    = (accepted + rounds) / rounds."""
+    rows: dict[int, list[int]] = {}
+    for trace in traces:
+        for start, (drafted, accepted) in zip(round_starts(trace), trace):
+            r = rows.setdefault(start // bucket * bucket, [0, 0, 0])
+            r[0] += 1
+            r[1] += drafted
+            r[2] += accepted
+    return [{"start": b, "rounds": n, "drafted": d, "accepted": a, "accept_rate": a / d if d else 0.0,
+             "mean_accepted_length": (a + n) / n} for b, (n, d, a) in sorted(rows.items())]
+
+
 # ---- the width scheduler (docs/width_scheduler.md) ---------------------------------------------
 
 def is_auto(row: dict) -> bool:

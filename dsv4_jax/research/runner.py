@@ -117,12 +117,12 @@ def grid_settings(specs: Sequence[str], ks: Sequence[int], knob_values: Mapping[
     return out
 
 
-def padded_options(setting: Setting, plan: "RunPlan", pad_to: int, cost_table=None) -> dict:
+def padded_options(setting: Setting, plan: "SweepPlan", pad_to: int, cost_table=None) -> dict:
     """`generate`'s option groups for one setting, prompts right-padded to `pad_to`, the shapes and knobs fixed by
     the plan.
 
     An auto setting runs draft_n_max="auto" with its bound and cost_table (a CostTable; None: `generate`
-    calibrates); `RunPlan.adaptive_widths` (with a max_block): fixed widths run in the width scheduler's program,
+    calibrates); `SweepPlan.adaptive_widths` (with a max_block): fixed widths run in the width scheduler's program,
     the one the auto settings compile (`RunShape.adaptive_widths`)."""
     spec = Speculation(drafter=setting.drafter, options=setting.drafter_options(), verify=plan.verify,
                        synthetic_accept=plan.synthetic_accept,
@@ -138,12 +138,12 @@ def padded_options(setting: Setting, plan: "RunPlan", pad_to: int, cost_table=No
                             prefill_chunk=plan.prefill_chunk, adaptive_widths=plan.adaptive_widths and shared)}
 
 
-def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], setting: Setting, plan: "RunPlan"):
+def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], setting: Setting, plan: "SweepPlan"):
     """`dsv4_jax.generate` for one setting, `plan.max_new_tokens` tokens, prompts right-padded to the plan's
     longest bucket, the shapes fixed by the plan.
 
     config: a ModelConfig or a config bundle (`LoadedModel.bundle`: the drafters' settings come from it).
-    `RunPlan.max_block` / `RunPlan.drafter_pool`: `RunShape`'s (shared programs across draft_n_max values and
+    `SweepPlan.max_block` / `SweepPlan.drafter_pool`: `RunShape`'s (shared programs across draft_n_max values and
     drafters)."""
     return generate(params, config, [list(p) for p in prompts], plan.max_new_tokens,
                     **padded_options(setting, plan, plan.pad_to))
