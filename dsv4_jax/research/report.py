@@ -501,7 +501,26 @@ def sweep_markdown(summary: dict) -> str:
         "accept_rate = accepted / drafted; mean_acc_len includes the bonus token; per-position accept = rounds "
         "whose draft j was accepted / rounds that proposed a draft j.", "",
         markdown_table(SWEEP_HEADER, rows), ""]) + _width_section(m, summary["settings"]) \
-        + _verification_section(m, summary["settings"])
+        + _verification_section(m, summary["settings"]) + _output_position_section(summary["settings"])
+
+
+def _output_position_section(rows: Sequence[dict]) -> str:
+    """Acceptance against the output position (`dsv4-sweep --by-output-position`): per drafting setting, the
+    draft acceptance rate and mean accepted length of the rounds starting in each bucket of output positions."""
+    rows = [r for r in rows if r.get("by_output_position") and r["spec_type"] != BASELINE]
+    if not rows:
+        return ""
+    starts = sorted({b["start"] for r in rows for b in r["by_output_position"]})
+    table = []
+    for r in rows:
+        at = {b["start"]: b for b in r["by_output_position"]}
+        table.append((r["spec_type"], r["draft_n_max"], knob_text(r), f"{r['temperature']:g}", r["batch_size"],
+                      *(f"{at[b]['accept_rate']:.2f} / {at[b]['mean_accepted_length']:.2f}" if b in at else "–"
+                        for b in starts)))
+    header = ("spec", "k", "knob", "T", "B", *(f"from {b}" for b in starts))
+    return ("\n**Acceptance vs output position**: draft acceptance rate / mean accepted length of the rounds whose "
+            "first emitted token is at that output position or later (bucket), all prompts.\n\n"
+            + markdown_table(header, table) + "\n")
 
 
 def _width_section(meta: dict, rows: Sequence[dict]) -> str:

@@ -135,7 +135,8 @@ def padded_options(setting: Setting, plan: "SweepPlan", pad_to: int, cost_table=
             "run": RunShape(eos_token_id=plan.eos_token_id, max_len=plan.max_len, pad_to=pad_to, max_block=max_block,
                             drafter_pool=plan.drafter_pool,
                             dynamic_draft_n=(plan.dynamic_draft_n or plan.adaptive_widths) and shared,
-                            prefill_chunk=plan.prefill_chunk, adaptive_widths=plan.adaptive_widths and shared)}
+                            prefill_chunk=plan.prefill_chunk, adaptive_widths=plan.adaptive_widths and shared,
+                            round_trace=plan.round_trace)}
 
 
 def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], setting: Setting, plan: "SweepPlan"):
@@ -218,6 +219,7 @@ class SweepPlan:
     verify: str = "token"                          # Speculation.verify (docs/verification.md)
     synthetic_accept: tuple[float, ...] | None = None   # Speculation.synthetic_accept
     adaptive_widths: bool = False
+    round_trace: bool = False          # RunShape.round_trace: every round's drafts and acceptance recorded
 
     @property
     def pad_to(self) -> int:
