@@ -16,6 +16,7 @@ from dsv4_jax.model import params as P
 from dsv4_jax.ops import quant
 from dsv4_jax.parallel.expert_words import shard_group
 from dsv4_jax.analysis.aot import bounds as AB, chips, cli, compile as AC, ep as EP, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
+from dsv4_jax.analysis.aot import fit_summary as FS, placement_table as PT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -493,7 +494,7 @@ def test_programs_from_abstract_shapes():
     assert progs["spec-dspark", "bf16"].tokens_per_sequence == 6 and "block size 5" in progs["spec-dspark", "bf16"].notes
     assert progs["prefill", "release"].bound["total"] < progs["prefill", "fp8"].bound["total"] < b["prefill"]
     args = progs["spec-mtp", "bf16"].args
-    assert args[2].target.pos.shape == (4,) and args[2].drafter.cache["win_kv"].sharding.spec[0] == "expert"
+    assert args[2].target.pos.shape == (4,) and args[2].drafter.cache.window.kv.sharding.spec[0] == "expert"
 
 
 # ---- compiles on the CPU backend ------------------------------------------------------------------
@@ -502,7 +503,8 @@ def cpu_compile(cfg: C.ModelConfig, program: str = "decode", weights: str = "bf1
                 unrolled: bool = True):
     topo = chips.parse("cpu")
     mesh = parallel.make_mesh((1, 1, 1), chips.devices(topo))
-    return AC.compile_program(PR.build(program, cfg, mesh, weights, SHAPES), topo.chip, 1, hbm, unrolled=unrolled)
+    return AC.compile_program(PR.build(program, cfg, mesh, weights, SHAPES), AC.Slice(topo.chip, 1, hbm),
+                              unrolled=unrolled)
 
 
 def test_unrolled_scan_counts_every_layer():
@@ -512,7 +514,8 @@ def test_unrolled_scan_counts_every_layer():
     topo = chips.parse("cpu")
     mesh = parallel.make_mesh((1, 1, 1), chips.devices(topo))
     base = cpu_compile(scan_config(0))["cost"]["flops"]
-    row = AC.compile_program(PR.build("decode", scan_config(2), mesh, "bf16", SHAPES), topo.chip, 1, 16 * chips.GIB,
+    row = AC.compile_program(PR.build("decode", scan_config(2), mesh, "bf16", SHAPES),
+                             AC.Slice(topo.chip, 1, 16 * chips.GIB),
                              as_run=PR.build("decode", scan_config(2, unroll=False), mesh, "bf16", SHAPES))
     rolled, unrolled = row["cost_as_run"]["flops"], row["cost"]["flops"]
     body = rolled - base
@@ -540,7 +543,7 @@ def test_extrapolated_costs_predict_the_unrolled_compile(monkeypatch):
     assert (how.method, a, n, at_a.num_layers, at_b.num_layers) == ("extrapolated", 2, 4, 3, 4)
     assert not how.program.backends.unroll_layers and at_a.backends.unroll_layers
     build = lambda c: PR.build("decode", c, mesh, "bf16", SHAPES)
-    row = AC.compile_program(build(how.program), topo.chip, 1, 16 * chips.GIB,
+    row = AC.compile_program(build(how.program), AC.Slice(topo.chip, 1, 16 * chips.GIB),
                              counting=AC.Counting(a, n, build(at_a), build(at_b), (3, 4)))
     truth = cpu_compile(cfg)["cost"]                                    # the 4-rep program unrolled
     assert row["cost_method"] == "extrapolated" and row["cost_counts_every_layer"] and row["fits"]
@@ -576,8 +579,8 @@ def test_fit_from_saved_report_rows():
            "shapes": dataclasses.asdict(sh),
            "runs": [{"topology": "v5p:2x2x1", "weights": "fp8", "mesh_text": "1×4×1",
                      "programs": [scan, unrolled, prefill, bare]}]}
-    find = lambda *a, chunk=256, config=cfg, shapes=sh: runner.reusable_row([("r.json", rep)], config, shapes, *a,
-                                                                            chunk)
+    find = lambda *a, chunk=256, config=cfg, shapes=sh: runner.reusable_row([("r.json", rep)], config, shapes, a[:3],
+                                                                            a[3], chunk)
     d = find("v5p:2x2x1", "fp8", "1×4×1", "decode")
     assert d["cost_as_run"] == {"flops": 1.0} and d["memory"] == {"peak": 5.0} and d["fit_source"] == "r.json (d: c)"
     assert find("v5p:2x2x1", "fp8", "1×4×1", "verify")["memory"] == {"peak": 6.0}
@@ -645,10 +648,11 @@ def test_libtpu_compile_counts_every_layer():
     hbm, source = chips.hbm_bytes(topo, devs)
     assert source.startswith("TPU compiler") and 90 * chips.GIB < hbm < 100 * chips.GIB
     opts = chips.TPU_COMPILE_OPTIONS
-    base = AC.compile_program(PR.build("decode", scan_config(0), mesh, "bf16", SHAPES), topo.chip, 4, hbm,
-                              options=opts)["cost"]["flops"]
-    row = AC.compile_program(PR.build("decode", scan_config(2), mesh, "bf16", SHAPES), topo.chip, 4, hbm,
-                             as_run=PR.build("decode", scan_config(2, unroll=False), mesh, "bf16", SHAPES), options=opts)
+    base = AC.compile_program(PR.build("decode", scan_config(0), mesh, "bf16", SHAPES), AC.Slice(topo.chip, 4, hbm),
+                              opts=AC.CompileOptions(opts))["cost"]["flops"]
+    row = AC.compile_program(PR.build("decode", scan_config(2), mesh, "bf16", SHAPES), AC.Slice(topo.chip, 4, hbm),
+                             as_run=PR.build("decode", scan_config(2, unroll=False), mesh, "bf16", SHAPES),
+                             opts=AC.CompileOptions(opts))
     assert row["compiled"] and row["fits"], row.get("reason")
     assert row["hlo"]["collectives"]["count"] > 0
     body = row["cost_as_run"]["flops"] - base
@@ -809,10 +813,11 @@ def test_no_hlo_dump_compile_leaves_unprintable_hlo_out(monkeypatch):
 
     monkeypatch.setattr(AC, "_compile", lambda p, o: (Unprintable(real(p, o)[0]), *real(p, o)[1:]))
     chip = chips.parse("v5p:2x2x1").chip
-    row = AC.compile_program(prog, chip, 1, 16 * chips.GIB, unrolled=False, hlo_dump_compile=False)
+    row = AC.compile_program(prog, AC.Slice(chip, 1, 16 * chips.GIB), unrolled=False,
+                             opts=AC.CompileOptions(hlo_dump_compile=False))
     assert dumps == [] and row["compiled"] and row["memory"]["peak"] > 0
     assert "async-update" in row["hlo"]["error"] and row["hlo"]["top_ops"]["total_bytes"] == 0
-    AC.compile_program(prog, chip, 1, 16 * chips.GIB, unrolled=False)
+    AC.compile_program(prog, AC.Slice(chip, 1, 16 * chips.GIB), unrolled=False)
     assert dumps == [prog]                                            # the default: one more compile
     assert cli.build_parser().parse_args(["--no-hlo-dump"]).no_hlo_dump
 
@@ -888,8 +893,8 @@ def test_no_prefetch_compile_reported_next_to_the_default(monkeypatch, tmp_path)
     topo = chips.parse("cpu")
     mesh = parallel.make_mesh((1, 1, 1), chips.devices(topo))
     cfg = scan_config(0, hidden=128)
-    row = AC.compile_program(PR.build("verify", cfg, mesh, "bf16", SHAPES), topo.chip, 1, 16 * chips.GIB,
-                             unrolled=False, no_prefetch={"fake_msa": False})
+    row = AC.compile_program(PR.build("verify", cfg, mesh, "bf16", SHAPES), AC.Slice(topo.chip, 1, 16 * chips.GIB),
+                             unrolled=False, opts=AC.CompileOptions(no_prefetch={"fake_msa": False}))
     assert seen == [{}, {"fake_msa": False}]
     q = row["no_prefetch"]
     assert q["options"] == {"fake_msa": False} and q["vmem_prefetches"] == 0 and q["hlo_op_bytes"] > 0
@@ -903,7 +908,7 @@ def test_no_prefetch_compile_reported_next_to_the_default(monkeypatch, tmp_path)
     (line,) = R.bound_rows(run_)
     assert line[0] == "verify" and line[7] == f"{q['hlo_op_bytes'] / 1e9:.3g}" and line[10] == 0
     seen.clear()
-    plain = AC.compile_program(PR.build("verify", cfg, mesh, "bf16", SHAPES), topo.chip, 1, 16 * chips.GIB,
+    plain = AC.compile_program(PR.build("verify", cfg, mesh, "bf16", SHAPES), AC.Slice(topo.chip, 1, 16 * chips.GIB),
                                unrolled=False)
     assert len(seen) == 1 and "no_prefetch" not in plain
     assert "hlo_op_bytes_no_prefetch_over_bound" not in plain["estimate"]
@@ -931,43 +936,47 @@ def test_libtpu_no_prefetch_compile_drops_the_prefetches():
     topo = chips.parse("v6e:1x1")
     devs = chips.devices(topo)
     mesh = parallel.make_mesh((1, 1, 1), devs)
-    row = AC.compile_program(PR.build("decode", scan_config(2, unroll=False), mesh, "bf16", SHAPES), topo.chip, 1,
-                             31 * chips.GIB, unrolled=False, options=chips.TPU_COMPILE_OPTIONS,
-                             no_prefetch=chips.no_prefetch_options(topo.chip))
+    row = AC.compile_program(PR.build("decode", scan_config(2, unroll=False), mesh, "bf16", SHAPES),
+                             AC.Slice(topo.chip, 1, 31 * chips.GIB), unrolled=False,
+                             opts=AC.CompileOptions(chips.TPU_COMPILE_OPTIONS,
+                                                    no_prefetch=chips.no_prefetch_options(topo.chip)))
     assert row["compiled"] and row["hlo"]["vmem_prefetches"] > 0
     assert row["no_prefetch"]["vmem_prefetches"] == 0 and row["no_prefetch"]["hlo_op_bytes"] > 0
 
 
-def _load_traffic_script():
-    import importlib.util
-    path = os.path.join(os.path.dirname(HERE), "experiments", "aot_ep_traffic.py")
-    spec = importlib.util.spec_from_file_location("aot_ep_traffic", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_traffic_script_is_a_thin_caller_of_the_report():
-    """experiments/aot_ep_traffic.py only maps placement variants to dsv4-aot requests (a GSPMD mesh, or a
-    sharding preset with its rules changed) and lays the report rows side by side; on the CPU backend one
-    variant's report goes through it end to end."""
-    mod = _load_traffic_script()
-    a = mod.argparse.Namespace(topology="cpu", weights="bf16", context=64, verify_tokens=3, pairs=0, count="scan",
-                               vmem_prefetch="both")
-    gspmd = mod.request("gspmd-tp", 1, ("decode",), a)
+def test_placements_table_is_a_thin_caller_of_the_report():
+    """`dsv4-aot placements` (`aot.placement_table`) only maps placement variants to dsv4-aot requests (a GSPMD
+    mesh, or a sharding preset with its rules changed) and lays the report rows side by side; on the CPU backend
+    one variant's report goes through it end to end."""
+    a = PT.PlacementStudy(topology="cpu", weights="bf16", context=64, verify_tokens=3, pairs=0, count="scan",
+                          vmem_prefetch="both")
+    gspmd = PT.request("gspmd-tp", 1, ("decode",), a)
     assert gspmd.mesh == (1, 1, 8) and gspmd.sharding is None and gspmd.shapes.max_block == 3
-    v1 = mod.request("latency-v1", 8, ("decode", "verify"), a)
+    v1 = PT.request("latency-v1", 8, ("decode", "verify"), a)
     assert v1.sharding == "latency" and v1.rules and all(v == () for v in v1.rules.values())
     assert v1.programs == ("decode", "verify") and v1.vmem_prefetch == "both" and not v1.kernels
     req = runner.AotRequest(("cpu",), ("bf16",), I.Shapes(1, 64, 2, 8), scan_config(0, hidden=128),
                             programs=("decode", "verify"), kernels=False, count="scan")
     rep = runner.run(req, log=None)
-    rows = mod.table_rows("cpu-test", rep)
-    assert [r[1] for r in rows] == ["decode", "verify 3"] and all(len(r) == len(mod.HEAD) for r in rows)
+    rows = PT.table_rows("cpu-test", rep)
+    assert [r[1] for r in rows] == ["decode", "verify 3"] and all(len(r) == len(PT.HEAD) for r in rows)
     dec = rep["runs"][0]["programs"][0]
     assert rows[0][4] == f"{dec['hlo']['top_ops']['total_bytes'] / 1e9:.3g}" and rows[0][7] == "—"  # CPU: no 2nd compile
     assert rows[0][5] == f"{dec['estimate']['hlo_op_bytes_over_bound']:.2f}"
-    assert "| cpu-test | verify 3 |" in mod.markdown(a, [("cpu-test", rep)])
+    assert "| cpu-test | verify 3 |" in PT.markdown(a, [("cpu-test", rep)])
+
+
+def test_fit_table_subcommand_reads_saved_reports(capsys, tmp_path):
+    """`dsv4-aot fit-table` (`aot.fit_summary`) compiles nothing: one row per saved program, with the flags that
+    reproduce it."""
+    path = os.path.join(os.path.dirname(HERE), "experiments", "results", "aot_2026-12-01_v5p-2x2x1_fp8.json")
+    out = tmp_path / "rows.json"
+    assert cli.main(["fit-table", path, "--reproduce", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert rows and all(r["source"] == path for r in rows)
+    assert text.count("| v5p") == len(rows) and "--topology v5p:2x2x1" in text
+    assert FS.key_flags("dsv4-aot --topology v6e:2x4 --batch 8 --out x.json") == "--topology v6e:2x4 --batch 8"
 
 
 MOSAIC = """HloModule m, is_scheduled=true

@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as T
 import dsv4_jax
 from dsv4_jax.analysis import memplan_cli as memplan
 from dsv4_jax.model import params as P
+from dsv4_jax.model.state import Span
 from dsv4_jax.io.checkpoint import CheckpointConfig
 from dsv4_jax.io.convert.cli import main
 from dsv4_jax.io.convert.pipeline import LossyConversionWarning
@@ -103,8 +104,9 @@ def _drafter_logits(params, cfg, ids, meta) -> dict:
     target = {k: v for k, v in params.items() if k not in ("mtp", "dspark")}
     if "mtp" in params:
         out["mtp"] = np.asarray(jax.jit(lambda m, t, h, x: mtp_drafter.rows(
-            m, t, cfg, mtp_drafter.init(cfg, x.shape[0], 64, 2, jnp.float32).cache, h, x, jnp.zeros((x.shape[0],), jnp.int32),
-            jnp.full((x.shape[0],), x.shape[1], jnp.int32))[1])(params["mtp"][0], target, hidden, ids))
+            m, t, cfg, mtp_drafter.init(cfg, x.shape[0], 64, 2, jnp.float32).cache, h, x,
+            Span.of(jnp.zeros((x.shape[0],), jnp.int32), x.shape[1], jnp.full((x.shape[0],), x.shape[1], jnp.int32))
+            )[1])(params["mtp"][0], target, hidden, ids))
     if "dspark" in params:
         d = params["dspark"]
         dcfg = dspark_drafter.resolve(cfg, d, meta)

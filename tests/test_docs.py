@@ -293,7 +293,7 @@ def test_every_backticked_name_resolves():
 
 def test_the_resolver_sees_a_stale_name():
     ix = _Index()
-    for good in ("moe_ep.reads_stack_in_place", "target.reads_expert_stack", "ops.branch.switch_in_place",
+    for good in ("moe_ep.reads_stack_in_place", "inplace.reads_expert_stack", "ops.branch.switch_in_place",
                  "moe.StackedExperts", "dsv4_jax.model.decode.process_block", "speculative/loop.py",
                  "program.Program.verify", "Knobs.draft_n", "attn.wq_a"):
         assert _resolves(_classify(good), ix), good

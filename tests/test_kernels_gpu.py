@@ -23,6 +23,7 @@ from dsv4_jax.kernels import lightning_indexer as li
 from dsv4_jax.kernels import moe_decode, moe_prefill, routing
 from dsv4_jax.model.layers import moe as moe_mod
 from dsv4_jax.ops import quant
+from dsv4_jax.ops.moe import Router
 
 from .test_kernels_indexer import _case as _idx_case
 from .test_kernels_indexer import _scores_ref
@@ -115,8 +116,8 @@ def test_route_gpu(T, E, k, dtype, mlp_type):
 
 
 def test_route_ties_gpu():
-    idx, _ = routing.route_from_logits(jnp.zeros((2, 10), jnp.float32), jnp.zeros((10,)), None, k=4, norm=True,
-                                       eps=1e-20, scale=1.0, interpret=ON_CPU)
+    idx, _ = routing.route_from_logits(jnp.zeros((2, 10), jnp.float32), jnp.zeros((10,)), None,
+                                       router=Router(4, True, 1e-20, 1.0), interpret=ON_CPU)
     np.testing.assert_array_equal(idx, [[0, 1, 2, 3]] * 2)
 
 

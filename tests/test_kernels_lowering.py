@@ -11,6 +11,7 @@ import pytest
 from dsv4_jax.kernels import lightning_indexer as li
 from dsv4_jax.kernels import moe_decode, moe_prefill, routing
 from dsv4_jax.ops import quant
+from dsv4_jax.ops.moe import Router
 
 S = jax.ShapeDtypeStruct
 E, I, D, K = 16, 64, 128, 6
@@ -42,8 +43,8 @@ def test_moe_lowers(fmt, mod):
 @pytest.mark.parametrize("hashed", [False, True])
 def test_routing_lowers(hashed):
     bias, hid = (None, S((4, K), jnp.int32)) if hashed else (S((E,), jnp.float32), None)
-    _lowers_to_triton(routing.route_from_logits, S((4, E), jnp.float32), bias, hid, k=K, norm=True, eps=1e-20,
-                      scale=1.5, interpret=False)
+    _lowers_to_triton(routing.route_from_logits, S((4, E), jnp.float32), bias, hid, router=Router(K, True, 1e-20, 1.5),
+                      interpret=False)
 
 
 def test_indexer_lowers():

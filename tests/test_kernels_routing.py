@@ -9,6 +9,7 @@ from dsv4_jax.backends import Backends
 from dsv4_jax.config import HASH_MOE, MOE, tiny
 from dsv4_jax.kernels import routing
 from dsv4_jax.model.layers import moe as moe_ref
+from dsv4_jax.ops.moe import Router
 
 PALLAS = Backends(routing="pallas", interpret=True)
 
@@ -39,7 +40,7 @@ def test_route_matches_reference(T, E, k, dtype, mlp_type):
 
 def test_route_tie_order_lower_index_first():
     logits = jnp.zeros((2, 10), jnp.float32)        # every score ties
-    idx, _ = routing.route_from_logits(logits, jnp.zeros((10,)), None, k=4, norm=True, eps=1e-20, scale=1.0)
+    idx, _ = routing.route_from_logits(logits, jnp.zeros((10,)), None, router=Router(4, True, 1e-20, 1.0))
     np.testing.assert_array_equal(idx, [[0, 1, 2, 3]] * 2)
 
 

@@ -103,7 +103,8 @@ def check_moe(fn, fmt, T, E, k, D, I, idx=None, seed=0, **kw):
         w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
     x64 = np.asarray(x, np.float64)
     limit = float(np.quantile(np.abs(np.einsum("tkid,td->tki", W1[idx], x64)), 0.7))   # clamps active
-    out = fn(x, jnp.asarray(idx), jnp.asarray(w), *arrays, limit=limit, fmt=base, interpret=True, **kw)
+    out = fn(x, jnp.asarray(idx), jnp.asarray(w), tuple(arrays[:3]), tuple(arrays[3:]),
+             tpu_moe.Spec(limit, base, interpret=True, **kw))
     ref = np_experts(x64, idx, w, W1, W2, W3, limit=limit)
     tol = 3e-2 if bf16 else 1e-4          # bf16: activations and dequantized weights rounded for the MXU
     err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
@@ -149,8 +150,8 @@ def test_decode_repeated_expert_and_fp4_row_major_scales():
 
 def _plan_decode(fmt, T, E, D, I, k):
     arrays = tpu_aot.expert_arrays(fmt, tpu_aot.Shapes(n_experts=E, top_k=k, hidden=D, moe_inter=I), None)
-    w, s, up, down = tpu_moe.abstract_experts(*arrays[:3], arrays[3:], fmt)
-    return tpu_moe.decode_plan((T, D), jnp.bfloat16, (T, k), w, s, up, down, block_i=128), arrays
+    ex = tpu_moe.abstract_experts(*arrays[:3], arrays[3:], fmt)
+    return tpu_moe.decode_plan((T, D), jnp.bfloat16, (T, k), ex, block_i=128), arrays
 
 
 @pytest.mark.parametrize("fmt", ["dense", "fp4_e2m1_b32"])
@@ -170,10 +171,10 @@ def test_decode_traffic_is_the_active_experts_once(fmt):
 def test_prefill_traffic_reads_each_used_expert_once_per_column_tile():
     E, D, I, k, T = 8, 256, 512, 2, 40
     arrays = tpu_aot.expert_arrays("dense", tpu_aot.Shapes(n_experts=E, top_k=k, hidden=D, moe_inter=I), None)
-    w, s, up, down = tpu_moe.abstract_experts(*arrays[:3], arrays[3:], "dense")
+    ex = tpu_moe.abstract_experts(*arrays[:3], arrays[3:], "dense")
     idx = np.stack([np.arange(T) % 3, 3 + np.arange(T) % 2], 1).astype(np.int32)     # experts 0..4 used
     M = moe_prefill.padded_rows(T * k, E, 8)
-    plans = tpu_moe.prefill_plans(M, jnp.bfloat16, w, s, up, down, block_m=8, block_n=(128, 128))
+    plans = tpu_moe.prefill_plans(M, jnp.bfloat16, ex, block_m=8, block_n=(128, 128))
     t = tpu_moe.prefill_traffic(plans, idx, E, 8)
     per_expert = I * D * 2
     assert t["gate_up.w1"] == t["gate_up.w3"] == t["down.w2"] == 5 * per_expert
@@ -181,7 +182,8 @@ def test_prefill_traffic_reads_each_used_expert_once_per_column_tile():
 
 def test_indexer_traffic_stops_at_the_visible_rows():
     B, S, T, H, dI = 2, 1, 4096, 8, 128
-    t = tpu_indexer.traffic(B, S, T, H, dI, jnp.bfloat16, jnp.bfloat16, None, np.array([300, 1500]),
+    t = tpu_indexer.traffic(jax.ShapeDtypeStruct((B, S, H, dI), jnp.bfloat16),
+                            jax.ShapeDtypeStruct((B, T, dI), jnp.bfloat16), None, np.array([300, 1500]),
                             blocks=(1, 512))
     assert t["keys"] == (512 + 1536) * dI * 2          # ⌈300/512⌉ and ⌈1500/512⌉ tiles, nothing past them
     assert t["scores"] == B * S * T * 4
@@ -330,7 +332,7 @@ def test_kernels_lower_to_mosaic(fmt, chip):
         args = [jax.ShapeDtypeStruct((T, s.hidden), jnp.bfloat16), jax.ShapeDtypeStruct((T, 2), jnp.int32),
                 jax.ShapeDtypeStruct((T, 2), jnp.float32)] + tpu_aot.expert_arrays(fmt, s, None)
         with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(lambda *a: fn(*a, limit=10.0, fmt=fmt)).trace(*args).lower(
+            text = jax.jit(lambda x, i, w, *e: fn(x, i, w, e[:3], e[3:], tpu_moe.Spec(10.0, fmt))).trace(*args).lower(
                 lowering_platforms=("tpu",)).as_text()
         assert text.count("tpu_custom_call") >= (1 if T == 3 else 2)
     with jax.sharding.use_abstract_mesh(mesh):

@@ -288,6 +288,7 @@ def test_long_context_tool_writes_its_table(tmp_path, capsys):
     assert [r["context"] for r in rows] == [300, 600] and res["meta"]["preset"] == "tiny_long"
     assert rows[1]["state_MB"] > rows[0]["state_MB"] and all(r["logits_finite"] for r in rows)
     assert all(min(r["peak_rss_MB"], r["run_rss_MB"]) > r["expected_MB"] > r["params_MB"] > 0 for r in rows)
+    assert all(r["chunk_run_MB"] > 0 and r["expected_MB"] > r["params_MB"] + r["state_MB"] for r in rows)
     assert (out / "results.md").exists() and (out / "long_context.png").exists()
     for args, message in ((["--contexts", "2000000"], "past the 1048576 positions"),
                           (["--contexts", "1k"], "comma-separated integers"), (["--chunk", "0"], "must be >= 1")):

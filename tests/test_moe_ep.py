@@ -13,7 +13,7 @@ import dsv4_jax
 from dsv4_jax import backends as B, config as C, parallel as S
 from dsv4_jax.model import decode as D, params as P
 from dsv4_jax.analysis import memplan as M, memplan_cli
-from dsv4_jax.model.layers import moe_ep
+from dsv4_jax.model.layers import experts as EX, moe_ep
 from dsv4_jax.model.target import forward_jit
 from dsv4_jax.ops import quant
 
@@ -136,13 +136,13 @@ def test_local_experts_match_numpy(local_case, impl):
     want = _numpy_local(x, idx, w, local, w1, w2, w3, 2.0)
     e = {"w1": jnp.asarray(w1), "w2": jnp.asarray(w2), "w3": jnp.asarray(w3)}
     if impl == "sliced":
-        got = moe_ep.experts_sliced(x, idx, w, w1, w2, w3, 2.0)
+        got = EX.experts_sliced(x, idx, w, w1, w2, w3, 2.0)
     elif impl == "sorted":
-        got = moe_ep.experts_sorted_local(x, idx, w, local, w1, w2, w3, 2.0)
+        got = EX.experts_sorted_local(EX.Assignments(x, idx, w, local), {"w1": w1, "w2": w2, "w3": w3}, 2.0)
     elif impl == "dense":
-        got = moe_ep.experts_dense(x, idx, w, w1, w2, w3, 2.0)
+        got = EX.experts_dense(x, idx, w, w1, w2, w3, 2.0)
     else:
-        got = moe_ep.local_experts(x, idx, w, local, e, "pallas", 2.0, interpret=True)
+        got = moe_ep.local_experts(EX.Assignments(x, idx, w, local), e, EX.ExpertCall("pallas", 2.0, True))
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
@@ -158,7 +158,8 @@ def test_local_experts_quantized_match_numpy(local_case, impl):
     e = dict(zip(("w1", "w2", "w3"), qs))
     n = {"sliced": 1, "tiled": 5, "dense": 5, "pallas": 5}[impl]      # 3 assignments <= E: slices; 15: many
     local_impl = {"sliced": "reference", "tiled": "reference"}.get(impl, impl)
-    got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, local_impl, 2.0, True)
+    got = moe_ep.local_experts(EX.Assignments(x[:n], idx[:n], w[:n], local[:n]), e,
+                               EX.ExpertCall(local_impl, 2.0, True))
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want[:n], rtol=2e-5, atol=2e-5)
 
@@ -185,7 +186,8 @@ def test_local_experts_fp4_words_match_numpy(group):
         deq.append(vals * np.repeat(sc.view(ml_dtypes.float8_e8m0fnu).astype(np.float64), 32, axis=-1))
     e = {n: quant.to_words(q, group if n == "w2" else 0) for n, q in zip(("w1", "w2", "w3"), qs)}
     for n_tok, impl in ((1, "reference"), (5, "reference"), (5, "dense")):
-        got = moe_ep.local_experts(x[:n_tok], idx[:n_tok], w[:n_tok], local[:n_tok], e, impl, 2.0, False)
+        got = moe_ep.local_experts(EX.Assignments(x[:n_tok], idx[:n_tok], w[:n_tok], local[:n_tok]), e,
+                                   EX.ExpertCall(impl, 2.0, False))
         want = _numpy_local(x[:n_tok], idx[:n_tok], w[:n_tok], local[:n_tok], *deq, 2.0)
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
     if group:                                             # w2's second column group alone, as on its shard
@@ -206,12 +208,12 @@ def test_experts_each_matches_dense_formulation():
     qs = [quant.to_words(quant.quantize(jnp.asarray(m), quant.FP4)) for m in ms]
     idx = jnp.asarray(np.array([[0, 0, 1], [2, 3, 0], [1, 1, 1], [0, 2, 3], [3, 2, 1], [0, 1, 2]], np.int32))
     w = jnp.asarray(rng.random((T, k)).astype(np.float32))              # expert 4: never routed
-    want = moe_ep.experts_dense(x, idx, w, *(quant.dequantize(q, jnp.float32) for q in qs), 2.0)
-    got = moe_ep.experts_dense(x, idx, w, *qs, 2.0)
+    want = EX.experts_dense(x, idx, w, *(quant.dequantize(q, jnp.float32) for q in qs), 2.0)
+    got = EX.experts_dense(x, idx, w, *qs, 2.0)
     assert got.dtype == jnp.float32 and float(jnp.max(jnp.abs(want))) > 0
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     cw = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
-    np.testing.assert_array_equal(np.asarray(moe_ep.experts_each(x, cw, *qs, 2.0)), np.asarray(got))
+    np.testing.assert_array_equal(np.asarray(EX.experts_each(x, cw, *qs, 2.0)), np.asarray(got))
 
 
 def test_local_experts_pallas_tpu_interpreted():
@@ -227,7 +229,8 @@ def test_local_experts_pallas_tpu_interpreted():
     w = (rng.random((T, k)) * local).astype(np.float32)
     e = {"w1": jnp.asarray(w1), "w2": jnp.asarray(w2), "w3": jnp.asarray(w3)}
     for n in (1, T):
-        got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, "pallas_tpu", 2.0, interpret=True)
+        got = moe_ep.local_experts(EX.Assignments(x[:n], idx[:n], w[:n], local[:n]), e,
+                                   EX.ExpertCall("pallas_tpu", 2.0, True))
         np.testing.assert_allclose(np.asarray(got), _numpy_local(x[:n], idx[:n], w[:n], local[:n], w1, w2, w3, 2.0),
                                    rtol=2e-5, atol=2e-5)
 
@@ -251,9 +254,17 @@ def test_local_experts_read_a_layer_stack_in_place():
         assert moe_ep.reads_stack_in_place("pallas_tpu", n, n * k, stack) == in_place
         want = _numpy_local(x[:n], idx[:n], w[:n], local[:n], w1[1], w2[1], w3[1], 2.0)
         for impl in ("pallas_tpu", "reference"):
-            got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], stack, impl, 2.0, interpret=True)
+            got = moe_ep.local_experts(EX.Assignments(x[:n], idx[:n], w[:n], local[:n]), stack,
+                                       EX.ExpertCall(impl, 2.0, True))
             np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
     assert not moe_ep.reads_stack_in_place("reference", 3, 6, stack)
+
+
+def test_one_dispatch_table_for_both_moe_paths():
+    """The single-device MoE's implementations (`Backends.moe` but "ep") and the expert-parallel local matmuls
+    (`ExpertParallel.local`) are the rows of one table, `experts.TABLE`."""
+    from dsv4_jax import backends as B
+    assert set(B.IMPLS["moe"]) - {"ep"} <= set(EX.TABLE) and set(B.EP_LOCAL) == set(EX.TABLE)
 
 
 def test_local_experts_picks_slices_for_few_assignments(local_case):
@@ -261,7 +272,8 @@ def test_local_experts_picks_slices_for_few_assignments(local_case):
     x, idx, w, local, w1, w2, w3 = local_case
     e = {"w1": w1, "w2": w2, "w3": w3}
     for n in (1, 5):                                 # 3 ≤ E = 4 assignments: slices; 15: sorted
-        got = moe_ep.local_experts(x[:n], idx[:n], w[:n], local[:n], e, "reference", 2.0, False)
+        got = moe_ep.local_experts(EX.Assignments(x[:n], idx[:n], w[:n], local[:n]), e,
+                                   EX.ExpertCall("reference", 2.0, False))
         np.testing.assert_allclose(np.asarray(got), _numpy_local(x[:n], idx[:n], w[:n], local[:n], w1, w2, w3, 2.0),
                                    rtol=2e-5, atol=2e-5)
 

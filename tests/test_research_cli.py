@@ -68,7 +68,8 @@ def sweep_out(bundle, tmp_path_factory):
     to_host = spec_generate.to_host
     spec_generate.to_host = lambda tree: FETCHES.append(1) or to_host(tree)
     try:
-        assert sweep.main(["--model", bundle, "--out", out, "--spec", "none,mtp,dspark", *RUN]) == 0
+        assert sweep.main(["--model", bundle, "--out", out, "--spec", "none,mtp,dspark", "--by-output-position", "4",
+                           *RUN]) == 0
     finally:
         RECORDING[0] = False
         spec_generate.to_host = to_host
@@ -163,6 +164,33 @@ def test_sweep_writes_documented_outputs(sweep_out):
     assert f"{os.cpu_count()} cores" in md
 
 
+def test_round_traces_add_up_to_each_prompts_totals(sweep_out):
+    """--by-output-position: each prompt's rounds in order (RunShape.round_trace), summing to its counters; the
+    per-setting buckets hold every round once, each round at the output position its first token takes."""
+    records = [json.loads(line) for line in open(os.path.join(sweep_out, "results.jsonl"))]
+    for r in records:
+        trace = r["round_trace"]
+        assert len(trace) == r["rounds"] and sum(d for d, _ in trace) == r["draft"]
+        assert sum(n for _, n in trace) == r["acc"] and all(0 <= n <= d for d, n in trace)
+        assert 1 + sum(n + 1 for _, n in trace) >= r["pred"]    # the last round may pass the budget
+    rows = json.load(open(os.path.join(sweep_out, "summary.json")))["settings"]
+    for row in rows:
+        buckets = row["by_output_position"]
+        assert sum(b["rounds"] for b in buckets) == row["rounds"] and all(b["start"] % 4 == 0 for b in buckets)
+        assert sum(b["accepted"] for b in buckets) == row["total_draft_accepted"]
+    assert "Acceptance vs output position" in open(os.path.join(sweep_out, "summary.md")).read()
+
+
+def test_acceptance_by_output_position_buckets_rounds_by_their_first_token():
+    from dsv4_jax.research import report
+    trace = [[3, 2], [3, 0], [3, 3], [2, 1]]            # rounds start at output positions 1, 4, 5, 9
+    assert report.round_starts(trace) == [1, 4, 5, 9]
+    rows = report.by_output_position([trace, [[1, 1]]], bucket=4)
+    assert [(b["start"], b["rounds"], b["drafted"], b["accepted"]) for b in rows] == \
+        [(0, 2, 4, 3), (4, 2, 6, 3), (8, 1, 2, 1)]
+    assert rows[1]["accept_rate"] == 0.5 and rows[1]["mean_accepted_length"] == 2.5
+
+
 def test_sweep_fetches_results_through_to_host(sweep_out):
     """The CLIs bring results to the host with dsv4_jax.to_host (docs/sharding.md: also across hosts)."""
     assert len(FETCHES) >= 2
@@ -215,9 +243,9 @@ def test_padded_generation_equals_generate(bundle, sweep_out):
     for setting in (Setting("dspark", 1), Setting("mtp", 2)):
         want, ws = d.generate(m.params, m.bundle, [prompt], 8, drafter=setting.drafter,
                               draft_n_max=max(setting.draft_n_max, 1))
-        got, stats = generate_padded(m.params, m.bundle, [prompt], 8, pad_to=meta["pad_to"], max_len=meta["max_len"],
-                                     setting=setting, max_block=meta["max_block"],
-                                     drafter_pool=tuple(meta["drafter_pool"]))
+        got, stats = generate_padded(m.params, m.bundle, [prompt], setting,
+                                     SweepPlan(8, (meta["pad_to"],), meta["max_len"], max_block=meta["max_block"],
+                                               drafter_pool=tuple(meta["drafter_pool"])))
         assert got == want and stats["generated"] == len(got[0])
         for key in ("rounds", "drafted", "accepted", "per_position_accepted", "per_position_proposed",
                     "draft_length_histogram"):
@@ -305,6 +333,7 @@ def test_sweep_times_settings_in_passes(interleaved, monkeypatch):
     (["--batch-size", "0"], "--batch-size: values must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--compile-threads", "-1"], "--compile-threads must be >= 0"),
+    (["--by-output-position", "0"], "--by-output-position must be >= 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--draft-n-max", "x"], "not an integer"),
     (["--categories", "poetry"], "unknown category"),

@@ -8,6 +8,7 @@ import dsv4_jax as d
 from dsv4_jax.model.decode import CapacityError
 from dsv4_jax.drafters import mtp, registry
 from dsv4_jax.drafters.base import Bound, DraftSetup, Knobs
+from dsv4_jax.model.state import Span
 from dsv4_jax.model.target import hidden_states
 from dsv4_jax.model.params import init_mtp
 from dsv4_jax.speculative import generate as spec_generate, loop, prefill as spec_prefill
@@ -49,7 +50,8 @@ def test_mtp_rows_match_full_recompute(model):
     S = _prefix_streams(params, config, seq[:-1])                       # [20, n, D]
     st = mtp.init(config, 1, 64, 4, jnp.float32)
     X1, logits, _ = mtp.rows(params["mtp"][0], params, config, st.cache, jnp.asarray(S[None]),
-                             jnp.asarray(seq[None, 1:], jnp.int32), jnp.zeros(1, jnp.int32), jnp.full(1, 20))
+                             jnp.asarray(seq[None, 1:], jnp.int32),
+                             Span.of(jnp.zeros(1, jnp.int32), 20, jnp.full(1, 20)))
     rX1, rlogits = ref.mtp_rows(params["mtp"][0], params["embed"], params["head"], config, S, seq[1:])
     diff = np.abs(np.asarray(logits[0]) - rlogits.numpy()).max()
     print(f"MTP rows vs full recompute: max |logit diff| {diff:.2e}")

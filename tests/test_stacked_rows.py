@@ -1,13 +1,13 @@
 """Compressed-row tables written in place: `model.layers.compressor.write_rows` on a plain [B, T, c] table and on a
-`model.state.StackedRows` (the table inside its segment's [reps, B, T, c] buffer), both the per-row
-dynamic_update_slice path and the scatter path for many rows, against a numpy loop; `cache.take_rows`."""
+`model.inplace.StackedRows` (the table inside its segment's [reps, B, T, c] buffer), both the per-row
+dynamic_update_slice path and the scatter path for many rows, against a numpy loop; `inplace.take_rows`."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax.model.state import StackedRows, rows_of, take_rows
+from dsv4_jax.model.inplace import StackedRows, rows_of, take_rows
 from dsv4_jax.model.layers import compressor
 
 

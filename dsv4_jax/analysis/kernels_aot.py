@@ -15,11 +15,23 @@ ignores. Next to it:
   some ops and a while body once — read it as XLA's view, not a measurement).
 
 `compile_case(case, topology)` returns one record (a dict, JSON-ready); `run(topology, cases)` all of them.
-`experiments/tpu_kernels_aot.py` is the command line; the `dsv4-aot` report calls these functions.
+The `dsv4-aot` report calls these functions; `dsv4-aot kernels` (`main`) is the command line of this table alone:
+
+    dsv4-aot kernels --topology v5p:2x2x1 --topology v6e:2x2 --out experiments/results/tpu_kernels_aot_<date>.json
+
+compile time, per-chip argument / temp bytes, BlockSpec and ideal bytes and the reference's XLA bytes per
+topology and case; prints the table, writes JSON (every operand) and Markdown next to it.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import sys
 import time
 
 import jax
@@ -147,8 +159,11 @@ def _dequant(fmt: str, codes, scale):
     return quant.dequantize(quant.QArray(codes, scale, qf, jnp.bfloat16), jnp.bfloat16)
 
 
-def reference_decode(x, idx, w, w1, w2, w3, s1, s2, s3, *, fmt: str, limit: float):
-    """XLA reference for few tokens: gather the selected experts' codes, dequantize them, SwiGLU (ops.moe)."""
+def reference_decode(x, idx, w, codes, scales, *, fmt: str, limit: float):
+    """XLA reference for few tokens: gather the selected experts' codes, dequantize them, SwiGLU (ops.moe).
+    codes (w1, w2, w3) and scales as `kernels.tpu_moe.experts_decode` takes them."""
+    (w1, w2, w3), (s1, s2, s3) = codes, scales
+
     def take(c, sc):
         return _dequant(fmt, c[idx], None if sc is None else sc[idx])       # [T, k, N, K]
     g = jnp.einsum("td,tkid->tki", x, take(w1, s1))
@@ -157,8 +172,9 @@ def reference_decode(x, idx, w, w1, w2, w3, s1, s2, s3, *, fmt: str, limit: floa
     return ops_moe.combine(y, w, x.dtype)
 
 
-def reference_prefill(x, idx, w, w1, w2, w3, s1, s2, s3, *, fmt: str, limit: float):
+def reference_prefill(x, idx, w, codes, scales, *, fmt: str, limit: float):
     """XLA reference for many tokens: dequantize every expert, sorted grouped matmul (ops.moe)."""
+    (w1, w2, w3), (s1, s2, s3) = codes, scales
     W1, W2, W3 = _dequant(fmt, w1, s1), _dequant(fmt, w2, s2), _dequant(fmt, w3, s3)
     return ops_moe.experts_sorted(x, idx, w, W1, W2, W3, limit)
 
@@ -174,10 +190,11 @@ def _programs(case: Case, s: Shapes, sharding):
         T = case.tokens
         args = [_sds((T, s.hidden), jnp.bfloat16, sharding), _sds((T, s.top_k), jnp.int32, sharding),
                 _sds((T, s.top_k), jnp.float32, sharding)] + expert_arrays(case.fmt, s, sharding)
-        kw = dict(limit=s.swiglu_limit, fmt=case.fmt)
         kern = tpu_moe.experts_decode if case.kernel == "moe_decode" else tpu_moe.experts_prefill
         ref = reference_decode if case.kernel == "moe_decode" else reference_prefill
-        return (lambda *a: kern(*a, **kw)), (lambda *a: ref(*a, **kw)), args
+        spec = tpu_moe.Spec(s.swiglu_limit, case.fmt)
+        return (lambda x, i, w, *e: kern(x, i, w, e[:3], e[3:], spec)), \
+            (lambda x, i, w, *e: ref(x, i, w, e[:3], e[3:], fmt=case.fmt, limit=s.swiglu_limit)), args
     B, S, T, H, dI = case.batch, case.queries, case.rows, s.index_heads, s.index_dim
     args = [_sds((B, S, H, dI), jnp.bfloat16, sharding), _sds((B, T, dI), jnp.bfloat16, sharding),
             _sds((B, S, H), jnp.float32, sharding), _sds((B, S), jnp.int32, sharding),
@@ -221,7 +238,7 @@ def blockspec_bytes(case: Case, s: Shapes = FLASH) -> dict:
     if case.kernel.startswith("moe"):
         T, E = case.tokens, s.n_experts
         arrays = expert_arrays(case.fmt, s, None)
-        weights, scales, up, down = tpu_moe.abstract_experts(*arrays[:3], arrays[3:], case.fmt)
+        ex = tpu_moe.abstract_experts(*arrays[:3], arrays[3:], case.fmt)
         per_expert = sum(_nbytes(a) for a in arrays) // E
         act = T * s.hidden * 2 * 2                                       # x in, y out (bf16)
         out = {}
@@ -230,12 +247,12 @@ def blockspec_bytes(case: Case, s: Shapes = FLASH) -> dict:
             idx = routing(kind, T, s)
             ideal = len(np.unique(idx)) * per_expert + act
             if case.kernel == "moe_decode":
-                plan = tpu_moe.decode_plan((T, s.hidden), jnp.bfloat16, idx.shape, weights, scales, up, down)
+                plan = tpu_moe.decode_plan((T, s.hidden), jnp.bfloat16, idx.shape, ex)
                 per_op = tpu_moe.decode_traffic(plan, idx)
             else:
                 bM = tpu_moe.row_tile(T * s.top_k, E, jnp.bfloat16)
                 M = moe_prefill.padded_rows(T * s.top_k, E, bM)
-                plans = tpu_moe.prefill_plans(M, jnp.bfloat16, weights, scales, up, down, block_m=bM,
+                plans = tpu_moe.prefill_plans(M, jnp.bfloat16, ex, block_m=bM,
                                               block_n=tpu_moe.PREFILL_BLOCK_N)
                 per_op = tpu_moe.prefill_traffic(plans, idx, E, bM)
             out[kind] = {"total": int(sum(per_op.values())), "ideal": int(ideal),
@@ -244,7 +261,8 @@ def blockspec_bytes(case: Case, s: Shapes = FLASH) -> dict:
     B, S, T = case.batch, case.queries, case.rows
     H, dI = s.index_heads, s.index_dim
     positions = np.full((B, S), case.ratio * T - 1, np.int32)             # every row visible
-    per_op = tpu_indexer.traffic(B, S, T, H, dI, jnp.bfloat16, jnp.bfloat16, positions, np.full((B,), T),
+    per_op = tpu_indexer.traffic(jax.ShapeDtypeStruct((B, S, H, dI), jnp.bfloat16),
+                                 jax.ShapeDtypeStruct((B, T, dI), jnp.bfloat16), positions, np.full((B,), T),
                                  case.ratio)
     ideal = B * T * dI * 2 + B * S * H * (dI * 2 + 4) + B * S * T * 4
     return {"full": {"total": int(sum(per_op.values())), "ideal": int(ideal), "per_operand": per_op}}
@@ -281,3 +299,74 @@ def run(topology: str, cases: list[Case] | None = None, s: Shapes = FLASH, refer
             log(rec)
         out.append(rec)
     return out
+
+
+# ---- the command line (`dsv4-aot kernels`) ----
+
+MiB = 2 ** 20
+HEADER = ["topology", "case", "compile", "compile s", "args MiB", "temp MiB", "BlockSpec MiB", "ideal MiB",
+          "kernel prog. XLA MiB", "ref XLA MiB", "ref temp MiB", "routing / fill"]
+
+
+def table_row(rec: dict) -> list[str]:
+    """One record as the cells of HEADER (the BlockSpec bytes of its random routing, else its first scenario)."""
+    bs = rec["blockspec_bytes"]
+    kind = "random" if "random" in bs else next(iter(bs))
+    bs = bs[kind]
+    k = rec.get("compiled", {})
+    ref = rec.get("reference", {})
+    return [rec["topology"], rec["case"], "ok" if rec["compile_ok"] else "FAIL",
+            f"{rec.get('compile_s', float('nan')):.1f}", f"{k.get('argument_bytes', 0) / MiB:.0f}",
+            f"{k.get('temp_bytes', 0) / MiB:.1f}", f"{bs['total'] / MiB:.1f}", f"{bs['ideal'] / MiB:.1f}",
+            f"{k.get('xla_bytes_accessed', float('nan')) / MiB:.1f}",
+            f"{ref.get('xla_bytes_accessed', float('nan')) / MiB:.1f}", f"{ref.get('temp_bytes', 0) / MiB:.1f}",
+            kind]
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(table_row(r)) + " |" for r in records]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dsv4-aot kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--topology", action="append", help="libtpu topology name (repeatable); default v5p:2x2x1, "
+                                                        "v6e:2x2")
+    ap.add_argument("--case", action="append", help="only cases whose name contains this (repeatable)")
+    ap.add_argument("--no-reference", action="store_true", help="skip the XLA reference compiles")
+    ap.add_argument("--out", help="JSON path (a .md with the table is written next to it)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[2:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    if not libtpu.available():
+        print(f"dsv4-aot kernels: error: {libtpu.HELP}", file=sys.stderr)
+        return 2
+    libtpu.set_env()
+    topologies = args.topology or ["v5p:2x2x1", "v6e:2x2"]
+    cases = [c for c in default_cases() if not args.case or any(s in c.name for s in args.case)]
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "cpus": os.cpu_count(), "jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu"),
+            "command": "dsv4-aot kernels " + " ".join(argv), "shapes": dataclasses.asdict(FLASH)}
+    print(json.dumps(meta), flush=True)
+
+    def log(rec):
+        print(" | ".join(table_row(rec)) + ("" if rec["compile_ok"] else "  " + rec["error"]), flush=True)
+
+    records = []
+    for topo in topologies:
+        records += run(topo, cases, reference=not args.no_reference, log=log)
+    table = markdown(records)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(f"# TPU kernels ahead-of-time compile — {meta['date'][:10]}\n\n"
+                    f"- command: `{meta['command']}`\n- machine: {meta['host']}, {meta['cpus']} CPUs, no TPU; jax "
+                    f"{meta['jax']}, libtpu {meta['libtpu']}\n\n{table}\n")
+    return 0 if all(r["compile_ok"] for r in records) else 1

@@ -118,9 +118,10 @@ def _drafter_specs(config: ModelConfig, drafter: str, dspark_stages: int, markov
     return []
 
 
-def _state_bytes(config: ModelConfig, sizes: dict, batch: int, context: int, max_block: int, dtype,
-                 rules, drafter_layers: int) -> tuple[float, float]:
-    """(total, per-device) bytes of the target decode state plus the drafters' sliding-window rings."""
+def _state_bytes(config: ModelConfig, sizes: dict, rules, dims: tuple, drafter_layers: int) -> tuple[float, float]:
+    """(total, per-device) bytes of the target decode state plus the drafters' sliding-window rings; dims:
+    (batch, context, max_block, dtype) of the state."""
+    batch, context, max_block, dtype = dims
     shapes = state_shapes(config, batch, context, max_block, dtype)
     specs = state_partition_specs(shapes, sizes, rules)
     total = per = 0.0
@@ -132,7 +133,7 @@ def _state_bytes(config: ModelConfig, sizes: dict, batch: int, context: int, max
         per += b / split
     if drafter_layers:
         one = config.replace(num_layers=1, layer_types=(SLIDING,), compress_ratios=(0,), mlp_layer_types=(MOE,))
-        for s in layer_cache_shapes(one, 0, batch, context, max_block, dtype).values():
+        for s in jax.tree.leaves(layer_cache_shapes(one, 0, batch, context, max_block, dtype)):
             b = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize * drafter_layers
             sp = partition_spec(s.shape, ("state_batch",) + (None,) * (len(s.shape) - 1), sizes, rules)
             split = math.prod(sizes[ax] for e in sp for ax in (e if isinstance(e, tuple) else (e,)) if ax is not None)
@@ -170,7 +171,7 @@ def plan(config: ModelConfig, *, devices: int = 1, mesh_shape: tuple[int, ...] |
         parts[f"drafter ({drafter})"] = {"total": tot, "per_device": per}
     n_draft_layers = (len(drafters) if drafter == "mtp" else dspark_stages if drafter == "dspark" else 0)
     dtype = jnp.float32 if weights == "f32" else jnp.bfloat16
-    st = _state_bytes(config, sizes, batch, context, max_block, dtype, rules, n_draft_layers)
+    st = _state_bytes(config, sizes, rules, (batch, context, max_block, dtype), n_draft_layers)
     parts["decode state"] = {"total": st[0], "per_device": st[1]}
     weights_total = sum(v["total"] for k, v in parts.items() if k != "decode state")
     return {"model": config.name, "weights": weights, "devices": devices, "mesh": sizes, "sharding": sharding,

@@ -1,6 +1,6 @@
 """Named placements of the expert-parallel traffic study (docs/sharding.md): each a mesh shape or a sharding
 preset (`dsv4_jax.parallel.PRESETS`), rules to change, and the MoE backend. Compiled side by side by
-experiments/aot_ep_traffic.py through `dsv4-aot` (`analysis.aot.runner`).
+`dsv4-aot placements` (`analysis.aot.placement_table`, through `analysis.aot.runner`).
 
     gspmd-ep        mesh 1x8x1, default rules, moe=reference: GSPMD partitions the `w[idx]` gathers (before)
     gspmd-tp        mesh 1x1x8, default rules, moe=reference (before)

@@ -27,12 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..model.state import EMPTY
+from ..model.state import EMPTY, Span, WindowRing
 from ..config import ModelConfig
 from ..model.layers import hyper
-from ..model.layers.attention import attend, grouped_output, project_kv, project_q
+from ..model.layers.attention import attend, grouped_output, project_kv, project_q, push_window
 from ..model.layers.block import ffn_sublayer
-from ..model.layers.compressor import write_ring
 from ..model.layers.norms import rms_norm
 from ..model.layers.rope import apply_rope, inv_freq
 from ..ops.linear import embed, linear
@@ -83,14 +82,19 @@ def resolve(config: ModelConfig, dparams: dict, meta=None) -> DSparkConfig:
 
 @struct.dataclass
 class DSparkState:
-    ctx_kv: jax.Array     # [n_stages, B, W, d] context keys, ring slot p mod W
-    ctx_pos: jax.Array    # [n_stages, B, W] their positions (EMPTY if never written)
+    """The stages' context rings: `model.state.WindowRing`s stacked on a leading stage axis."""
+
+    ctx: WindowRing       # kv [n_stages, B, W, d] context keys, ring slot p mod W; pos [n_stages, B, W] (EMPTY)
+
+    def stage(self, s: int) -> WindowRing:
+        """Stage s's ring: kv [B, W, d], pos [B, W]."""
+        return WindowRing(kv=self.ctx.kv[s], pos=self.ctx.pos[s])
 
 
 def init(dparams: dict, config: ModelConfig, batch: int, dtype) -> DSparkState:
     S, W = len(dparams["stages"]), config.sliding_window
-    return DSparkState(ctx_kv=jnp.zeros((S, batch, W, config.head_dim), dtype),
-                       ctx_pos=jnp.full((S, batch, W), EMPTY, jnp.int32))
+    return DSparkState(ctx=WindowRing(kv=jnp.zeros((S, batch, W, config.head_dim), dtype),
+                                      pos=jnp.full((S, batch, W), EMPTY, jnp.int32)))
 
 
 def context_features(dparams: dict, config: ModelConfig, taps: jax.Array) -> jax.Array:
@@ -103,20 +107,18 @@ def context_features(dparams: dict, config: ModelConfig, taps: jax.Array) -> jax
 def observe(dparams: dict, target: dict, config: ModelConfig, st: DSparkState, taps: jax.Array, start: jax.Array,
             n_valid: jax.Array) -> DSparkState:
     """Store context keys of newly committed positions start..start+n_valid−1 (taps [B,S,n_taps,D])."""
-    S = taps.shape[1]
-    positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+    span = Span.of(start, taps.shape[1], n_valid)
     c = context_features(dparams, config, taps)
     freqs = inv_freq(config, "main")
-    kvs, poss = [], []
-    for s, stage in enumerate(dparams["stages"]):
-        kv = project_kv(c, stage["attn"], config, positions, freqs)
-        kvs.append(write_ring(st.ctx_kv[s], kv, start, n_valid))
-        poss.append(write_ring(st.ctx_pos[s], positions, start, n_valid))
-    return DSparkState(ctx_kv=jnp.stack(kvs), ctx_pos=jnp.stack(poss))
+    rings = [push_window(st.stage(s), project_kv(c, stage["attn"], config, span.positions, freqs), span)
+             for s, stage in enumerate(dparams["stages"])]
+    return DSparkState(ctx=jax.tree.map(lambda *x: jnp.stack(x), *rings))
 
 
-def _stage(X, p, ctx_kv, ctx_pos, config: ModelConfig, tokens, positions, anchor, context: str):
-    """One draft stage on the block X [B,γ,n,D] (tokens, positions [B,γ]); anchor [B] = a."""
+def _stage(X, p, ring: WindowRing, config: ModelConfig, tokens, positions, context: str):
+    """One draft stage on the block X [B,γ,n,D] (tokens, positions [B,γ] from the anchor a) against the
+    stage's context ring."""
+    ctx_kv, ctx_pos, anchor = ring.kv, ring.pos, positions[:, 0]
     eps = config.rms_norm_eps
     freqs = inv_freq(config, "main")
     pre, post, comb = hyper.hc_weights(X, p["hc_attn"], config)
@@ -147,7 +149,7 @@ def block_outputs(dparams: dict, target: dict, config: ModelConfig, dcfg: DSpark
     e = embed(target["embed"], tokens)
     X = jnp.broadcast_to(e[:, :, None, :], e.shape[:2] + (config.hc_mult, e.shape[-1]))
     for s, stage in enumerate(dparams["stages"]):
-        X = _stage(X, stage, st.ctx_kv[s], st.ctx_pos[s], config, tokens, positions, anchor_pos, dcfg.context)
+        X = _stage(X, stage, st.stage(s), config, tokens, positions, dcfg.context)
     y = hyper.hc_head(X, dparams["hc_head"], config)
     U = linear(rms_norm(y, dparams["norm"], config.rms_norm_eps), target["head"])
     return y, U.astype(jnp.float32)

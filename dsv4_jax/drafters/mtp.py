@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..model.state import init_state
+from ..model.state import LayerCache, Span, init_state
 from ..config import ModelConfig
 from ..model.layers import hyper
 from ..model.layers.block import layer_step
@@ -31,7 +31,7 @@ from .common import block_config, chain_length, draw
 
 @struct.dataclass
 class MTPState:
-    cache: dict            # one sliding layer's ring: win_kv [B,Rw,d], win_pos [B,Rw]
+    cache: LayerCache       # one sliding layer's: window.kv [B,Rw,d], window.pos [B,Rw] (no compressor, indexer)
     last_hidden: jax.Array  # [B,n,D] X1 of the last committed row
     last_logits: jax.Array  # [B,V] its logits: the distribution of the first draft
 
@@ -43,19 +43,17 @@ def init(config: ModelConfig, batch: int, max_len: int, max_block: int, dtype) -
                     last_logits=jnp.zeros((batch, config.vocab_size), jnp.float32))
 
 
-def rows(mtp: dict, target: dict, config: ModelConfig, cache: dict, hidden: jax.Array, tokens: jax.Array,
-         start: jax.Array, n_valid: jax.Array):
-    """Run MTP rows at positions start + [0, R). hidden [B,R,n,D] (S_i), tokens [B,R] (x_{i+1}).
+def rows(mtp: dict, target: dict, config: ModelConfig, cache: LayerCache, hidden: jax.Array, tokens: jax.Array,
+         span: Span):
+    """Run MTP rows at positions span.positions [B,R]. hidden [B,R,n,D] (S_i), tokens [B,R] (x_{i+1}).
 
-    Returns (X1 [B,R,n,D], logits [B,R,V] float32, cache with the first n_valid rows written).
+    Returns (X1 [B,R,n,D], logits [B,R,V] float32, cache with the first span.n_valid rows written).
     """
     eps = config.rms_norm_eps
-    R = tokens.shape[1]
     e = linear(rms_norm(embed(target["embed"], tokens), mtp["enorm"], eps), mtp["e_proj"])   # [B,R,D]
     h = linear(rms_norm(hidden, mtp["hnorm"], eps), mtp["h_proj"])                          # [B,R,n,D]
     X0 = (h + e[:, :, None, :]).astype(hidden.dtype)
-    positions = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
-    X1, cache = layer_step(X0, mtp, cache, block_config(config), 0, tokens, positions, start, n_valid)
+    X1, cache = layer_step(X0, mtp, cache, block_config(config), 0, tokens, span)
     y = rms_norm(hyper.hc_head(X1, mtp["hc_head"], config), mtp["norm"], eps)
     return X1, linear(y, target["head"]).astype(jnp.float32), cache
 
@@ -72,7 +70,7 @@ def observe(mtp: dict, target: dict, config: ModelConfig, st: MTPState, hidden, 
     accepted drafts, then the bonus token). The last committed row seeds the next chain; rows with
     n_valid 0 keep theirs.
     """
-    X1, logits, cache = rows(mtp, target, config, st.cache, hidden, tokens, start, n_valid)
+    X1, logits, cache = rows(mtp, target, config, st.cache, hidden, tokens, Span.of(start, tokens.shape[1], n_valid))
     fed = n_valid > 0      # a row given no positions (a chunked priming's later chunks) keeps its last row
     keep = lambda new, old: jnp.where(fed.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
     return MTPState(cache=cache, last_hidden=keep(_last(X1, n_valid), st.last_hidden),
@@ -95,7 +93,8 @@ def propose(run: Bound, st: MTPState, pos: jax.Array, key, knobs: Knobs, greedy:
     def step(j, chain):
         # chain row at position pos−1+j: (X1 of the previous row, previous draft)
         X, cache, drafts, probs, tops = chain
-        X1, logits, cache = rows(mtp, target, config, cache, X[:, None], drafts[:, j - 1][:, None], pos - 1 + j, ones)
+        X1, logits, cache = rows(mtp, target, config, cache, X[:, None], drafts[:, j - 1][:, None],
+                                 Span.of(pos - 1 + j, 1, ones))
         tok, q, top1 = draw(keys[j], logits[:, 0], temperature, top_p, greedy)
         return X1[:, 0], cache, drafts.at[:, j].set(tok), probs.at[:, j].set(q), tops.at[:, j].set(top1)
 

@@ -14,8 +14,10 @@ f16 / f32 block scales), dequantized per tile inside the kernel: the codes cross
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,69 +38,102 @@ def weight_operands(w):
     return [w], None, (1, w.shape[-1])
 
 
-def _row_scale(s_ref, fmt, e, r0, nr: int, c0, br: int, bc: int):
-    """Decoded scales of rows r0..r0+nr in the column block holding c0: [nr] (br = 1) or a scalar (nr | br)."""
-    s = s_ref[e, pl.ds(r0, nr), c0 // bc] if br == 1 else s_ref[e, r0 // br, c0 // bc]
-    return decode_scale(s, fmt)
+class Weight(NamedTuple):
+    """One expert weight [E, N, K] inside a kernel: its codes (or dense values) ref, its scale ref (None when
+    dense), its format (None when dense) and scale block (br, bc)."""
+
+    ref: object
+    scale: object
+    fmt: object
+    sblock: tuple[int, int]
 
 
-def load_tile(w_ref, fmt, e, r0, nr: int, c0, nc: int):
-    """W[e, r0:r0+nr, c0:c0+nc] as float32 values before scaling (codes decoded, FP4 nibbles unpacked)."""
-    if fmt is None:
-        return w_ref[e, pl.ds(r0, nr), pl.ds(c0, nc)].astype(jnp.float32)
-    return decode_codes(w_ref[e, pl.ds(r0, nr), pl.ds(c0 // fmt.pack, nc // fmt.pack)], fmt)
+class Tile(NamedTuple):
+    """W[e, r0:r0+nr, c0:c0+nc]: expert e, nr rows from r0, nc columns from c0."""
+
+    e: object
+    r0: object
+    nr: int
+    c0: object
+    nc: int
 
 
-def _gemv_tile(x_chunk, w_ref, s_ref, fmt, e, r0, nr, c0, nc, sblock):
-    """Σ_c W[e, r0:r0+nr, c0:c0+nc] · x_chunk -> f32 [nr] (dequantized in the tile when quantized)."""
-    part = jnp.sum(load_tile(w_ref, fmt, e, r0, nr, c0, nc) * x_chunk[None, :], axis=1)
-    if fmt is not None:
-        part = part * _row_scale(s_ref, fmt, e, r0, nr, c0, *sblock)
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static tiling of one kernel: output tile `rows`, contraction `cols` per step and `n_cols` steps, the
+    weights' formats (None: dense) and scale block, the SwiGLU limit (gate / up kernels)."""
+
+    rows: int
+    cols: int
+    n_cols: int
+    fmts: tuple
+    sblock: tuple[int, int]
+    limit: float | None = None
+
+
+def _row_scale(wt: Weight, t: Tile):
+    """Decoded scales of the tile's rows in the column block holding c0: [nr] (br = 1) or a scalar (nr | br)."""
+    br, bc = wt.sblock
+    s = wt.scale[t.e, pl.ds(t.r0, t.nr), t.c0 // bc] if br == 1 else wt.scale[t.e, t.r0 // br, t.c0 // bc]
+    return decode_scale(s, wt.fmt)
+
+
+def load_tile(wt: Weight, t: Tile):
+    """The tile of W as float32 values before scaling (codes decoded, FP4 nibbles unpacked)."""
+    if wt.fmt is None:
+        return wt.ref[t.e, pl.ds(t.r0, t.nr), pl.ds(t.c0, t.nc)].astype(jnp.float32)
+    return decode_codes(wt.ref[t.e, pl.ds(t.r0, t.nr), pl.ds(t.c0 // wt.fmt.pack, t.nc // wt.fmt.pack)], wt.fmt)
+
+
+def _gemv_tile(x_chunk, wt: Weight, t: Tile):
+    """Σ_c tile · x_chunk -> f32 [nr] (dequantized in the tile when quantized)."""
+    part = jnp.sum(load_tile(wt, t) * x_chunk[None, :], axis=1)
+    if wt.fmt is not None:
+        part = part * _row_scale(wt, t)
     return part
 
 
-def _split(refs, fmts):
-    """Kernel refs -> per weight (codes ref, scale ref or None), in order."""
+def _split(refs, fmts, sblock):
+    """Kernel refs -> (a `Weight` per format, in order; the remaining refs)."""
     out, i = [], 0
     for f in fmts:
-        out.append((refs[i], refs[i + 1] if f is not None else None))
+        out.append(Weight(refs[i], refs[i + 1] if f is not None else None, f, sblock))
         i += 1 if f is None else 2
     return out, refs[i:]
 
 
-def _gate_up_kernel(ids_ref, x_ref, *refs, bI, bD, nD, limit, sblock, fmts):
-    ((w1_ref, s1_ref), (w3_ref, s3_ref)), (h_ref,) = _split(refs, fmts)
+def _gate_up_kernel(ids_ref, x_ref, *refs, t: Tiling):
+    (w1, w3), (h_ref,) = _split(refs, t.fmts, t.sblock)
     e = ids_ref[pl.program_id(0)]
-    i0 = pl.program_id(1) * bI
+    i0 = pl.program_id(1) * t.rows
 
     def body(c, acc):
         g, u = acc
-        d0 = pl.multiple_of(c * bD, bD)
-        xc = x_ref[0, pl.ds(d0, bD)].astype(jnp.float32)
-        g = g + _gemv_tile(xc, w1_ref, s1_ref, fmts[0], e, i0, bI, d0, bD, sblock)
-        u = u + _gemv_tile(xc, w3_ref, s3_ref, fmts[1], e, i0, bI, d0, bD, sblock)
-        return g, u
+        d0 = pl.multiple_of(c * t.cols, t.cols)
+        xc = x_ref[0, pl.ds(d0, t.cols)].astype(jnp.float32)
+        tile = Tile(e, i0, t.rows, d0, t.cols)
+        return g + _gemv_tile(xc, w1, tile), u + _gemv_tile(xc, w3, tile)
 
-    zero = jnp.zeros((bI,), jnp.float32)
-    g, u = jax.lax.fori_loop(0, nD, body, (zero, zero))
-    h_ref[0, :] = swiglu(g, u, limit).astype(h_ref.dtype)
+    zero = jnp.zeros((t.rows,), jnp.float32)
+    g, u = jax.lax.fori_loop(0, t.n_cols, body, (zero, zero))
+    h_ref[0, :] = swiglu(g, u, t.limit).astype(h_ref.dtype)
 
 
-def _down_kernel(ids_ref, wts_ref, h_ref, *refs, k, bD, bI, nI, sblock, fmts):
-    ((w2_ref, s2_ref),), (y_ref,) = _split(refs, fmts)
-    t = pl.program_id(0)
-    d0 = pl.program_id(1) * bD
-    y = jnp.zeros((bD,), jnp.float32)
+def _down_kernel(ids_ref, wts_ref, h_ref, *refs, k: int, t: Tiling):
+    (w2,), (y_ref,) = _split(refs, t.fmts, t.sblock)
+    tok = pl.program_id(0)
+    d0 = pl.program_id(1) * t.rows
+    y = jnp.zeros((t.rows,), jnp.float32)
     for j in range(k):
-        a = t * k + j
+        a = tok * k + j
         e = ids_ref[a]
 
         def body(c, acc, a=a, e=e):
-            i0 = pl.multiple_of(c * bI, bI)
-            hc = h_ref[a, pl.ds(i0, bI)].astype(jnp.float32)
-            return acc + _gemv_tile(hc, w2_ref, s2_ref, fmts[0], e, d0, bD, i0, bI, sblock)
+            i0 = pl.multiple_of(c * t.cols, t.cols)
+            hc = h_ref[a, pl.ds(i0, t.cols)].astype(jnp.float32)
+            return acc + _gemv_tile(hc, w2, Tile(e, d0, t.rows, i0, t.cols))
 
-        y = y + wts_ref[a] * jax.lax.fori_loop(0, nI, body, jnp.zeros((bD,), jnp.float32))
+        y = y + wts_ref[a] * jax.lax.fori_loop(0, t.n_cols, body, jnp.zeros((t.rows,), jnp.float32))
     y_ref[0, :] = y.astype(y_ref.dtype)
 
 
@@ -117,9 +152,9 @@ def _same_format(a, b, what: str):
         raise ValueError(f"{what} are stored in different formats / blocks: {a[1]} {a[2]} vs {b[1]} {b[2]}")
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "interpret", "blocks", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("limit", "interpret", "blocks"))
 def experts_decode(x, idx, w, p: dict, *, limit: float, interpret: bool = True,
-                   blocks: tuple[int, int, int, int] = (16, 256, 16, 256), num_warps: int = 4):
+                   blocks: tuple[int, int, int, int] = (16, 256, 16, 256)):
     """x [T,D], idx int [T,k], w f32 [T,k], p {"w1" [E,I,D], "w2" [E,D,I], "w3" [E,I,D]}, each dense or an
     `ops.quant.QArray` (any format: FP8 / FP4 / Q8_0 / int8, tiles dequantized in the kernel)
     -> [T,D] in x.dtype. blocks = (gate/up rows bI, gate/up cols bD, down rows bD, down cols bI) caps."""
@@ -131,14 +166,14 @@ def experts_decode(x, idx, w, p: dict, *, limit: float, interpret: bool = True,
     ids = idx.reshape(-1).astype(jnp.int32)
     A = T * k
     whole = pl.BlockSpec()
-    cp = compiler_params(num_warps)
+    cp = compiler_params()
 
     fmts = (up1[1], up3[1])
     pack = up1[1].pack if up1[1] is not None else 1
     bI, bD = tiles(I, D, up1[2], blocks[0], blocks[1], pack)
     up_args = [ids, x] + up1[0] + up3[0]
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bI=bI, bD=bD, nD=D // bD, limit=limit, sblock=up1[2], fmts=fmts),
+        functools.partial(_gate_up_kernel, t=Tiling(bI, bD, D // bD, fmts, up1[2], limit)),
         grid=(A, I // bI),
         in_specs=[whole, pl.BlockSpec((1, D), lambda a, i: (a // k, 0))] + [whole] * (len(up_args) - 2),
         out_specs=pl.BlockSpec((1, bI), lambda a, i: (a, i)),
@@ -148,7 +183,7 @@ def experts_decode(x, idx, w, p: dict, *, limit: float, interpret: bool = True,
     bD2, bI2 = tiles(D, I, dn[2], blocks[2], blocks[3], pack)
     dn_args = [ids, w.reshape(-1).astype(jnp.float32), h] + dn[0]
     return pl.pallas_call(
-        functools.partial(_down_kernel, k=k, bD=bD2, bI=bI2, nI=I // bI2, sblock=dn[2], fmts=(dn[1],)),
+        functools.partial(_down_kernel, k=k, t=Tiling(bD2, bI2, I // bI2, (dn[1],), dn[2])),
         grid=(T, D // bD2),
         in_specs=[whole] * len(dn_args),
         out_specs=pl.BlockSpec((1, bD2), lambda t, d: (t, d)),

@@ -22,29 +22,29 @@ from jax.experimental import pallas as pl
 
 from ..ops.moe import align, padded_rows, swiglu  # noqa: F401  (align: the tile layout, shared with ops.moe)
 from .common import compiler_params
-from .moe_decode import _row_scale, _same_format, _split, load_tile, tiles, weight_operands
+from .moe_decode import Tile, Tiling, Weight, _row_scale, _same_format, _split, load_tile, tiles, weight_operands
 
 
-def _mm_tile(a, w_ref, s_ref, fmt, e, n0, nn, c0, nc, sblock):
-    """a [bM, nc] · W[e, n0:n0+nn, c0:c0+nc]ᵀ -> f32 [bM, nn] (codes decoded to a's dtype, scaled after:
-    e4m3 / e2m1 / int8 values are exact in bfloat16)."""
-    if fmt is None:
-        b = w_ref[e, pl.ds(n0, nn), pl.ds(c0, nc)]
+def _mm_tile(a, wt: Weight, t: Tile):
+    """a [bM, nc] · (the tile of W)ᵀ -> f32 [bM, nr] (codes decoded to a's dtype, scaled after: e4m3 / e2m1 /
+    int8 values are exact in bfloat16)."""
+    if wt.fmt is None:
+        b = wt.ref[t.e, pl.ds(t.r0, t.nr), pl.ds(t.c0, t.nc)]
         b = b if b.dtype == a.dtype else b.astype(a.dtype)
     else:
-        b = load_tile(w_ref, fmt, e, n0, nn, c0, nc).astype(a.dtype)
+        b = load_tile(wt, t).astype(a.dtype)
     prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     out = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
                               preferred_element_type=jnp.float32)
-    if fmt is not None:
-        out = out * _row_scale(s_ref, fmt, e, n0, nn, c0, *sblock)
+    if wt.fmt is not None:
+        out = out * _row_scale(wt, t)
     return out
 
 
-def _gate_up_kernel(te_ref, nu_ref, x_ref, *refs, bM, bN, bD, nD, limit, sblock, fmts):
-    ((w1_ref, s1_ref), (w3_ref, s3_ref)), (h_ref,) = _split(refs, fmts)
+def _gate_up_kernel(te_ref, nu_ref, x_ref, *refs, bM: int, t: Tiling):
+    (w1, w3), (h_ref,) = _split(refs, t.fmts, t.sblock)
     m = pl.program_id(0)
-    n0 = pl.program_id(1) * bN
+    n0 = pl.program_id(1) * t.rows
 
     @pl.when(m < nu_ref[0])
     def _():
@@ -52,36 +52,35 @@ def _gate_up_kernel(te_ref, nu_ref, x_ref, *refs, bM, bN, bD, nD, limit, sblock,
 
         def body(c, acc):
             g, u = acc
-            d0 = pl.multiple_of(c * bD, bD)
-            a = x_ref[:, pl.ds(d0, bD)]
-            g = g + _mm_tile(a, w1_ref, s1_ref, fmts[0], e, n0, bN, d0, bD, sblock)
-            u = u + _mm_tile(a, w3_ref, s3_ref, fmts[1], e, n0, bN, d0, bD, sblock)
-            return g, u
+            d0 = pl.multiple_of(c * t.cols, t.cols)
+            a = x_ref[:, pl.ds(d0, t.cols)]
+            tile = Tile(e, n0, t.rows, d0, t.cols)
+            return g + _mm_tile(a, w1, tile), u + _mm_tile(a, w3, tile)
 
-        zero = jnp.zeros((bM, bN), jnp.float32)
-        g, u = jax.lax.fori_loop(0, nD, body, (zero, zero))
-        h_ref[...] = swiglu(g, u, limit).astype(h_ref.dtype)
+        zero = jnp.zeros((bM, t.rows), jnp.float32)
+        g, u = jax.lax.fori_loop(0, t.n_cols, body, (zero, zero))
+        h_ref[...] = swiglu(g, u, t.limit).astype(h_ref.dtype)
 
 
-def _down_kernel(te_ref, nu_ref, h_ref, *refs, bM, bN, bI, nI, sblock, fmts):
-    ((w2_ref, s2_ref),), (y_ref,) = _split(refs, fmts)
+def _down_kernel(te_ref, nu_ref, h_ref, *refs, bM: int, t: Tiling):
+    (w2,), (y_ref,) = _split(refs, t.fmts, t.sblock)
     m = pl.program_id(0)
-    n0 = pl.program_id(1) * bN
+    n0 = pl.program_id(1) * t.rows
 
     @pl.when(m < nu_ref[0])
     def _():
         e = te_ref[m]
 
         def body(c, acc):
-            i0 = pl.multiple_of(c * bI, bI)
-            return acc + _mm_tile(h_ref[:, pl.ds(i0, bI)], w2_ref, s2_ref, fmts[0], e, n0, bN, i0, bI, sblock)
+            i0 = pl.multiple_of(c * t.cols, t.cols)
+            return acc + _mm_tile(h_ref[:, pl.ds(i0, t.cols)], w2, Tile(e, n0, t.rows, i0, t.cols))
 
-        y_ref[...] = jax.lax.fori_loop(0, nI, body, jnp.zeros((bM, bN), jnp.float32)).astype(y_ref.dtype)
+        y_ref[...] = jax.lax.fori_loop(0, t.n_cols, body, jnp.zeros((bM, t.rows), jnp.float32)).astype(y_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "interpret", "blocks", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("limit", "interpret", "blocks"))
 def experts_prefill(x, idx, w, p: dict, *, limit: float, interpret: bool = True,
-                    blocks: tuple[int, int, int] = (16, 64, 64), num_warps: int = 4):
+                    blocks: tuple[int, int, int] = (16, 64, 64)):
     """x [T,D], idx int [T,k], w f32 [T,k], p {"w1" [E,I,D], "w2" [E,D,I], "w3" [E,I,D]}, each dense or an
     `ops.quant.QArray` (tiles dequantized in the kernel) -> [T,D] in x.dtype.
     blocks = (bM rows per tile, bN output-column cap, bK contraction cap)."""
@@ -95,14 +94,13 @@ def experts_prefill(x, idx, w, p: dict, *, limit: float, interpret: bool = True,
     M = row_token.shape[0]
     xs = x[row_token]                                                  # [M, D]
     whole = pl.BlockSpec()
-    cp = compiler_params(num_warps)
+    cp = compiler_params()
 
     fmts = (up1[1], up3[1])
     bN, bD = tiles(I, D, up1[2], blocks[1], blocks[2], up1[1].pack if up1[1] is not None else 1)
     up_args = [tile_expert, n_used, xs] + up1[0] + up3[0]
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bM=bM, bN=bN, bD=bD, nD=D // bD, limit=limit, sblock=up1[2],
-                          fmts=fmts),
+        functools.partial(_gate_up_kernel, bM=bM, t=Tiling(bN, bD, D // bD, fmts, up1[2], limit)),
         grid=(M // bM, I // bN),
         in_specs=[whole, whole, pl.BlockSpec((bM, D), lambda m, n: (m, 0))] + [whole] * (len(up_args) - 3),
         out_specs=pl.BlockSpec((bM, bN), lambda m, n: (m, n)),
@@ -111,7 +109,7 @@ def experts_prefill(x, idx, w, p: dict, *, limit: float, interpret: bool = True,
     bN2, bI = tiles(D, I, dn[2], blocks[1], blocks[2], dn[1].pack if dn[1] is not None else 1)
     dn_args = [tile_expert, n_used, h] + dn[0]
     ys = pl.pallas_call(
-        functools.partial(_down_kernel, bM=bM, bN=bN2, bI=bI, nI=I // bI, sblock=dn[2], fmts=(dn[1],)),
+        functools.partial(_down_kernel, bM=bM, t=Tiling(bN2, bI, I // bI, (dn[1],), dn[2])),
         grid=(M // bM, D // bN2),
         in_specs=[whole, whole, pl.BlockSpec((bM, I), lambda m, n: (m, 0))] + [whole] * (len(dn_args) - 3),
         out_specs=pl.BlockSpec((bM, bN2), lambda m, n: (m, n)),

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ..ops.moe import normalize_weights
+from ..ops.moe import Router, normalize_weights
 from .common import block, compiler_params
 
 
@@ -53,10 +53,10 @@ def _route_kernel(*refs, k: int, hashed: bool):
     w_out[...] = w
 
 
-@functools.partial(jax.jit, static_argnames=("k", "norm", "eps", "scale", "interpret"))
-def route_from_logits(logits, bias, hash_idx, *, k: int, norm: bool, eps: float, scale: float,
-                      interpret: bool = True):
+@functools.partial(jax.jit, static_argnames=("router", "interpret"))
+def route_from_logits(logits, bias, hash_idx, *, router: Router, interpret: bool = True):
     """logits f32 [T,E], bias f32 [E] (or None), hash_idx int [T,k] (or None) -> (idx int32 [T,k], w f32 [T,k])."""
+    k = router.k
     T, E = logits.shape
     hashed = hash_idx is not None
     Ep = max(8, 1 << (E - 1).bit_length())                      # Triton blocks are powers of two
@@ -76,5 +76,5 @@ def route_from_logits(logits, bias, hash_idx, *, k: int, norm: bool, eps: float,
         out_shape=[jax.ShapeDtypeStruct((T, kp), jnp.int32), jax.ShapeDtypeStruct((T, kp), jnp.float32)],
         compiler_params=compiler_params(), interpret=interpret)(logits, second)
     # the same [T,k] normalisation as the reference (ops.moe.normalize_weights): the reduction order matches
-    return idx[:, :k], normalize_weights(w[:, :k], norm=norm, eps=eps, scale=scale)
+    return idx[:, :k], normalize_weights(w[:, :k], norm=router.norm, eps=router.eps, scale=router.scale)
 

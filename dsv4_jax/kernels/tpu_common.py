@@ -35,7 +35,7 @@ order), and writes an output block back when its index changes and at the end.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -267,15 +267,24 @@ def _expand_groups(s: jax.Array, g0, n: int, rep_log2: int, transposed: bool) ->
     return _dot(s, sel, ((0,), (0,)) if transposed else ((1,), (0,)))
 
 
-def matmul_tile(a: jax.Array, w_ref, s_ref, mf: MatFormat, *, r0: int, nr: int, tile_row0, tile_col0,
+class WeightRefs(NamedTuple):
+    """One weight tile inside a kernel: ref the tile [Nt, Kt] (FP4: [Nt, Kt/2] bytes), scale its scale ref as
+    `scale_operand` lays it out (None when dense), mf its `MatFormat`."""
+
+    ref: object
+    scale: object
+    mf: MatFormat
+
+
+def matmul_tile(a: jax.Array, wt: WeightRefs, *, r0: int, nr: int, tile_row0, tile_col0,
                 pair_block: int | None = None):
     """a [M, Kt] · W[r0:r0+nr, :Kt]ᵀ for one weight tile -> f32 [M, nr], dequantized chunk by chunk.
 
-    w_ref: the tile [Nt, Kt] (FP4: [Nt, Kt/2] bytes, `a` pair-split within blocks of `pair_block`
-    elements); s_ref as `scale_operand`. r0, nr: static rows inside the tile; tile_row0 / tile_col0: the
-    tile's first row / column in the whole matrix (dynamic; they locate the tile's scales in the SMEM block
-    scales and the FP4 scale columns).
+    wt: the tile's refs and format (FP4: `a` pair-split within blocks of `pair_block` elements). r0, nr:
+    static rows inside the tile; tile_row0 / tile_col0: the tile's first row / column in the whole matrix
+    (dynamic; they locate the tile's scales in the SMEM block scales and the FP4 scale columns).
     """
+    w_ref, s_ref, mf = wt
     kind = mf.kind
     Kt = a.shape[1]
     cdt = a.dtype

@@ -84,8 +84,11 @@ def tiles(S: int, T: int, H: int, blocks: tuple[int, int] | None = None) -> tupl
     return bS, (T if T <= bT else bT)
 
 
-def plan(B: int, S: int, T: int, H: int, dI: int, q_dtype, k_dtype, *, blocks: tuple[int, int] | None = None):
-    """(grid, operands, output operand, bS, S_pad) of the scores kernel."""
+def plan(q, keys, *, blocks: tuple[int, int] | None = None):
+    """(grid, operands, output operand, bS, S_pad) of the scores kernel for q [B,S,H,dI] and keys [B,T,dI]
+    (arrays or ShapeDtypeStructs: their shapes and dtypes)."""
+    (B, S, H, dI), T = q.shape, keys.shape[1]
+    q_dtype, k_dtype = q.dtype, keys.dtype
     bS, bT = tiles(S, T, H, blocks)
     s_pad = tc.round_up(S, bS)
     nT = pl.cdiv(T, bT)
@@ -110,7 +113,7 @@ def scores(q, keys, omega, positions=None, n_rows=None, *, ratio: int = 1, inter
     default `tiles`."""
     B, S, H, dI = q.shape
     T = keys.shape[1]
-    grid, ins, out, bS, s_pad = plan(B, S, T, H, dI, q.dtype, keys.dtype, blocks=blocks)
+    grid, ins, out, bS, s_pad = plan(q, keys, blocks=blocks)
     lim = row_limits(B, S, T, positions, n_rows, ratio)
     pad = ((0, 0), (0, s_pad - S))
     lim = jnp.pad(lim, pad)                                              # padded queries see no rows
@@ -129,10 +132,12 @@ def scores(q, keys, omega, positions=None, n_rows=None, *, ratio: int = 1, inter
     return sc[:, :S]
 
 
-def traffic(B: int, S: int, T: int, H: int, dI: int, q_dtype, k_dtype, positions=None, n_rows=None,
-            ratio: int = 1, blocks: tuple[int, int] | None = None) -> dict[str, int]:
-    """Bytes the kernel's BlockSpecs move for concrete positions / n_rows (see tpu_common.traffic)."""
-    grid, ins, out, bS, s_pad = plan(B, S, T, H, dI, q_dtype, k_dtype, blocks=blocks)
+def traffic(q, keys, positions=None, n_rows=None, ratio: int = 1,
+            blocks: tuple[int, int] | None = None) -> dict[str, int]:
+    """Bytes the kernel's BlockSpecs move for concrete positions / n_rows (see tpu_common.traffic); q, keys as
+    `plan` takes them."""
+    grid, ins, out, bS, s_pad = plan(q, keys, blocks=blocks)
+    (B, S, _, _), T = q.shape, keys.shape[1]
     lim = jnp.pad(row_limits(B, S, T, positions, n_rows, ratio), ((0, 0), (0, s_pad - S)))
     blim = np.asarray(jnp.max(lim.reshape(B, s_pad // bS, bS), axis=-1))
     return tc.traffic(grid, ins + [out], [blim])

@@ -21,7 +21,9 @@ Tiles past the used ones read nothing new (clamped block index) and write to a s
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +43,35 @@ DOWN_ROW_CHUNK = 512     # rows of W2 dequantized at a time in the decode kernel
 PREFILL_BLOCK_N = (256, 512)   # output-column tiles of the grouped kernels: (I of gate/up, D of down)
 
 
-def prepare_experts(w1, w2, w3, scales=(None, None, None), fmt: str = "dense", block=None):
-    """Validate and lay out the three expert stacks: -> ((w1, w3, w2) codes, (s1, s3, s2), up, down)."""
+class Prepared(NamedTuple):
+    """The three expert stacks as the kernels read them: codes (w1, w3, w2), their scales (s1, s3, s2; None
+    when dense) and the `tpu_common.MatFormat` of gate / up and of down."""
+
+    weights: tuple
+    scales: tuple
+    up: tc.MatFormat
+    down: tc.MatFormat
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Static choices of one Mosaic MoE call: the SwiGLU limit, the experts' storage format (`tpu_common`
+    table; FP4 codes are [.., K/2] bytes) and scale block (optional, checked), interpret mode, and the tiling:
+    block_i the decode kernel's I-tile, splits its parallel split of I (v5p's 2 cores); block_m the grouped
+    kernels' rows per tile (default `row_tile`), block_n their output-column tiles (I of gate/up, D of down)."""
+
+    limit: float
+    fmt: str = "dense"
+    block: tuple | None = None
+    interpret: bool = False
+    block_i: int = 256
+    splits: int = 2
+    block_m: int | None = None
+    block_n: tuple[int, int] = PREFILL_BLOCK_N
+
+
+def prepare_experts(w1, w2, w3, scales=(None, None, None), fmt: str = "dense", block=None) -> Prepared:
+    """Validate and lay out the three expert stacks: -> `Prepared` ((w1, w3, w2) codes, (s1, s3, s2), up, down)."""
     if w1.shape != w3.shape or w1.dtype != w3.dtype:
         raise tc.FormatError(f"w1 {w1.shape} {w1.dtype} and w3 {w3.shape} {w3.dtype} differ")
     c1, s1, up = tc.prepare("w1", w1, scales[0], fmt, block)
@@ -51,10 +80,10 @@ def prepare_experts(w1, w2, w3, scales=(None, None, None), fmt: str = "dense", b
     E, I, D = w1.shape[0], up.rows, up.cols
     if w2.shape[0] != E or (down.rows, down.cols) != (D, I):
         raise tc.FormatError(f"w2 must be [E, D, I] = {(E, D, I)} (logical), got {w2.shape} for format {fmt}")
-    return (c1, c3, c2), (s1, s3, s2), up, down
+    return Prepared((c1, c3, c2), (s1, s3, s2), up, down)
 
 
-def abstract_experts(w1, w2, w3, scales, fmt: str, block=None):
+def abstract_experts(w1, w2, w3, scales, fmt: str, block=None) -> Prepared:
     """`prepare_experts` on ShapeDtypeStructs (for plans and traffic without arrays)."""
     box = {}
 
@@ -62,7 +91,7 @@ def abstract_experts(w1, w2, w3, scales, fmt: str, block=None):
         weights, sc, box["up"], box["down"] = prepare_experts(*a[:3], a[3:], fmt, block)
         return weights, sc
     weights, sc = jax.eval_shape(f, w1, w2, w3, *scales)
-    return weights, sc, box["up"], box["down"]
+    return Prepared(weights, sc, box["up"], box["down"])
 
 
 def _scaled_inputs(names, arrays, fmts, tile_rows, rows_index, expert_index):
@@ -89,12 +118,22 @@ def decode_slots(idx: jax.Array, w: jax.Array, n_experts: int, t_pad: int):
     return experts.astype(jnp.int32), n_active[None], sw[:, :, None]
 
 
-def _decode_kernel(se_ref, na_ref, x_ref, sw_ref, w1_ref, w3_ref, w2_ref, *rest, up, down, bI, n_split_tiles,
-                   limit):
-    *s_refs, y_ref = rest
+class DecodeTiling(NamedTuple):
+    """Static layout of the decode kernel: the formats of gate / up and down, the I-tile bI and the I-tiles
+    per parallel split."""
+
+    up: tc.MatFormat
+    down: tc.MatFormat
+    bI: int
+    n_split_tiles: int
+
+
+def _decode_kernel(se_ref, na_ref, x_ref, sw_ref, *refs, t: DecodeTiling, limit: float):
+    (w1_ref, w3_ref, w2_ref), (*s_refs, y_ref) = refs[:3], refs[3:]
     s1_ref, s3_ref, s2_ref = s_refs if s_refs else (None, None, None)
+    up, down, bI = t.up, t.down, t.bI
     p, u, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    i_tile = p * n_split_tiles + i
+    i_tile = p * t.n_split_tiles + i
 
     @pl.when((u == 0) & (i == 0))
     def _():
@@ -104,16 +143,16 @@ def _decode_kernel(se_ref, na_ref, x_ref, sw_ref, w1_ref, w3_ref, w2_ref, *rest,
     def _():
         x = x_ref[...]
         kw = dict(r0=0, nr=bI, tile_row0=i_tile * bI, tile_col0=0)
-        g = tc.matmul_tile(x, w1_ref, s1_ref, up, **kw)
-        v = tc.matmul_tile(x, w3_ref, s3_ref, up, **kw)
+        g = tc.matmul_tile(x, tc.WeightRefs(w1_ref, s1_ref, up), **kw)
+        v = tc.matmul_tile(x, tc.WeightRefs(w3_ref, s3_ref, up), **kw)
         h = (swiglu(g, v, limit) * sw_ref[...]).astype(x.dtype)          # [T_pad, bI] × [T_pad, 1]
         if down.kind == "fp4":
             h = tc.split_pairs_tile(h)
         D = down.rows
         rc = down_row_chunk(down)
         for r0 in range(0, D, rc):
-            y_ref[:, pl.ds(r0, rc)] += tc.matmul_tile(h, w2_ref, s2_ref, down, r0=r0, nr=rc, tile_row0=0,
-                                                      tile_col0=i_tile * bI, pair_block=bI)
+            y_ref[:, pl.ds(r0, rc)] += tc.matmul_tile(h, tc.WeightRefs(w2_ref, s2_ref, down), r0=r0, nr=rc,
+                                                      tile_row0=0, tile_col0=i_tile * bI, pair_block=bI)
 
 
 def down_row_chunk(down: tc.MatFormat) -> int:
@@ -122,8 +161,9 @@ def down_row_chunk(down: tc.MatFormat) -> int:
     return tc.block(down.rows, max(DOWN_ROW_CHUNK, br))
 
 
-def decode_plan(x_shape, x_dtype, idx_shape, weights, scales, up, down, *, block_i: int = 256, splits: int = 2):
+def decode_plan(x_shape, x_dtype, idx_shape, ex: Prepared, *, block_i: int = 256, splits: int = 2):
     """(grid, operands, output operand, kernel) of the decode kernel (shared by the call and `traffic`)."""
+    weights, scales, up, down = ex
     T, D = x_shape
     k = idx_shape[1]
     E, I = weights[0].shape[0], up.rows
@@ -154,23 +194,21 @@ def decode_plan(x_shape, x_dtype, idx_shape, weights, scales, up, down, *, block
     ins += _scaled_inputs(("w1_scale", "w3_scale", "w2_scale"), scales, (up, up, down), (bI, bI, D),
                           (i_tile, i_tile, lambda *a: 0), expert)
     out = tc.Operand("y_partial", (P, t_pad, D), jnp.float32, (None, t_pad, D), lambda p, *a: (p, 0, 0))
-    kernel = functools.partial(_decode_kernel, up=up, down=down, bI=bI, n_split_tiles=nI // P)
+    kernel = functools.partial(_decode_kernel, t=DecodeTiling(up, down, bI, nI // P))
     return (P, U, nI // P), ins, out, kernel
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "fmt", "block", "interpret", "block_i", "splits"))
-def experts_decode(x, idx, w, w1, w2, w3, w1_scale=None, w2_scale=None, w3_scale=None, *, limit: float,
-                   fmt: str = "dense", block=None, interpret: bool = False, block_i: int = 256, splits: int = 2):
+@functools.partial(jax.jit, static_argnames=("spec",))
+def experts_decode(x, idx, w, codes, scales, spec: Spec):
     """Routed experts for few tokens (see the module docstring) -> [T, D] in x.dtype.
 
-    x [T, D] bf16 / f32; idx int [T, k]; w f32 [T, k]; w1, w3 [E, I, D] and w2 [E, D, I] codes of format
-    `fmt` with their *_scale arrays (`tpu_common` table; FP4 codes are [.., K/2] bytes); block the
-    scale block (optional, checked). block_i: I-tile; splits: parallel split of I (v5p's 2 cores).
+    x [T, D] bf16 / f32; idx int [T, k]; w f32 [T, k]; codes (w1, w2, w3): w1, w3 [E, I, D] and w2 [E, D, I]
+    codes of format `Spec.fmt` with their scales (w1_scale, w2_scale, w3_scale; None when dense).
     """
-    weights, scales, up, down = prepare_experts(w1, w2, w3, (w1_scale, w2_scale, w3_scale), fmt, block)
+    ex = prepare_experts(*codes, scales, spec.fmt, spec.block)
+    weights, scales, up, down = ex
     T, D = x.shape
-    grid, ins, out, kernel = decode_plan(x.shape, x.dtype, idx.shape, weights, scales, up, down,
-                                         block_i=block_i, splits=splits)
+    grid, ins, out, kernel = decode_plan(x.shape, x.dtype, idx.shape, ex, block_i=spec.block_i, splits=spec.splits)
     t_pad = out.shape[1]
     experts, n_active, sw = decode_slots(idx, w, weights[0].shape[0], t_pad)
     xk = tc.split_pairs(x, tc.fp4_pair_block(D)) if up.kind == "fp4" else x
@@ -180,20 +218,21 @@ def experts_decode(x, idx, w, w1, w2, w3, w1_scale=None, w2_scale=None, w3_scale
     cost = tc.cost_estimate(grid, ins + [out], [np.arange(U), np.array([U])],      # every slot active
                             flops=6 * U * t_pad * D * up.rows, transcendentals=U * t_pad * up.rows)
     y = pl.pallas_call(
-        functools.partial(kernel, limit=limit),
+        functools.partial(kernel, limit=spec.limit),
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=[o.spec for o in ins],
                                                out_specs=out.spec),
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         compiler_params=tc.compiler_params(("parallel", "arbitrary", "arbitrary")),
-        interpret=tc.interpret_params(interpret), cost_estimate=cost, name="moe_decode_tpu")(experts, n_active, *args)
+        interpret=tc.interpret_params(spec.interpret), cost_estimate=cost,
+        name="moe_decode_tpu")(experts, n_active, *args)
     return jnp.sum(y, axis=0)[:T].astype(x.dtype)
 
 
 # ---- prefill / verify ----
 
 
-def _gate_up_kernel(te_ref, nu_ref, x_ref, w1_ref, w3_ref, *rest, up, bN, split_out, limit):
-    *s_refs, h_ref = rest
+def _gate_up_kernel(te_ref, nu_ref, x_ref, *refs, up, bN, split_out, limit):
+    (w1_ref, w3_ref), (*s_refs, h_ref) = refs[:2], refs[2:]
     s1_ref, s3_ref = s_refs if s_refs else (None, None)
     n, m = pl.program_id(0), pl.program_id(1)
 
@@ -201,8 +240,8 @@ def _gate_up_kernel(te_ref, nu_ref, x_ref, w1_ref, w3_ref, *rest, up, bN, split_
     def _():
         x = x_ref[...]
         kw = dict(r0=0, nr=bN, tile_row0=n * bN, tile_col0=0)
-        g = tc.matmul_tile(x, w1_ref, s1_ref, up, **kw)
-        v = tc.matmul_tile(x, w3_ref, s3_ref, up, **kw)
+        g = tc.matmul_tile(x, tc.WeightRefs(w1_ref, s1_ref, up), **kw)
+        v = tc.matmul_tile(x, tc.WeightRefs(w3_ref, s3_ref, up), **kw)
         h = swiglu(g, v, limit).astype(h_ref.dtype)
         h_ref[...] = tc.split_pairs_tile(h) if split_out else h          # FP4 down weights: pair-split h
 
@@ -214,17 +253,17 @@ def _down_kernel(te_ref, nu_ref, h_ref, w2_ref, *rest, down, bN, pair_block):
 
     @pl.when(m < nu_ref[0])
     def _():
-        y_ref[...] = tc.matmul_tile(h_ref[...], w2_ref, s2_ref, down, r0=0, nr=bN, tile_row0=n * bN,
-                                    tile_col0=0, pair_block=pair_block).astype(y_ref.dtype)
+        y_ref[...] = tc.matmul_tile(h_ref[...], tc.WeightRefs(w2_ref, s2_ref, down), r0=0, nr=bN,
+                                    tile_row0=n * bN, tile_col0=0, pair_block=pair_block).astype(y_ref.dtype)
 
 
-def prefill_plans(n_rows: int, x_dtype, weights, scales, up, down, *, block_m: int, block_n: tuple[int, int]):
+def prefill_plans(n_rows: int, x_dtype, ex: Prepared, *, block_m: int, block_n: tuple[int, int]):
     """The two grouped-matmul kernels' (grid, operands, output operand, kernel); n_rows = padded rows M.
 
     Grid (output-column tile n, row tile m), m inner: an expert's row tiles are consecutive, so each of its
     weight tiles is read once per n; the row tiles are re-read once per n.
     """
-    c1, c3, c2 = weights
+    (c1, c3, c2), scales, up, down = ex
     I, D = up.rows, up.cols
     bM = block_m
     nM = n_rows // bM
@@ -287,32 +326,30 @@ def _grouped_call(plan, prefetch, args, name, interpret, flops, **kw):
         interpret=tc.interpret_params(interpret), cost_estimate=cost, name=name)(*prefetch, *args)
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "fmt", "block", "interpret", "block_m", "block_n"))
-def experts_prefill(x, idx, w, w1, w2, w3, w1_scale=None, w2_scale=None, w3_scale=None, *, limit: float,
-                    fmt: str = "dense", block=None, interpret: bool = False, block_m: int | None = None,
-                    block_n: tuple[int, int] = PREFILL_BLOCK_N):
+@functools.partial(jax.jit, static_argnames=("spec",))
+def experts_prefill(x, idx, w, codes, scales, spec: Spec):
     """Routed experts for many tokens, grouped matmul over expert-sorted row tiles -> [T, D] in x.dtype.
 
-    Arguments as `experts_decode`; block_m: rows per tile (bM; default `row_tile`), block_n: (I tile of
-    gate/up, D tile of down).
+    Arguments as `experts_decode` (the tiling: `Spec.block_m`, `Spec.block_n`).
     """
-    weights, scales, up, down = prepare_experts(w1, w2, w3, (w1_scale, w2_scale, w3_scale), fmt, block)
+    ex = prepare_experts(*codes, scales, spec.fmt, spec.block)
+    weights, scales, up, down = ex
     T, D = x.shape
     k = idx.shape[1]
     E = weights[0].shape[0]
-    bM = block_m or row_tile(T * k, E, x.dtype)
+    bM = spec.block_m or row_tile(T * k, E, x.dtype)
     row_token, dest, tile_expert, n_used = align(idx, E, bM)
     M = row_token.shape[0]
-    plan1, plan2 = prefill_plans(M, x.dtype, weights, scales, up, down, block_m=bM, block_n=block_n)
+    plan1, plan2 = prefill_plans(M, x.dtype, ex, block_m=bM, block_n=spec.block_n)
     xk = tc.split_pairs(x, tc.fp4_pair_block(D)) if up.kind == "fp4" else x
     xs = jnp.pad(xk[row_token], ((0, bM), (0, 0)))
     prefetch = (tile_expert, n_used)
     s1, s3, s2 = scales
     I = up.rows
     h = _grouped_call(plan1, prefetch, [xs, *weights[:2]] + [s for s in (s1, s3) if s is not None],
-                      "moe_gate_up_tpu", interpret, 4 * M * D * I, limit=limit)
+                      "moe_gate_up_tpu", spec.interpret, 4 * M * D * I, limit=spec.limit)
     ys = _grouped_call(plan2, prefetch, [h, weights[2]] + ([s2] if s2 is not None else []), "moe_down_tpu",
-                       interpret, 2 * M * D * I)
+                       spec.interpret, 2 * M * D * I)
     dest = dest.reshape(T, k)
     y = sum(w[:, j, None].astype(jnp.float32) * ys[dest[:, j]].astype(jnp.float32) for j in range(k))
     return y.astype(x.dtype)                                             # k gathers: no [T, k, D] temporary
@@ -347,7 +384,7 @@ def routed(x, idx, w, p: dict, *, limit: float, interpret: bool = False):
     kernel for ≤ DECODE_MAX_TOKENS tokens, the grouped matmul above."""
     (fmt, c1, s1), (_, c2, s2), (_, c3, s3) = (kernel_format(p[n]) for n in ("w1", "w2", "w3"))
     kernel = experts_decode if x.shape[0] <= DECODE_MAX_TOKENS else experts_prefill
-    return kernel(x, idx, w, c1, c2, c3, s1, s2, s3, limit=limit, fmt=fmt, interpret=interpret)
+    return kernel(x, idx, w, (c1, c2, c3), (s1, s2, s3), Spec(limit, fmt, interpret=interpret))
 
 
 def decode_traffic(plan, idx: np.ndarray) -> dict[str, int]:

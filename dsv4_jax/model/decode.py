@@ -1,8 +1,9 @@
 """Prefill, chunked prefill, single-token decode, multi-token verify and commit over a DecodeState.
 
 All entry points share one jitted block step (`process_block`): it runs a block of S tokens at
-positions pos..pos+S−1 through every layer against the state and writes their rows; only
-`pos` decides what is committed (see state.py). The wrappers differ in how far `pos` moves:
+positions pos..pos+S−1 (a `state.Span`) through every layer against the state (a `state.LayerCache` per
+layer) and writes their rows; only `pos` decides what is committed (see state.py). The wrappers differ in
+how far `pos` moves:
 
     prefill / extend   pos += lengths   (right-padded ragged batches; any chunk size)
     decode_step        pos += 1
@@ -27,7 +28,7 @@ import numpy as np
 
 from ..backends import Backends
 from ..bundle import CheckpointConfig, target_config
-from .state import CapacityError, DecodeState, init_state
+from .state import CapacityError, DecodeState, Span, init_state
 from ..config import ModelConfig
 from .layers.block import layer_step
 from .target import embed, head, run_segments
@@ -41,15 +42,14 @@ def process_block(params: dict, config: ModelConfig, state: DecodeState, tokens:
     Returns (logits [B,S,V], state with the block's rows written, {"hidden", "taps"}).
     """
     B, S = tokens.shape
-    pos = state.pos
-    positions = pos[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+    span = Span.of(state.pos, S, n_valid)
     X = embed(params, config, tokens)
     D = X.shape[-1]
     tap_vals = jnp.zeros((B, S, len(taps), D), X.dtype)
 
     def fn(carry, p, cache, kind, layer):
         X, tv = carry
-        X, cache = layer_step(X, p, cache, config, kind, tokens, positions, pos, n_valid)
+        X, cache = layer_step(X, p, cache, config, kind, tokens, span)
         for i, t in enumerate(taps):
             tv = tv.at[:, :, i].set(jnp.where(layer == t, jnp.mean(X, axis=2), tv[:, :, i]))
         return (X, tv), cache

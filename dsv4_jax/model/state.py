@@ -1,27 +1,35 @@
 """Decode state: fixed-shape pytrees indexed by absolute position (docs/design.md property 3).
 
-Per layer (leaves stacked on a leading `reps` axis per scan segment, like the parameters):
+One typed struct per cache kind, each field with its shape (per layer; in a `DecodeState` every leaf has a
+leading `reps` axis per scan segment, like the parameters):
 
-    all layers  win_kv  [B, Rw, d]   raw K=V rows, ring slot t mod Rw
-                win_pos [B, Rw]      absolute position held by each slot (EMPTY when never written)
-    CSA / HCA   comp_kv [B, T, d]    compressed row w at index w (T = ceil(max_len / m))
-                comp_a / comp_z [B, Rp, cd]   pending compressor projections (z with its slot bias),
+    every layer   `WindowRing`       kv [B, Rw, d] raw K=V rows, ring slot t mod Rw; pos [B, Rw] their positions
+    CSA / HCA     `CompressedRows`   rows [B, T, d] compressed row w at index w (T = ceil(max_len / m));
+                                     a / z [B, Rp, cd] pending compressor projections (z with its slot bias),
                                      ring slot t mod Rp; cd = 2d for CSA (A | B halves), d for HCA
-    CSA only    idx_keys [B, T, dI], idx_a / idx_z [B, Rp, 2·dI]   the indexer's own compressor
+    CSA only      `IndexerKeys`      the indexer's own compressor: rows [B, T, dI], a / z [B, Rp, 2·dI]
 
-plus `pos [B]`, the number of committed tokens of each sequence. Nothing is ever "undone": a
-block of tokens is written at positions pos..pos+S−1, and only advancing `pos` commits it. A row
-of an uncommitted position is invisible (windows and the ⌊(p+1)/m⌋ rule are decided from `pos`
-and the stored positions) and is overwritten when that position is processed again.
+gathered per layer in a `LayerCache` (window, compressor, indexer: the last two None where the layer kind has
+none; the names of the parameter modules `attn.compressor` and `attn.indexer` that write them, `model.names`),
+plus `pos [B]`, the number of committed tokens of each sequence. The drafters' rings are `WindowRing`s too
+(`drafters.mtp.MTPState`: a sliding layer's `LayerCache`; `drafters.dspark.DSparkState`: one ring per stage).
+
+Nothing is ever "undone": a block of tokens is written at positions pos..pos+S−1 (a `Span`), and only
+advancing `pos` commits it. A row of an uncommitted position is invisible (windows and the ⌊(p+1)/m⌋ rule are
+decided from `pos` and the stored positions) and is overwritten when that position is processed again.
 
 Ring sizes: a block starting at `pos` needs the W−1 committed raw rows before it, and (for the
 compressor) the 2m−1 projections before it (m−1 for HCA); rows written by a rejected block of at
 most `max_block` tokens must not clobber them, hence Rw = W + max_block − 1 and
 Rp = c·m + max_block − 1 (c = 2 for CSA, 1 for HCA).
+
+Inside the layer scan a row table may be a `model.inplace.StackedRows` (the table where its segment's stacked
+buffer holds it) instead of an array; `model.inplace` says why.
 """
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,48 +45,61 @@ class CapacityError(ValueError):
 
 EMPTY = -(2 ** 30)   # position tag of a never-written ring slot: outside every window
 
-# The row tables a layer reads and writes where its segment's stacked buffer holds them (`StackedRows`);
-# the rings (a few hundred rows) are sliced out and written back whole.
-STACKED_TABLES = ("comp_kv", "idx_keys")
+
+@struct.dataclass
+class WindowRing:
+    """A position-indexed ring of raw K=V rows: the sliding window of every layer (Rw = W + max_block − 1 slots),
+    the MTP block's window, a DSpark stage's context (W slots; a leading stage axis in `DSparkState`)."""
+
+    kv: jax.Array    # [B, R, d] rows, the row of position t in slot t mod R
+    pos: jax.Array   # [B, R] int32 absolute position each slot holds (EMPTY when never written)
+
+
+# Field order a, rows, z (and compressor, indexer, window in LayerCache) flattens a state's leaves in the order
+# of the former dict keys (comp_a, comp_kv, comp_z, idx_*, win_*): the same program arguments as before.
+@struct.dataclass
+class CompressedRows:
+    """A compressor's rows and its pending projections (CSA / HCA layers, `attn.compressor`)."""
+
+    a: jax.Array     # [B, Rp, cd] projections W_kv h of the last positions, slot t mod Rp
+    rows: Any        # [B, T, d] row w at index w (a `model.inplace.StackedRows` inside the layer scan)
+    z: jax.Array     # [B, Rp, cd] float32 gate projections W_gate h + B[t mod m], slot t mod Rp
 
 
 @struct.dataclass
-class StackedRows:
-    """One layer's row table [B, T, c] where it lives: slab [reps, B, T, c] of its scan segment, at rep `index`
-    (traced int32). The layer reads `view()` and writes rows into the slab in place
-    (`model.layers.compressor.write_rows`): slicing the table out of the stack and writing it back after the step
-    would copy the whole table (XLA materialises both; ~2 × 64 MiB per CSA layer and step at B = 8, 32K)."""
-
-    slab: jax.Array
-    index: jax.Array
-
-    def view(self) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(self.slab, self.index, 0, keepdims=False)
+class IndexerKeys(CompressedRows):
+    """The lightning indexer's keys (CSA layers, `attn.indexer.compressor`): rows [B, T, dI], a / z
+    [B, Rp, 2·dI] — an overlapping compressor of width dI."""
 
 
-def rows_of(table) -> jax.Array:
-    """The [B, T, c] rows of a table given as an array or a `StackedRows`."""
-    return table.view() if isinstance(table, StackedRows) else table
+@struct.dataclass
+class LayerCache:
+    """One layer's decode state; compressor / indexer are None where the layer kind has none."""
+
+    compressor: CompressedRows | None   # CSA, HCA
+    indexer: IndexerKeys | None         # CSA
+    window: WindowRing                  # every layer
 
 
-def take_rows(table, sel: jax.Array, batch_split: bool = True) -> jax.Array:
-    """table[b, sel[b, ...]] for a table [B, T, c] or a `StackedRows`: sel int [B, ...] -> [B, ..., c]. A stacked
-    table is gathered from its slab directly (a gather from `view()` would first copy the whole table out):
-    batched over the slab's B axis when the batch may be split (GSPMD then splits the gather like B), else one
-    gather with explicit (rep, sequence, row) indices (v5p AOT, latency preset, 7 layers, B = 8: 3.00 against
-    3.52 GiB per chip with the batched form)."""
-    if not isinstance(table, StackedRows):
-        return jax.vmap(lambda rows, i: rows[i])(table, sel)
-    if batch_split:
-        return jax.vmap(lambda s, i: s[table.index, i], in_axes=(1, 0))(table.slab, sel)
-    b = jnp.arange(sel.shape[0]).reshape((-1,) + (1,) * (sel.ndim - 1))
-    return table.slab[table.index, b, sel]
+@struct.dataclass
+class Span:
+    """Where a block of S tokens sits against the decode state: positions start..start+S−1 per sequence, the
+    first n_valid of them real (the rest, e.g. right padding, is never stored)."""
+
+    positions: jax.Array   # [B, S] int32 absolute position of each token
+    start: jax.Array       # [B] int32 the block start (= committed tokens, `DecodeState.pos`)
+    n_valid: jax.Array     # [B] int32 real tokens of the block
+
+    @classmethod
+    def of(cls, start: jax.Array, size: int, n_valid: jax.Array) -> "Span":
+        """The span of `size` tokens from start [B]."""
+        return cls(start[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :], start, n_valid)
 
 
 @struct.dataclass
 class DecodeState:
     pos: jax.Array                                     # [B] int32 committed tokens per sequence
-    layers: list                                       # layers[s][j]: dict of [reps, B, ...] arrays
+    layers: list                                       # layers[s][j]: LayerCache of [reps, B, ...] arrays
     max_len: int = struct.field(pytree_node=False)     # capacity in tokens
     max_block: int = struct.field(pytree_node=False)   # widest decode/verify block (k + 1)
 
@@ -96,24 +117,24 @@ def ring_sizes(config: ModelConfig, layer: int, max_block: int) -> tuple[int, in
 
 
 def layer_cache_shapes(config: ModelConfig, layer: int, batch: int, max_len: int, max_block: int,
-                       dtype) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes and dtypes of one layer's cache (no reps axis)."""
+                       dtype) -> LayerCache:
+    """Shapes and dtypes of one layer's cache (no reps axis): a LayerCache of jax.ShapeDtypeStruct."""
     lt, m, _ = config.layer_kind(layer)
     d, B = config.head_dim, batch
     rw, rp = ring_sizes(config, layer, max_block)
-    out = {"win_kv": jax.ShapeDtypeStruct((B, rw, d), dtype), "win_pos": jax.ShapeDtypeStruct((B, rw), jnp.int32)}
+    sds = jax.ShapeDtypeStruct
+    window = WindowRing(kv=sds((B, rw, d), dtype), pos=sds((B, rw), jnp.int32))
+    compressed = indexer = None
     if lt != SLIDING:
         T = math.ceil(max_len / m)
         cd = 2 * d if lt == CSA else d
-        out.update(comp_kv=jax.ShapeDtypeStruct((B, T, d), dtype),
-                   comp_a=jax.ShapeDtypeStruct((B, rp, cd), dtype),
-                   comp_z=jax.ShapeDtypeStruct((B, rp, cd), jnp.float32))
+        compressed = CompressedRows(a=sds((B, rp, cd), dtype), rows=sds((B, T, d), dtype),
+                                    z=sds((B, rp, cd), jnp.float32))
     if lt == CSA:
         dI = config.index_head_dim
-        out.update(idx_keys=jax.ShapeDtypeStruct((B, T, dI), dtype),
-                   idx_a=jax.ShapeDtypeStruct((B, rp, 2 * dI), dtype),
-                   idx_z=jax.ShapeDtypeStruct((B, rp, 2 * dI), jnp.float32))
-    return out
+        indexer = IndexerKeys(a=sds((B, rp, 2 * dI), dtype), rows=sds((B, T, dI), dtype),
+                              z=sds((B, rp, 2 * dI), jnp.float32))
+    return LayerCache(compressor=compressed, indexer=indexer, window=window)
 
 
 def state_shapes(config: ModelConfig, batch: int, max_len: int, max_block: int, dtype=jnp.float32):
@@ -123,10 +144,17 @@ def state_shapes(config: ModelConfig, batch: int, max_len: int, max_block: int, 
         slots = []
         for j in range(seg.pattern):
             shapes = layer_cache_shapes(config, seg.start + j, batch, max_len, max_block, dtype)
-            slots.append({k: jax.ShapeDtypeStruct((seg.reps,) + v.shape, v.dtype) for k, v in shapes.items()})
+            slots.append(jax.tree.map(lambda v: jax.ShapeDtypeStruct((seg.reps,) + v.shape, v.dtype), shapes))
         layers.append(slots)
     return DecodeState(pos=jax.ShapeDtypeStruct((batch,), jnp.int32), layers=layers, max_len=max_len,
                        max_block=max_block)
+
+
+def empty_cache(shapes: LayerCache) -> LayerCache:
+    """A cache of the given shapes: ring slots tagged EMPTY, everything else zero."""
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    pos = shapes.window.pos
+    return zeros.replace(window=zeros.window.replace(pos=jnp.full(pos.shape, EMPTY, pos.dtype)))
 
 
 def init_state(config: ModelConfig, batch: int, max_len: int, max_block: int = 8, dtype=jnp.float32) -> DecodeState:
@@ -138,25 +166,26 @@ def init_state(config: ModelConfig, batch: int, max_len: int, max_block: int = 8
                             f"(max_position_embeddings={config.max_position_embeddings}); shorten the prompt or "
                             f"max_new_tokens")
     shapes = state_shapes(config, batch, max_len, max_block, dtype)
-
-    def make(path, s):
-        name = path[-1].key if hasattr(path[-1], "key") else None
-        return jnp.full(s.shape, EMPTY, s.dtype) if name == "win_pos" else jnp.zeros(s.shape, s.dtype)
-
-    layers = jax.tree_util.tree_map_with_path(make, shapes.layers)
+    layers = [[empty_cache(c) for c in slots] for slots in shapes.layers]
     return DecodeState(pos=jnp.zeros((batch,), jnp.int32), layers=layers, max_len=max_len, max_block=max_block)
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of the arrays (or jax.ShapeDtypeStruct) of a pytree."""
+    return sum(math.prod(v.shape) * jnp.dtype(v.dtype).itemsize for v in jax.tree.leaves(tree))
 
 
 def state_bytes(config: ModelConfig, batch: int, max_len: int, max_block: int = 8, dtype=jnp.bfloat16) -> dict:
     """Bytes of the decode state by part, from the shapes alone."""
     out = {"window": 0, "compressed": 0, "compressor_pending": 0, "indexer_keys": 0, "indexer_pending": 0}
-    part = {"win_kv": "window", "win_pos": "window", "comp_kv": "compressed", "comp_a": "compressor_pending",
-            "comp_z": "compressor_pending", "idx_keys": "indexer_keys", "idx_a": "indexer_pending",
-            "idx_z": "indexer_pending"}
     shapes = state_shapes(config, batch, max_len, max_block, dtype)
-    for slots in shapes.layers:
-        for slot in slots:
-            for k, v in slot.items():
-                out[part[k]] += math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
+    for c in (c for slots in shapes.layers for c in slots):
+        out["window"] += tree_bytes(c.window)
+        if c.compressor is not None:
+            out["compressed"] += tree_bytes(c.compressor.rows)
+            out["compressor_pending"] += tree_bytes((c.compressor.a, c.compressor.z))
+        if c.indexer is not None:
+            out["indexer_keys"] += tree_bytes(c.indexer.rows)
+            out["indexer_pending"] += tree_bytes((c.indexer.a, c.indexer.z))
     out["total"] = sum(out.values())
     return out

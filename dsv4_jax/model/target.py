@@ -8,14 +8,13 @@ import jax.numpy as jnp
 
 from ..backends import Backends
 from ..bundle import CheckpointConfig, target_config
-from .state import STACKED_TABLES, StackedRows
 from ..config import ModelConfig
 from ..ops.linear import embed as embed_rows
 from ..ops.linear import linear
+from .inplace import hoist_stacked_experts, in_place_tables, split_tables, with_row_tables, with_stacked_experts
 from .schedule import segments
 from .layers import hyper
 from .layers.block import layer_sequence
-from .layers.moe import StackedExperts
 from .layers.norms import rms_norm
 
 
@@ -39,6 +38,9 @@ def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: lis
     actual index (a traced int inside a scan). `states` mirrors params["segments"] (or None).
     Returns (carry, new states). With `config.backends.unroll_layers` the scans are unrolled (`unrolled`:
     one copy of the body per layer, what ahead-of-time cost analysis needs to count every layer).
+
+    Inside a scan the row tables of the state stay in their stacked buffers and, under the MoE kernels, the
+    routed experts in their stack: `model.inplace` (the copies XLA would otherwise make).
     """
     new_states = []
     for s, (seg, slots) in enumerate(zip(segments(config), params["segments"])):
@@ -66,74 +68,9 @@ def run_segments(params: dict, config: ModelConfig, carry, layer_fn, states: lis
             else:
                 (carry, tables), outs = jax.lax.scan(lambda c, xs: body(c, *xs), (carry, list(tables)),
                                                      (slots, list(rest), jnp.arange(seg.reps)))
-            outs = [None if o is None else {**o, **t} for o, t in zip(outs, tables)]
+            outs = [None if o is None else with_row_tables(o, t) for o, t in zip(outs, tables)]
         new_states.append(outs)
     return carry, new_states
-
-
-def reads_expert_stack(config: ModelConfig) -> bool:
-    """Whether the routed experts reach the MoE as their segment's stack (`moe.StackedExperts`): under the GPU
-    kernels ("pallas"), and under expert parallelism with the Mosaic kernels as its local matmul
-    (`ExpertParallel.local == "pallas_tpu"`) — a kernel is a custom call, whose operand XLA must materialise."""
-    b = config.backends
-    return b.moe == "pallas" or (b.moe == "ep" and b.ep is not None and b.ep.local == "pallas_tpu")
-
-
-def hoist_stacked_experts(slots: list, config: ModelConfig) -> tuple[list, list]:
-    """Under the MoE kernels (`reads_expert_stack`): each slot's stacked routed experts [reps, E, ...] taken
-    out of the per-rep parameters (None where a slot has none, or for other backends). A scan's per-rep slice
-    of them would be materialised before the kernel's custom call (a copy of every expert of the layer: 4 GiB
-    per Flash weight, measured on an H200; 1.64 GB per chip in the 5-layer TPU EP decode at B = 8); the kernel
-    reads the stack itself (`moe.StackedExperts`)."""
-    if not reads_expert_stack(config):
-        return slots, [None] * len(slots)
-    out, stacked = [], []
-    for slot in slots:
-        ffn = slot.get("ffn") if isinstance(slot, dict) else None
-        if not isinstance(ffn, dict) or "experts" not in ffn:
-            out.append(slot)
-            stacked.append(None)
-            continue
-        out.append({**slot, "ffn": {k: v for k, v in ffn.items() if k != "experts"}})
-        stacked.append(ffn["experts"])
-    return out, stacked
-
-
-def with_stacked_experts(rep_params: dict, stacked, rep) -> dict:
-    """rep_params with its routed experts as `moe.StackedExperts(stacked, rep)` (no-op when stacked is None)."""
-    if stacked is None:
-        return rep_params
-    return {**rep_params, "ffn": {**rep_params["ffn"], "experts": StackedExperts(stacked, rep)}}
-
-
-def split_tables(slot: dict | None) -> tuple[dict | None, dict | None]:
-    """A segment slot's stacked state {name: [reps, B, ...]} -> (the rings etc., the row tables
-    `model.state.STACKED_TABLES`), None -> (None, None)."""
-    if slot is None:
-        return None, None
-    return ({k: v for k, v in slot.items() if k not in STACKED_TABLES},
-            {k: v for k, v in slot.items() if k in STACKED_TABLES})
-
-
-def in_place_tables(one_rep):
-    """`one_rep` with the row tables carried whole ((carry, tables) in, (carry, tables) out): rep r's layer
-    gets each table as `model.state.StackedRows(slab, r)` and writes its rows into the slab, so a step moves only
-    the rows it writes (scan: the slabs are loop-carried buffers, updated in place)."""
-    def body(carry_tables, rep_params, rep_rest, rep):
-        carry, tables = carry_tables
-        states = [None if r is None else {**r, **{k: StackedRows(v, rep) for k, v in t.items()}}
-                  for r, t in zip(rep_rest, tables)]
-        carry, outs = one_rep(carry, rep_params, states, rep)
-        rest, new_tables = zip(*map(split_tables, outs))
-        new_tables = [None if t is None else {k: _slab(v) for k, v in t.items()} for t in new_tables]
-        return (carry, new_tables), list(rest)
-    return body
-
-
-def _slab(table):
-    if not isinstance(table, StackedRows):
-        raise TypeError(f"a layer returned its row table as {type(table).__name__}, not the StackedRows it got")
-    return table.slab
 
 
 def unrolled(one_rep, carry, slots, cache_slots, reps: int):

@@ -11,6 +11,8 @@ expert-pure row tiles (`align`, as the Pallas prefill kernel does), each dequant
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -23,17 +25,27 @@ def router_scores(logits: jax.Array) -> jax.Array:
     return jnp.sqrt(jax.nn.softplus(logits.astype(jnp.float32)))
 
 
-def route_from_logits(logits: jax.Array, bias: jax.Array | None, hash_idx: jax.Array | None, *, k: int,
-                      norm: bool, eps: float, scale: float):
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """Static routing choices: k experts per token, whether the weights are normalised (w / (Σ w + eps)), and
+    the routed scaling factor."""
+
+    k: int
+    norm: bool
+    eps: float
+    scale: float
+
+
+def route_from_logits(logits: jax.Array, bias: jax.Array | None, hash_idx: jax.Array | None, router: Router):
     """logits [T,E], bias f32 [E] (score routing) or hash_idx int [T,k] (hash routing)
     -> (expert ids int32 [T,k], weights f32 [T,k])."""
     s = router_scores(logits)
     if hash_idx is not None:
         idx = hash_idx.astype(jnp.int32)
     else:
-        _, idx = jax.lax.top_k(s + bias.astype(jnp.float32), k)
+        _, idx = jax.lax.top_k(s + bias.astype(jnp.float32), router.k)
     w = jnp.take_along_axis(s, idx, axis=-1)
-    return idx.astype(jnp.int32), normalize_weights(w, norm=norm, eps=eps, scale=scale)
+    return idx.astype(jnp.int32), normalize_weights(w, norm=router.norm, eps=router.eps, scale=router.scale)
 
 
 def normalize_weights(w: jax.Array, *, norm: bool, eps: float, scale: float) -> jax.Array:

@@ -73,7 +73,7 @@ import numpy as np
 
 from .. import backends, cli
 from ..model import params as P
-from ..model.state import EMPTY, init_state, state_bytes
+from ..model.state import EMPTY, Span, init_state, state_bytes
 from ..config import CSA, HCA, SLIDING, ModelConfig, flash, small, with_pairs
 from ..model.decode import process_block
 from ..drafters import registry
@@ -81,7 +81,8 @@ from ..model.layers import hyper
 from ..model.layers.attention import attention_step
 from ..model.layers.block import ffn_sublayer
 from ..model.layers.norms import rms_norm
-from ..model.target import embed, head, hoist_stacked_experts, with_stacked_experts
+from ..model.inplace import hoist_stacked_experts, with_stacked_experts
+from ..model.target import embed, head
 from ..ops.sampling import verify_forced
 from ..model.random_init import random_experts, random_tree
 from ..model.schedule import segments
@@ -163,18 +164,18 @@ def synthetic_state(config: ModelConfig, batch: int, max_len: int, max_block: in
     """A bf16 DecodeState as if `context` (int32 scalar) tokens had been committed: random rows, ring
     slots tagged with the last positions, pos = context. A step's cost depends on shapes and positions."""
     st = init_state(config, batch, max_len, max_block, jnp.bfloat16)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(st.layers)
-    out = []
-    for i, (path, x) in enumerate(leaves):
-        name = path[-1].key
-        if name == "win_pos":
-            R = x.shape[-1]
-            slot = jnp.arange(R)
-            t = context - 1 - jnp.mod(context - 1 - slot, R)         # latest position < context in slot t mod R
-            out.append(jnp.broadcast_to(jnp.where(t >= 0, t, EMPTY), x.shape).astype(x.dtype))
-        else:
-            out.append(jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32).astype(x.dtype))
-    return st.replace(pos=jnp.full((batch,), context, jnp.int32), layers=jax.tree_util.tree_unflatten(treedef, out))
+    leaves, treedef = jax.tree_util.tree_flatten(st.layers)
+    rand = [jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32).astype(x.dtype)
+            for i, x in enumerate(leaves)]
+
+    def tagged(ring):                                # latest position < context in slot t mod R
+        R = ring.pos.shape[-1]
+        t = context - 1 - jnp.mod(context - 1 - jnp.arange(R), R)
+        return ring.replace(pos=jnp.broadcast_to(jnp.where(t >= 0, t, EMPTY), ring.pos.shape).astype(ring.pos.dtype))
+
+    layers = [[c.replace(window=tagged(c.window)) for c in slots]
+              for slots in jax.tree_util.tree_unflatten(treedef, rand)]
+    return st.replace(pos=jnp.full((batch,), context, jnp.int32), layers=layers)
 
 
 def random_tokens(key, shape, vocab: int):
@@ -427,8 +428,7 @@ class Bench:
 def component_fns(params: dict, cfg: ModelConfig, st, toks, X, reps: int):
     """(name, jitted fn, args, layers of this kind) for each component of a decode step; fn(*args) runs the
     component `reps` times in a fori_loop. X [B,1,n,D] bf16 streams, toks [B,1], st a DecodeState."""
-    pos = st.pos
-    positions, n = pos[:, None], jnp.ones_like(pos)
+    span = Span.of(st.pos, 1, jnp.ones_like(st.pos))
     where = {}
     for s, seg in enumerate(segments(cfg)):
         for j in range(seg.pattern):
@@ -447,7 +447,7 @@ def component_fns(params: dict, cfg: ModelConfig, st, toks, X, reps: int):
             X, cache = xc
             pre, post, comb = hyper.hc_weights(X, p["hc_attn"], cfg)
             h = rms_norm(hyper.collapse(X, pre), p["attn_norm"], cfg.rms_norm_eps)
-            y, cache = attention_step(h, p["attn"], cfg, lt, ratio, positions, pos, n, cache)
+            y, cache = attention_step(h, p["attn"], cfg, lt, ratio, span, cache)
             return hyper.expand(X, y, post, comb).astype(X.dtype), cache
 
         return repeat(body, (X, jax.tree.map(lambda a: a[r], c_slot)))

@@ -14,7 +14,12 @@ the clocks start.
     state_MB        the decode state's bytes (`state.state_bytes`, float32): grows with L
     params_MB       the weights' bytes
     chunk_temp_MB   the compiled prefill chunk's temporaries (`memory_analysis`): grow with L, not L²
-    expected_MB     params + state + chunk temporaries
+    chunk_run_MB    one chunk's activations as executed: the resident memory one prefill chunk adds while it
+                    runs (peak minus the resident memory before it, measured on a throwaway state of the same
+                    shape). Above chunk_temp_MB by XLA:CPU's YNNPACK fusions' own workspace, which the
+                    compiled program's buffer assignment does not hold (~490 MB at chunk 2,048 on tiny_long;
+                    none with XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=)
+    expected_MB     params + state + chunk_run_MB (one chunk's activations)
     peak_rss_MB     the subprocess's peak resident memory (ru_maxrss): the Python / XLA runtime, the compiles
     base_rss_MB     the resident memory just before the timed run: the runtime, the compiled programs, the
                     weights and the empty state
@@ -94,6 +99,17 @@ def _indexer_ms(config, L: int, repeats: int = 20) -> float:
     return 1e3 * statistics.median(ts) * config.layer_types.count(CSA)
 
 
+def _chunk_run_bytes(params, config, max_len: int, chunk: int) -> int:
+    """The resident bytes one (compiled) prefill chunk adds while it runs on an empty state of max_len
+    positions: peak minus before (Linux)."""
+    state = decode.init_state(config, 1, max_len, 8)
+    jax.block_until_ready(state.pos)
+    _reset_peak_rss()
+    before = _status_kib("VmRSS")
+    jax.block_until_ready(decode.extend(params, config, state, np.zeros((1, chunk), np.int32), [chunk])[1].pos)
+    return (_status_kib("VmHWM") - before) * 1024
+
+
 def measure(preset: str, L: int, chunk: int, steps: int, seed: int = 0) -> dict:
     """One context length, in this process (the subprocess body)."""
     config = C.preset(preset)
@@ -110,9 +126,11 @@ def measure(preset: str, L: int, chunk: int, steps: int, seed: int = 0) -> dict:
     # the programs the clocks will run, compiled on a throwaway state of the same shape
     warm = decode.init_state(config, 1, max_len, 8)
     _, warm, _ = decode.extend(params, config, warm, np.zeros((1, chunk), np.int32), [chunk])
-    jax.block_until_ready(decode.decode_step(params, config, warm, tokens[:, 0])[0])
+    logits, warm, _ = decode.decode_step(params, config, warm, tokens[:, 0])
+    jax.block_until_ready(logits)
     compile_s = time.perf_counter() - t0
     del warm
+    chunk_run = _chunk_run_bytes(params, config, max_len, chunk)
     _reset_peak_rss()
     base_rss = _status_kib("VmRSS")
     t = time.perf_counter()
@@ -135,8 +153,9 @@ def measure(preset: str, L: int, chunk: int, steps: int, seed: int = 0) -> dict:
            "decode_ms": round(1e3 * statistics.median(step_s), 3), "indexer_ms": round(_indexer_ms(config, L), 3),
            "state_MB": round(sb["total"] / 1e6, 2), "state_parts_MB": {k: round(v / 1e6, 2) for k, v in sb.items()},
            "params_MB": round(tree_bytes(params) / 1e6, 2), "chunk_temp_MB": round(temp / 1e6, 2),
+           "chunk_run_MB": round(chunk_run / 1e6, 2),
            "logits_finite": finite}
-    row["expected_MB"] = round(row["params_MB"] + row["state_MB"] + row["chunk_temp_MB"], 2)
+    row["expected_MB"] = round(row["params_MB"] + row["state_MB"] + row["chunk_run_MB"], 2)
     row["base_rss_MB"] = round(base_rss / 1024, 1)
     row["run_rss_MB"] = round(_status_kib("VmHWM") / 1024, 1)
     row["peak_rss_MB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)   # KiB on Linux
@@ -146,7 +165,8 @@ def measure(preset: str, L: int, chunk: int, steps: int, seed: int = 0) -> dict:
 
 
 COLUMNS = ("context", "prefill_tok_s", "decode_ms", "indexer_ms", "indexer_share", "state_MB", "params_MB",
-           "chunk_temp_MB", "expected_MB", "base_rss_MB", "run_rss_MB", "peak_rss_MB", "rss_ratio", "compile_s")
+           "chunk_temp_MB", "chunk_run_MB", "expected_MB", "base_rss_MB", "run_rss_MB", "peak_rss_MB",
+           "rss_ratio", "compile_s")
 
 
 def markdown(rows: list[dict], meta: dict) -> str:

@@ -122,6 +122,37 @@ def aggregate(batch_records: Sequence[dict]) -> dict:
             **aggregate_verification(batch_records), **aggregate_width(batch_records)}
 
 
+# ---- acceptance vs output position --------------------------------------------------------------
+
+OUTPUT_BUCKET = 16     # output positions per bucket of `by_output_position`
+
+
+def round_starts(trace: Sequence[Sequence[int]]) -> list[int]:
+    """The output position of each round's first emitted token; trace: [drafted, accepted] per round in
+    order. The prefill emits output token 0, a round emits its accepted drafts and one more token."""
+    starts, at = [], 1
+    for _, accepted in trace:
+        starts.append(at)
+        at += accepted + 1
+    return starts
+
+
+def by_output_position(traces: Iterable[Sequence[Sequence[int]]], bucket: int = OUTPUT_BUCKET) -> list[dict]:
+    """Acceptance against the output position (decay over a generation): the rounds of every trace grouped
+    by the output position of their first emitted token, in buckets of `bucket` tokens. -> one row per
+    bucket reached: start, rounds, drafted, accepted, accept_rate = accepted / drafted, mean_accepted_length
+    = (accepted + rounds) / rounds."""
+    rows: dict[int, list[int]] = {}
+    for trace in traces:
+        for start, (drafted, accepted) in zip(round_starts(trace), trace):
+            r = rows.setdefault(start // bucket * bucket, [0, 0, 0])
+            r[0] += 1
+            r[1] += drafted
+            r[2] += accepted
+    return [{"start": b, "rounds": n, "drafted": d, "accepted": a, "accept_rate": a / d if d else 0.0,
+             "mean_accepted_length": (a + n) / n} for b, (n, d, a) in sorted(rows.items())]
+
+
 # ---- the width scheduler (docs/width_scheduler.md) ---------------------------------------------
 
 def is_auto(row: dict) -> bool:
@@ -470,7 +501,26 @@ def sweep_markdown(summary: dict) -> str:
         "accept_rate = accepted / drafted; mean_acc_len includes the bonus token; per-position accept = rounds "
         "whose draft j was accepted / rounds that proposed a draft j.", "",
         markdown_table(SWEEP_HEADER, rows), ""]) + _width_section(m, summary["settings"]) \
-        + _verification_section(m, summary["settings"])
+        + _verification_section(m, summary["settings"]) + _output_position_section(summary["settings"])
+
+
+def _output_position_section(rows: Sequence[dict]) -> str:
+    """Acceptance against the output position (`dsv4-sweep --by-output-position`): per drafting setting, the
+    draft acceptance rate and mean accepted length of the rounds starting in each bucket of output positions."""
+    rows = [r for r in rows if r.get("by_output_position") and r["spec_type"] != BASELINE]
+    if not rows:
+        return ""
+    starts = sorted({b["start"] for r in rows for b in r["by_output_position"]})
+    table = []
+    for r in rows:
+        at = {b["start"]: b for b in r["by_output_position"]}
+        table.append((r["spec_type"], r["draft_n_max"], knob_text(r), f"{r['temperature']:g}", r["batch_size"],
+                      *(f"{at[b]['accept_rate']:.2f} / {at[b]['mean_accepted_length']:.2f}" if b in at else "–"
+                        for b in starts)))
+    header = ("spec", "k", "knob", "T", "B", *(f"from {b}" for b in starts))
+    return ("\n**Acceptance vs output position**: draft acceptance rate / mean accepted length of the rounds whose "
+            "first emitted token is at that output position or later (bucket), all prompts.\n\n"
+            + markdown_table(header, table) + "\n")
 
 
 def _width_section(meta: dict, rows: Sequence[dict]) -> str:

@@ -117,49 +117,43 @@ def grid_settings(specs: Sequence[str], ks: Sequence[int], knob_values: Mapping[
     return out
 
 
-def padded_options(setting: Setting, *, pad_to: int, max_len: int, top_p: float = 1.0,
-                   eos_token_id: int | None = None, seed: int = 0, max_block: int | None = None,
-                   drafter_pool: tuple[str, ...] | None = None, dynamic_draft_n: bool = False,
-                   prefill_chunk: int | None = None, verify: str = "token",
-                   synthetic_accept: tuple[float, ...] | None = None, adaptive_widths: bool = False,
-                   cost_table=None) -> dict:
-    """`generate`'s option groups for one setting, prompts right-padded to `pad_to`, the shapes fixed by the plan.
+def padded_options(setting: Setting, plan: "SweepPlan", pad_to: int, cost_table=None) -> dict:
+    """`generate`'s option groups for one setting, prompts right-padded to `pad_to`, the shapes and knobs fixed by
+    the plan.
 
     An auto setting runs draft_n_max="auto" with its bound and cost_table (a CostTable; None: `generate`
-    calibrates); adaptive_widths (with max_block): fixed widths run in the width scheduler's program, the
-    one the auto settings compile (`RunShape.adaptive_widths`)."""
-    spec = Speculation(drafter=setting.drafter, options=setting.drafter_options(), verify=verify,
-                       synthetic_accept=synthetic_accept,
+    calibrates); `SweepPlan.adaptive_widths` (with a max_block): fixed widths run in the width scheduler's program,
+    the one the auto settings compile (`RunShape.adaptive_widths`)."""
+    spec = Speculation(drafter=setting.drafter, options=setting.drafter_options(), verify=plan.verify,
+                       synthetic_accept=plan.synthetic_accept,
                        **({"draft_n_max": "auto", "draft_n_max_bound": setting.draft_n_max, "cost_table": cost_table}
                           if setting.auto else {"draft_n_max": max(setting.draft_n_max, 1)}))
+    max_block = plan.max_block
     shared = max_block is not None
-    return {"sampling": Sampling(temperature=setting.temperature, top_p=top_p, seed=seed), "speculation": spec,
-            "run": RunShape(eos_token_id=eos_token_id, max_len=max_len, pad_to=pad_to, max_block=max_block,
-                            drafter_pool=drafter_pool, dynamic_draft_n=(dynamic_draft_n or adaptive_widths) and shared,
-                            prefill_chunk=prefill_chunk, adaptive_widths=adaptive_widths and shared)}
+    return {"sampling": Sampling(temperature=setting.temperature, top_p=plan.top_p, seed=plan.seed),
+            "speculation": spec,
+            "run": RunShape(eos_token_id=plan.eos_token_id, max_len=plan.max_len, pad_to=pad_to, max_block=max_block,
+                            drafter_pool=plan.drafter_pool,
+                            dynamic_draft_n=(plan.dynamic_draft_n or plan.adaptive_widths) and shared,
+                            prefill_chunk=plan.prefill_chunk, adaptive_widths=plan.adaptive_widths and shared,
+                            round_trace=plan.round_trace)}
 
 
-def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, pad_to: int,
-                    max_len: int, setting: Setting, top_p: float = 1.0, eos_token_id: int | None = None,
-                    seed: int = 0, max_block: int | None = None, drafter_pool: tuple[str, ...] | None = None):
-    """`dsv4_jax.generate` for one setting, prompts right-padded to `pad_to`, the shapes fixed by the plan.
+def generate_padded(params: dict, config, prompts: Sequence[Sequence[int]], setting: Setting, plan: "SweepPlan"):
+    """`dsv4_jax.generate` for one setting, `plan.max_new_tokens` tokens, prompts right-padded to the plan's
+    longest bucket, the shapes fixed by the plan.
 
     config: a ModelConfig or a config bundle (`LoadedModel.bundle`: the drafters' settings come from it).
-    max_block / drafter_pool: `RunShape`'s (shared programs across draft_n_max values and drafters)."""
-    return generate(params, config, [list(p) for p in prompts], max_new_tokens,
-                    **padded_options(setting, pad_to=pad_to, max_len=max_len, top_p=top_p, eos_token_id=eos_token_id,
-                                     seed=seed, max_block=max_block, drafter_pool=drafter_pool))
+    `SweepPlan.max_block` / `SweepPlan.drafter_pool`: `RunShape`'s (shared programs across draft_n_max values and
+    drafters)."""
+    return generate(params, config, [list(p) for p in prompts], plan.max_new_tokens,
+                    **padded_options(setting, plan, plan.pad_to))
 
 
 def plan_options(batch: Sequence[dict], setting: Setting, plan: "SweepPlan", cost_table=None) -> dict:
     """`padded_options` of a batch under the plan (its bucket, the plan's shapes and knobs); cost_table: an
     auto setting's."""
-    return padded_options(setting, pad_to=plan.pad_for([len(p["tokens"]) for p in batch]), max_len=plan.max_len,
-                          top_p=plan.top_p, eos_token_id=plan.eos_token_id, seed=plan.seed,
-                          max_block=plan.max_block, drafter_pool=plan.drafter_pool,
-                          dynamic_draft_n=plan.dynamic_draft_n, prefill_chunk=plan.prefill_chunk,
-                          verify=plan.verify, synthetic_accept=plan.synthetic_accept,
-                          adaptive_widths=plan.adaptive_widths, cost_table=cost_table)
+    return padded_options(setting, plan, plan.pad_for([len(p["tokens"]) for p in batch]), cost_table)
 
 
 GRANULE = 16       # padded prompt lengths are multiples of this
@@ -225,6 +219,7 @@ class SweepPlan:
     verify: str = "token"                          # Speculation.verify (docs/verification.md)
     synthetic_accept: tuple[float, ...] | None = None   # Speculation.synthetic_accept
     adaptive_widths: bool = False
+    round_trace: bool = False          # RunShape.round_trace: every round's drafts and acceptance recorded
 
     @property
     def pad_to(self) -> int:

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the same tokens and per-round cost, about 30%% less compiling; default); "
                         "--no-shared-draft-widths: one loop program per draft_n_max")
     common.add_verify_args(p)
+    p.add_argument("--by-output-position", type=int, nargs="?", const=report.OUTPUT_BUCKET, default=None, metavar="N",
+                   help="record every round (RunShape.round_trace) and report acceptance against the output "
+                        f"position, in buckets of N tokens (default {report.OUTPUT_BUCKET}): per setting and "
+                        "category in summary.json, each prompt's rounds in results.jsonl (round_trace)")
     return p
 
 
@@ -109,6 +113,8 @@ def parse_grid(a: argparse.Namespace) -> dict:
     """The grid lists from the options (raises OptionError)."""
     if a.compile_threads < 0:
         raise OptionError(f"--compile-threads must be >= 0, got {a.compile_threads}")
+    if a.by_output_position is not None and a.by_output_position < 1:
+        raise OptionError(f"--by-output-position must be >= 1 tokens, got {a.by_output_position}")
     common.verify_options(a)          # --synthetic-accept's rates, checked before any model work
     ks, a.auto_bound, a.cost_table_obj = common.width_options(a)
     return {"specs": common.spec_list(a.spec), "ks": ks, "auto_bound": a.auto_bound,
@@ -245,6 +251,9 @@ def prompt_record(model, p: dict, setting: Setting, seq: dict, r: dict, b: int) 
            "tok_s": seq["predicted"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
            "decode_tok_s": (seq["predicted"] - 1) / r["decode_s"] if r["decode_s"] > 0 else 0.0,
            "output_tokens": r["tokens"][b]}
+    if "per_round_accepted" in r["stats"]:     # RunShape.round_trace: [drafted, accepted] per round
+        rec["round_trace"] = [[d, n] for d, n in zip(r["stats"]["per_round_drafted"][b],
+                                                     r["stats"]["per_round_accepted"][b])]
     if "per_request" in r["stats"]:        # vLLM's per-request spec-decode counters and acceptance histogram
         rec["spec_decode"] = r["stats"]["per_request"][b]
     if model.decode is not None:
@@ -266,6 +275,15 @@ def per_category(records: list[dict]) -> dict:
         c["aggregate_accept_rate"] = c["total_draft_accepted"] / c["total_draft"] if c["total_draft"] else 0.0
         c["mean_accepted_length"] = (c["total_draft_accepted"] + c["rounds"]) / c["rounds"] if c["rounds"] else 0.0
     return out
+
+
+def add_by_output_position(row: dict, records: list[dict], bucket: int) -> None:
+    """The setting's acceptance against the output position (`report.by_output_position`), overall and per
+    category, from its prompts' round traces."""
+    row["by_output_position"] = report.by_output_position((r["round_trace"] for r in records), bucket)
+    for cat, c in row["per_category"].items():
+        c["by_output_position"] = report.by_output_position(
+            (r["round_trace"] for r in records if r["category"] == cat), bucket)
 
 
 def match_baseline(records: list[dict], baseline: list[dict] | None) -> float | None:
@@ -318,7 +336,8 @@ def plan_run(a: argparse.Namespace, model, prompts, settings, suite_max_new: int
                    dynamic_draft_n=dynamic, adaptive_widths=dynamic and any(s.auto for s in settings),
                    seed=a.seed, top_p=a.top_p, eos_token_id=common.eos_for(a),
                    prefill_chunk=None if a.no_shared_programs or len(buckets) < 2 else min(min(buckets), LONG_PROMPT_CHUNK),
-                   verify=a.verify, synthetic_accept=common.verify_options(a)[1])
+                   verify=a.verify, synthetic_accept=common.verify_options(a)[1],
+                   round_trace=a.by_output_position is not None)
     for n in notes:
         print(n, file=sys.stderr)
     total = sum(len(shapes(prompts, s.batch_size, plan)) + a.repeats * len(batches(prompts, s.batch_size))
@@ -403,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = {**setting.as_dict(), "effective_draft_n_max": effective_draft_n_max(setting, model),
                    **report.aggregate(batch_records), "warmup_s": warm, "per_category": per_category(records),
                    "outputs_match_baseline": match_baseline(records, baselines.get(setting.group))}
+            if a.by_output_position is not None:
+                add_by_output_position(row, records, a.by_output_position)
             rows.append(row)
             report.add_speedups(rows, a.order == "interleaved")
             log(aggregate_line(row))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,44 +108,56 @@ def block_costs(params, config, sizes, taps=(), prompt_len: int = 64, chain: int
     return _fastest({S: block_call(S) for S in sizes}, chain, repeats)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "drafter", "setup"))
-def _propose(params, config, drafter, setup, state, pos, last, key, knobs):
-    """drafter: the Drafter object (static: the jit key holds it, not its registered name)."""
-    return drafter.propose(Bound(params, config, setup), state, pos, last, key, knobs, True)[0]
+class _Drafting(NamedTuple):
+    """The static part of a timed drafter call: the model config, the drafter (its `drafters.base` object) and
+    its setup at one width."""
+
+    config: object
+    drafter: object
+    setup: object
 
 
-@functools.partial(jax.jit, static_argnames=("config", "drafter", "setup"))
-def _observe(params, config, drafter, setup, state, aux, tokens, start, n_valid):
-    return drafter.observe(Bound(params, config, setup), state, aux, tokens, start, n_valid)
+@functools.partial(jax.jit, static_argnames=("static",))
+def _propose(params, static: _Drafting, state, pos, last, key, knobs):
+    return static.drafter.propose(Bound(params, static.config, static.setup), state, pos, last, key, knobs, True)[0]
 
 
-def drafter_costs(params, config, name: str, meta, ks, prompt_len: int = 64, chain: int = 20,
-                  repeats: int = 7) -> dict:
+@functools.partial(jax.jit, static_argnames=("static",))
+def _observe(params, static: _Drafting, state, aux, block):
+    tokens, start, n_valid = block
+    return static.drafter.observe(Bound(params, static.config, static.setup), state, aux, tokens, start, n_valid)
+
+
+COST_PROMPT_LEN = 64     # context tokens before the timed propose / observe calls of `drafter_costs`
+
+
+def drafter_costs(params, config, name: str, meta, ks, chain: int = 20, repeats: int = 7) -> dict:
     """Seconds per call of a drafter's propose / observe at batch 1, greedy (its `drafters.base` interface):
     {"propose": {k: s}, "observe": {k: s}} for k in ks.
 
-    propose drafts k tokens after a prompt_len-token context; observe stores a (k+1)-row verify block
+    propose drafts k tokens after a COST_PROMPT_LEN-token context; observe stores a (k+1)-row verify block
     (what a round feeds the drafter). Like `block_costs`, each includes one host dispatch, which the
     on-device loop does not pay. The calls get the drafter's weights and the target's embedding and head
     only (what MTP and DSpark read of the target), so that the dispatch does not carry the whole tree."""
     drafter = registry.get(name)
     setups = {k: drafter.configure(params, config, k, None, {} if meta is None else {name: meta}) for k in ks}
     widest = setups[max(ks)]
-    state, aux = _primed(params, config, prompt_len, widest.k + 1, widest.taps)
-    prompt = _prompt(prompt_len)
-    zero, n = jnp.zeros((1,), jnp.int32), jnp.full((1,), prompt_len, jnp.int32)
+    state, aux = _primed(params, config, COST_PROMPT_LEN, widest.k + 1, widest.taps)
+    prompt = _prompt(COST_PROMPT_LEN)
+    zero, n = jnp.zeros((1,), jnp.int32), jnp.full((1,), COST_PROMPT_LEN, jnp.int32)
     view = {key: params[key] for key in ("embed", "head", drafter.weights)}
     knobs = drafter.default_knobs()
     calls = {}
     for k, setup in setups.items():
-        dstate = drafter.init(Bound(view, config, setup), 1, prompt_len + setup.k + 2, jnp.float32)
+        dstate = drafter.init(Bound(view, config, setup), 1, COST_PROMPT_LEN + setup.k + 2, jnp.float32)
         dstate = drafter.observe(Bound(view, config, setup), dstate, aux, jnp.roll(prompt, -1, axis=1), zero, n)
         block = jax.tree.map(lambda a, S=setup.k + 1: a[:, :S], aux)
         tokens, n_block = prompt[:, :setup.k + 1], jnp.full((1,), setup.k + 1, jnp.int32)
         key, last = jax.random.PRNGKey(0), prompt[:, -1]
-        calls["propose", k] = lambda st=dstate, su=setup: _propose(view, config, drafter, su, st, n, last, key, knobs)
-        calls["observe", k] = lambda st=dstate, su=setup, b=block, t=tokens, nb=n_block: _observe(
-            view, config, drafter, su, st, b, t, n, nb)
+        static = _Drafting(config, drafter, setup)
+        calls["propose", k] = lambda st=dstate, sa=static: _propose(view, sa, st, n, last, key, knobs)
+        calls["observe", k] = lambda st=dstate, sa=static, b=block, t=tokens, nb=n_block: _observe(
+            view, sa, st, b, (t, n, nb))
     out = {"propose": {}, "observe": {}}
     for (part, k), t in _fastest(calls, chain, repeats).items():
         out[part][k] = t

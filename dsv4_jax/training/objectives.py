@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..model.state import EMPTY, init_state
+from ..model.state import EMPTY, WindowRing, init_state
 from ..config import ModelConfig
 from ..model.decode import process_block
 from ..drafters import dspark
@@ -95,7 +95,8 @@ def dspark_block_loss(dp: dict, target: dict, config: ModelConfig, dcfg, tokens,
         kv = project_kv(c, stage["attn"], config, pos, inv_freq(config, "main"))       # [B,L,d]
         kvs.append(take(kv, safe.reshape(B, -1)).reshape(B * A, W, -1))
     ctx_pos = jnp.where(win >= 0, win, EMPTY).reshape(B * A, W)
-    st = dspark.DSparkState(ctx_kv=jnp.stack(kvs), ctx_pos=jnp.broadcast_to(ctx_pos, (len(kvs),) + ctx_pos.shape))
+    st = dspark.DSparkState(ctx=WindowRing(kv=jnp.stack(kvs),
+                                           pos=jnp.broadcast_to(ctx_pos, (len(kvs),) + ctx_pos.shape)))
     a = anchors.reshape(-1)
     y, U = dspark.block_outputs(dp, target, config, dcfg, st, a, take(tokens, anchors).reshape(-1))
     prev = block_rows(tokens, anchors, g)                                               # x_{a+j} [BA,g]

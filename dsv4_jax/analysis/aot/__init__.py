@@ -10,4 +10,6 @@
     runner       topology × weights × programs -> the report dict
     report       JSON, Markdown and plot
     cli          the `dsv4-aot` command
+    placement_table  `dsv4-aot placements`: the expert-parallel study's placements side by side
+    fit_summary  `dsv4-aot fit-table`: the README's fit table from saved reports
 """

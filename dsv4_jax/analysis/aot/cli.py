@@ -7,6 +7,13 @@ and reports per program: fits or not (HBM per chip), argument / temp / output by
 bytes accessed against the bytes bound, estimated time at the chip's bandwidth and peak rate, top HLO ops by
 bytes and collectives; when decode, verify and a speculative round compiled, the speculation payoff forecast
 for k = 1..7 under an acceptance profile (`--acceptance`). JSON + Markdown + plots (`--out`).
+
+Subcommands (the first argument) for the tables built on the same code:
+
+    placements   per-chip traffic of decode / verify under each placement of the expert-parallel study
+                 (`aot.placement_table`)
+    fit-table    the README's "will it fit" table from saved reports, compiling nothing (`aot.fit_summary`)
+    kernels      the Mosaic TPU kernels alone, compiled per case with their XLA references (`analysis.kernels_aot`)
 """
 from __future__ import annotations
 
@@ -19,8 +26,9 @@ from typing import Iterable
 import jax
 
 from ... import backends as B, cli
-from .. import libtpu
-from . import chips, ep as EP, extrapolate as X, forecast as F, inputs as I, programs as PR, report as R, runner
+from .. import kernels_aot, libtpu
+from . import chips, ep as EP, extrapolate as X, fit_summary, forecast as F, inputs as I, placement_table
+from . import programs as PR, report as R, runner
 
 EXAMPLES = """examples:
   dsv4-aot --topology v5p:2x2x2 --weights bf16 --batch 8 --context 32768 --out aot_v5p8.json
@@ -30,6 +38,9 @@ EXAMPLES = """examples:
   dsv4-aot --topology cpu --small                                                         # without libtpu
   dsv4-aot --render a.json b.json --out merged.json                                       # re-render / merge
   dsv4-aot --render dec.json ver.json mtp.json --acceptance 0.9,0.7,0.5 --out fc.json   # forecast, other profile
+  dsv4-aot placements --topology v6e:2x4 --weights release --pairs 0 --count scan --out OUT   # placements table
+  dsv4-aot fit-table a.json b.json --reproduce                                            # the README's fit table
+  dsv4-aot kernels --topology v5p:2x2x1 --topology v6e:2x2 --out kernels.json             # Mosaic kernels alone
 
 Full flash() compiles take minutes per program on 2 cores. Every layer is counted by default from the program
 as run plus two small unrolled compiles (3 + 2 and 3 + 3 layers of Flash), extrapolated to all 20 HCA/CSA
@@ -243,8 +254,16 @@ def parse_request(a: argparse.Namespace, argv: list[str] | None) -> runner.AotRe
         collective_latency_us=a.collective_latency_us, op_overhead_us=a.op_overhead_us)
 
 
+# subcommand: its main(argv without the subcommand's name)
+SUBCOMMANDS = {"placements": placement_table.main, "fit-table": fit_summary.main, "kernels": kernels_aot.main}
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     argv = None if argv is None else list(argv)
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] in SUBCOMMANDS:
+        _use_cpu_backend()
+        return SUBCOMMANDS[words[0]](words[1:])
     a = build_parser().parse_args(argv)
     try:
         check_acceptance(a.acceptance)

@@ -262,38 +262,63 @@ def count_by_extrapolation(counting: Counting, options: dict | None, top: int) -
             "points": points}
 
 
-def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_run: Program | None = None,
-                    counting: Counting | None = None, options: dict | None = None, top: int = 15,
-                    force: bool = False, hlo_dump: str | None = None, count_if_unfit: bool = True,
-                    unrolled: bool = True, as_run_row: dict | None = None, hlo_dump_compile: bool = True,
-                    no_prefetch: dict | None = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """What a program is compiled for: the chip, how many of them, HBM per chip (bytes)."""
+
+    chip: Chip
+    chips: int
+    hbm: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """How every compile of one program runs and is read.
+
+    options: compiler options of every compile (the TPU ones keep an oversized program compiling so that its
+    memory and costs are still reported, `chips.TPU_COMPILE_OPTIONS`); top: HLO ops kept; force: compile even
+    when the arguments alone do not fit; hlo_dump: also write the HLO text there; hlo_dump_compile=False: no
+    second compile for XLA's dump when libtpu cannot print the HLO (a fit-only run: the row then has no HLO-op
+    bytes, `hlo.error` says why); count_if_unfit=False skips the costs' compiles when the program as run does
+    not fit (a smaller prefill chunk will be tried); no_prefetch: compiler options that switch VMEM
+    prefetching off (`chips.no_prefetch_options`): the program as run is compiled once more with them
+    (`no_prefetch_row`, the row's "no_prefetch").
+    """
+
+    options: dict | None = None
+    top: int = 15
+    force: bool = False
+    hlo_dump: str | None = None
+    hlo_dump_compile: bool = True
+    count_if_unfit: bool = True
+    no_prefetch: dict | None = None
+
+
+def compile_program(program: Program, where: Slice, *, as_run: Program | None = None,
+                    counting: Counting | None = None, unrolled: bool = True, as_run_row: dict | None = None,
+                    opts: CompileOptions = CompileOptions()) -> dict:
     """Compile one program and return the report row (module docstring for the three ways of counting).
 
     counting given ("extrapolated"): `program` is the program as run (layer scans); `counting` the small
-    unrolled programs for the costs. Otherwise `program` is the unrolled program ("unrolled") and `as_run` the
-    same with its layer scans, or `program` keeps its scans and unrolled=False ("scan", `--count scan`).
-    options: compiler options of every compile (the TPU ones keep an oversized program compiling so that its
-    memory and costs are still reported, `chips.TPU_COMPILE_OPTIONS`). count_if_unfit=False skips the costs'
-    compiles when the program as run does not fit (a smaller prefill chunk will be tried).
-    hlo_dump_compile=False: no second compile for XLA's dump when libtpu cannot print the HLO (a fit-only
-    run: the row then has no HLO-op bytes, `hlo.error` says why). no_prefetch: compiler options that switch
-    VMEM prefetching off (`chips.no_prefetch_options`): the program as run is compiled once more with them
-    (`no_prefetch_row`, the row's "no_prefetch").
+    unrolled programs for the costs (`as_run_row`: a saved row of the program as run instead of its compile).
+    Otherwise `program` is the unrolled program ("unrolled") and `as_run` the same with its layer scans, or
+    `program` keeps its scans and unrolled=False ("scan", `--count scan`).
     """
-    again = (lambda p: p) if hlo_dump_compile else (lambda p: None)
+    chip, chips, hbm = where.chip, where.chips, where.hbm
+    options, top, hlo_dump, count_if_unfit = opts.options, opts.top, opts.hlo_dump, opts.count_if_unfit
+    again = (lambda p: p) if opts.hlo_dump_compile else (lambda p: None)
     args = program.argument_bytes_per_device
     row = {"program": program.name, "tokens_per_sequence": program.tokens_per_sequence, "bound": program.bound,
            "argument_bytes_per_device": args, "hbm_bytes": hbm}
     if program.notes:
         row["notes"] = program.notes
-    if args > hbm and not force:
+    if args > hbm and not opts.force:
         row.update(fits=False, compiled=False,
                    reason=f"arguments alone need {args / GIB:.2f} GiB per device > {hbm / GIB:.2f} GiB HBM")
         return row
     if counting is not None:
-        row = _extrapolated(row, program, counting, chip, chips, hbm, options, top, hlo_dump, count_if_unfit,
-                            as_run_row, hlo_dump_compile)
-        return _refinish(_with_no_prefetch(row, program, options, no_prefetch, top, hlo_dump_compile), chip, chips)
+        row = _extrapolated(row, program, counting, where, opts, as_run_row)
+        return _refinish(_with_no_prefetch(row, program, opts), chip, chips)
     run_hlo = None
     if as_run is not None:
         compiled, _, secs, error = _compile(as_run, options)
@@ -328,7 +353,7 @@ def compile_program(program: Program, chip: Chip, chips: int, hbm: float, *, as_
         row["hlo_unrolled"] = {"top_ops": {k: text_hlo["top_ops"][k] for k in ("total_bytes", "instructions")},
                                "collectives": {k: text_hlo["collectives"][k]
                                                for k in ("by_opcode", "count", "total_operand_bytes")}}
-    _with_no_prefetch(row, as_run or program, options, no_prefetch, top, hlo_dump_compile)
+    _with_no_prefetch(row, as_run or program, opts)
     return _finish(row, chip, chips, hbm)
 
 
@@ -353,10 +378,9 @@ def no_prefetch_row(program: Program, options: dict | None, no_prefetch: dict, t
     return out
 
 
-def _with_no_prefetch(row: dict, program: Program, options: dict | None, no_prefetch: dict | None, top: int,
-                      hlo_dump_compile: bool) -> dict:
-    if no_prefetch and row.get("compiled"):
-        row["no_prefetch"] = no_prefetch_row(program, options, no_prefetch, top, hlo_dump_compile)
+def _with_no_prefetch(row: dict, program: Program, opts: CompileOptions) -> dict:
+    if opts.no_prefetch and row.get("compiled"):
+        row["no_prefetch"] = no_prefetch_row(program, opts.options, opts.no_prefetch, opts.top, opts.hlo_dump_compile)
     return row
 
 
@@ -383,12 +407,12 @@ def _finish(row: dict, chip: Chip, chips: int, hbm: float) -> dict:
     return row
 
 
-def _extrapolated(row: dict, program: Program, counting: Counting, chip: Chip, chips: int, hbm: float,
-                  options: dict | None, top: int, hlo_dump: str | None, count_if_unfit: bool,
-                  as_run_row: dict | None = None, hlo_dump_compile: bool = True) -> dict:
+def _extrapolated(row: dict, program: Program, counting: Counting, where: Slice, opts: CompileOptions,
+                  as_run_row: dict | None = None) -> dict:
     """The "extrapolated" row: fit, HLO analysis and cost_as_run from `program` (as run; or from a saved
     `as_run_row`); costs from the two small unrolled programs of `counting`, extrapolated (falls back to
     cost_as_run, said so, when one of them fails to compile)."""
+    options, top, hbm = opts.options, opts.top, where.hbm
     if as_run_row is not None:
         row.update(memory=as_run_row["memory"], hlo=as_run_row["hlo"], fit_source=as_run_row["fit_source"],
                    cost_as_run=as_run_row.get("cost_as_run", as_run_row.get("cost")),
@@ -399,11 +423,11 @@ def _extrapolated(row: dict, program: Program, counting: Counting, chip: Chip, c
             return _failed(row, error)
         row["memory"] = memory(compiled)
         row["cost_as_run"] = cost(compiled)        # repeated layers counted once: for comparison only
-        row["hlo"] = _analyse(compiled, top, hlo_dump, program if hlo_dump_compile else None, options)
+        row["hlo"] = _analyse(compiled, top, opts.hlo_dump, program if opts.hlo_dump_compile else None, options)
         del compiled
     row["fit_from"] = "as run (layer scans)"
     peak = row["memory"].get("peak")
-    if not count_if_unfit and peak is not None and peak > hbm:
+    if not opts.count_if_unfit and peak is not None and peak > hbm:
         return _unfit_as_run(row, row["memory"], row["hlo"], hbm)
     row["compiled"] = True
     counted = count_by_extrapolation(counting, options, top)
@@ -414,4 +438,4 @@ def _extrapolated(row: dict, program: Program, counting: Counting, chip: Chip, c
         row.update(cost=counted["cost"], cost_counts_every_layer=True, cost_method="extrapolated",
                    cost_points=counted["points"], hlo_unrolled_totals=counted["hlo_unrolled_totals"],
                    count_compile_s=sum(p["compile_s"] for p in counted["points"]))
-    return _finish(row, chip, chips, hbm)
+    return _finish(row, where.chip, where.chips, hbm)

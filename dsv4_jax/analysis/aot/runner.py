@@ -236,11 +236,12 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
             report["runs"].append(run_)
             for name in r.programs:
                 dump = os.path.join(r.hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if r.hlo_dir else None
-                saved = functools.partial(reusable_row, r.fit_from, config, shapes, topo.name, w, run_["mesh_text"],
-                                          name)
-                one = functools.partial(compile_one, target, name, how_t, w, rules=rules_t, top=r.top,
-                                        force=r.force, hlo_dump=dump, say=say, saved=saved,
-                                        hlo_dump_compile=r.hlo_dump_compile)
+                saved = functools.partial(reusable_row, r.fit_from, config, shapes,
+                                          (topo.name, w, run_["mesh_text"]), name)
+                opts = C.CompileOptions(target.options, r.top, r.force, dump, r.hlo_dump_compile,
+                                        no_prefetch=target.no_prefetch)
+                one = functools.partial(compile_one, Job(target, name, how_t, w, rules_t), opts=opts, say=say,
+                                        saved=saved)
                 run_["programs"].append(compile_prefill(one, shapes, r.prefill_min) if name == "prefill"
                                         else one(shapes))
                 if checkpoint:
@@ -281,18 +282,19 @@ def _counting_meta(how: Counting) -> dict:
     return out
 
 
-def reusable_row(sources: Sequence[tuple[str, dict]], config: ModelConfig, shapes: I.Shapes, topology: str,
-                 weights: str, mesh_text: str, name: str, chunk: int) -> dict | None:
+def reusable_row(sources: Sequence[tuple[str, dict]], config: ModelConfig, shapes: I.Shapes,
+                 run: tuple[str, str, str], name: str, chunk: int) -> dict | None:
     """The row of program `name` as run in a saved report of the same model (name, layers), shapes
-    (prefill: the same chunk), topology, weights and mesh, compiled with its layer scans (`--count scan`, or
-    the as-run half of an "extrapolated" / "unrolled" row), with "fit_source" naming the report; else None."""
+    (prefill: the same chunk) and run (topology, weights, mesh text), compiled with its layer scans (`--count
+    scan`, or the as-run half of an "extrapolated" / "unrolled" row), with "fit_source" naming the report;
+    else None."""
     for path, rep in sources:
         if (rep["model"]["name"], rep["model"]["layers"]) != (config.name, config.num_layers) or \
                 {k: v for k, v in rep["shapes"].items() if k != "prefill_chunk"} != \
                 {k: v for k, v in dataclasses.asdict(shapes).items() if k != "prefill_chunk"}:
             continue
         for run_ in rep["runs"]:
-            if (run_["topology"], run_["weights"], run_["mesh_text"]) != (topology, weights, mesh_text):
+            if (run_["topology"], run_["weights"], run_["mesh_text"]) != tuple(run):
                 continue
             for r in run_["programs"]:
                 if r["program"] != name or not r.get("compiled") or \
@@ -310,15 +312,27 @@ def reusable_row(sources: Sequence[tuple[str, dict]], config: ModelConfig, shape
     return None
 
 
-def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: I.Shapes, last_try: bool = True,
-                *, rules=None, top: int = 15, force: bool = False, hlo_dump: str | None = None,
-                say=lambda msg: None, saved: Callable[[int], dict | None] = lambda chunk: None,
-                hlo_dump_compile: bool = True) -> dict:
-    """Build program `name` from the configs of `how` and compile it (`compile.compile_program`); with
-    "extrapolated" counting, `saved(chunk)` may give a saved row of the program as run (`reusable_row`)."""
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One program of one run: where it compiles, its name, how it is counted (`counting`), the weight format
+    and the logical-axis rules it is placed with (None: the defaults)."""
+
+    target: Target
+    name: str
+    how: Counting
+    weights: str
+    rules: object = None
+
+
+def compile_one(job: Job, shapes: I.Shapes, last_try: bool = True, *, opts: C.CompileOptions = C.CompileOptions(),
+                say=lambda msg: None, saved: Callable[[int], dict | None] = lambda chunk: None) -> dict:
+    """Build the job's program from the configs of its counting and compile it (`compile.compile_program`;
+    last_try=False: a prefill chunk that will be halved if it does not fit); with "extrapolated" counting,
+    `saved(chunk)` may give a saved row of the program as run (`reusable_row`)."""
+    target, name, how, weights = job.target, job.name, job.how, job.weights
     label = f"{target.topology.name} {weights} {name}"
     say(f"{label}: building ({how.method})")
-    build = lambda cfg: PR.build(name, cfg, target.mesh, weights, shapes, rules)
+    build = lambda cfg: PR.build(name, cfg, target.mesh, weights, shapes, job.rules)
     prog = build(how.program)
     as_run = build(how.as_run) if how.as_run is not None else None
     points = None
@@ -328,10 +342,9 @@ def compile_one(target: Target, name: str, how: Counting, weights: str, shapes: 
     reuse = saved(shapes.prefill_chunk) if points is not None else None
     if reuse is not None:
         say(f"{label}: fit and HLO analysis from {reuse['fit_source'][:160]}")
-    row = C.compile_program(prog, target.topology.chip, len(target.devices), target.hbm, as_run=as_run,
-                            counting=points, options=target.options, top=top, force=force, hlo_dump=hlo_dump,
-                            count_if_unfit=last_try, unrolled=how.method == "unrolled", as_run_row=reuse,
-                            hlo_dump_compile=hlo_dump_compile, no_prefetch=target.no_prefetch)
+    row = C.compile_program(prog, C.Slice(target.topology.chip, len(target.devices), target.hbm), as_run=as_run,
+                            counting=points, unrolled=how.method == "unrolled", as_run_row=reuse,
+                            opts=dataclasses.replace(opts, count_if_unfit=last_try))
     declared = ep_kernel_row(prog, how.program, weights, shapes, target.mesh)
     if declared:
         row["ep_kernel"] = declared

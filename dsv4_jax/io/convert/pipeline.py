@@ -113,13 +113,15 @@ def _dspark_meta_official(path: str, src, config: ModelConfig, n_stages: int) ->
         cfg = _read_json(os.path.join(path, "config.json"))
     except FileNotFoundError:
         cfg = {}
-    return _dspark_meta(src, config, n_stages, "official", cfg.get("dspark_block_size"),
-                        cfg.get("dspark_noise_token_id"), cfg.get("dspark_target_layer_ids"),
+    given = (cfg.get("dspark_block_size"), cfg.get("dspark_noise_token_id"), cfg.get("dspark_target_layer_ids"))
+    return _dspark_meta(src, config, n_stages, "official", given,
                         conf_bias=f"{last}confidence_head.proj.bias" in src.names())
 
 
-def _dspark_meta(src, config: ModelConfig, n_stages: int, scheme: str, block_size, noise, targets,
-                 conf_bias: bool) -> dict:
+def _dspark_meta(src, config: ModelConfig, n_stages: int, scheme: str, given: tuple, conf_bias: bool) -> dict:
+    """The DSpark config of a source: stages, taps and Markov rank from its tensors; given: the source's
+    (block size, noise token id, target layer ids), each None when it does not say."""
+    block_size, noise, targets = given
     D = config.hidden_size
     mp = names.dspark_tensor(scheme, "main_proj", n_stages)
     w1 = names.dspark_tensor(scheme, "markov_w1", n_stages)
@@ -230,7 +232,7 @@ def plan_gguf_dspark(path: str, config: ModelConfig) -> Job:
                                 "(llama.cpp) or 'deepseek4' with dspark.* tensors (ds4)")
     _check_dims(src, config, "dflash" if scheme == "llamacpp" else "deepseek4")
     bias = names.dspark_tensor(scheme, "conf_proj.bias", max(n, 1))
-    meta = _dspark_meta(src, config, n, scheme, block, noise, targets, conf_bias=bias in src.names())
+    meta = _dspark_meta(src, config, n, scheme, (block, noise, targets), conf_bias=bias in src.names())
     return Job("dspark", src, PL.dspark_units(config, scheme, meta), config.n_routed_experts,
                {"source": {"kind": f"gguf-{scheme}", "path": os.path.abspath(path), "files": src.paths},
                 "config": meta}, ignore_prefixes=names.IGNORED[scheme])

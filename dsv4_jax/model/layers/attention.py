@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ..state import EMPTY, StackedRows, rows_of, take_rows
+from ..inplace import StackedRows, rows_of, take_rows
+from ..state import EMPTY, CompressedRows, LayerCache, Span, WindowRing
 from ...config import CSA, SLIDING, ModelConfig
 from ...ops.linear import grouped_linear, linear
 from ...ops.partitioning import (constrain_logical, constrain_rows, constrain_state_rows, state_batch_entry,
@@ -113,7 +114,7 @@ def write_state_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array, co
     """`compressor.write_rows` where the decode state lives: one in-place row update per (sequence, window)
     when the batch is whole on every device; per device on its own sequences (a `shard_map` over the batch
     axes, no collective) when the expert-parallel backend splits the batch; the batched scatter when the
-    placement is unknown (plain GSPMD, one device). table [B,T,c] or `model.state.StackedRows`, rows [B,J,c]."""
+    placement is unknown (plain GSPMD, one device). table [B,T,c] or `model.inplace.StackedRows`, rows [B,J,c]."""
     how, entry = state_batch_entry(config, rows.shape[0])
     if how != "split":
         return compressor.write_rows(table, rows, index, ok, per_row=how == "whole")
@@ -129,25 +130,39 @@ def write_state_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array, co
                          check_vma=False)(table, rows, index, ok)
 
 
-def _compressed_block(h, p, config, ratio, dim, overlap, positions, pos, n_valid, table, ring_a, ring_z, freqs):
-    """Close this block's windows into `table` and push its projections to the ring. Returns the 3 arrays."""
-    a, z = (constrain_state_rows(v, config) for v in compressor.block_projections(h, p, positions, ratio))
-    rows, w, ok = compressor.close_windows(a, z, ring_a, ring_z, pos, n_valid, ratio, dim, overlap)
+def push_window(ring: WindowRing, kv: jax.Array, span: Span) -> WindowRing:
+    """The block's valid rows kv [B,S,d] written into the window ring at their positions' slots."""
+    return WindowRing(kv=compressor.write_ring(ring.kv, kv, span.start, span.n_valid),
+                      pos=compressor.write_ring(ring.pos, span.positions, span.start, span.n_valid))
+
+
+def compress_block(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, ratio: int, span: Span,
+                   cache: CompressedRows) -> CompressedRows:
+    """Close this block's windows into the cache's rows and push its projections to the cache's rings.
+
+    p: the compressor's parameters (`attn.compressor`, or `attn.indexer.compressor` with an `IndexerKeys`
+    cache); rows of width dim = cache.rows.shape[-1]; overlapping windows in CSA layers (the indexer's too).
+    Returns the cache of the same type."""
+    dim, overlap = cache.rows.shape[-1], layer_type == CSA
+    freqs = inv_freq(config, layer_rope_kind(layer_type))
+    a, z = (constrain_state_rows(v, config) for v in compressor.block_projections(h, p, span.positions, ratio))
+    rows, w, ok = compressor.close_windows(a, z, cache, span, ratio, dim, overlap)
     rows = compressor.finish_rows(rows, p["norm"], w * ratio, freqs, config.rms_norm_eps)
     rows = constrain_state_rows(rows, config)
-    return (write_state_rows(table, rows, w, ok, config),
-            compressor.write_ring(ring_a, a, pos, n_valid),
-            compressor.write_ring(ring_z, z, pos, n_valid))
+    table = write_state_rows(cache.rows, rows, w, ok, config)
+    ring_a = compressor.write_ring(cache.a, a, span.start, span.n_valid)
+    return cache.replace(a=ring_a, rows=table, z=compressor.write_ring(cache.z, z, span.start, span.n_valid))
 
 
-def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, ratio: int, positions: jax.Array,
-                   pos: jax.Array, n_valid: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-    """Attention of a block of S tokens at positions pos..pos+S−1 against the decode state of one layer.
+def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, ratio: int, span: Span,
+                   cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+    """Attention of a block of S tokens at `span` (positions start..start+S−1) against one layer's decode state.
 
-    h [B,S,D] normed; positions [B,S]; pos [B] block start (= committed tokens); n_valid [B] how many
-    of the block's tokens are real (the rest, e.g. right padding, is never stored). Returns
-    (y [B,S,D], new cache). Rows of every block token are written; only advancing pos commits them.
+    h [B,S,D] normed; span.start [B] the block start (= committed tokens); span.n_valid [B] how many of the
+    block's tokens are real (the rest, e.g. right padding, is never stored). Returns (y [B,S,D], new cache).
+    Rows of every block token are written; only advancing pos commits them.
     """
+    positions, pos = span.positions, span.start
     freqs = inv_freq(config, layer_rope_kind(layer_type))
     # Where the state is split further than the tokens (the latency preset at B ≥ chips) the attention core
     # (queries, scores, selected rows) runs where the state is, for every head; the projections read the
@@ -161,28 +176,25 @@ def attention_step(h: jax.Array, p: dict, config: ModelConfig, layer_type: str, 
         h = constrain_rows(h, config)
     qr, q = project_q(h, p, config, positions, freqs)
     kv = constrain_state_rows(project_kv(h, p, config, positions, freqs), config)
-    ring_pos = jnp.where(cache["win_pos"] < pos[:, None], cache["win_pos"], EMPTY)   # committed rows only
-    keys = jnp.concatenate([cache["win_kv"], kv], axis=1)
+    win = cache.window
+    ring_pos = jnp.where(win.pos < pos[:, None], win.pos, EMPTY)                 # committed rows only
+    keys = jnp.concatenate([win.kv, kv], axis=1)
     mask = window_mask(positions, jnp.concatenate([ring_pos, positions], axis=1), config.sliding_window)
-    new = dict(cache)
-    new["win_kv"] = compressor.write_ring(cache["win_kv"], kv, pos, n_valid)
-    new["win_pos"] = compressor.write_ring(cache["win_pos"], positions, pos, n_valid)
+    new = cache.replace(window=push_window(win, kv, span))
     query_keys = query_mask = None
     if layer_type != SLIDING:
-        new["comp_kv"], new["comp_a"], new["comp_z"] = _compressed_block(
-            h, p["compressor"], config, ratio, config.head_dim, layer_type == CSA, positions, pos, n_valid,
-            cache["comp_kv"], cache["comp_a"], cache["comp_z"], freqs)
+        new = new.replace(compressor=compress_block(h, p["compressor"], config, layer_type, ratio, span,
+                                                    cache.compressor))
         if layer_type == CSA:
             pi = p["indexer"]
-            new["idx_keys"], new["idx_a"], new["idx_z"] = _compressed_block(
-                h, pi["compressor"], config, ratio, config.index_head_dim, True, positions, pos, n_valid,
-                cache["idx_keys"], cache["idx_a"], cache["idx_z"], freqs)
+            new = new.replace(indexer=compress_block(h, pi["compressor"], config, layer_type, ratio, span,
+                                                     cache.indexer))
             qi = core(indexer.index_queries(qr, pi, config, positions, freqs))
-            sel, query_mask = indexer.select(qi, rows_of(new["idx_keys"]), h, pi, config, positions, ratio)  # [B,S,k]
+            sel, query_mask = indexer.select(qi, rows_of(new.indexer.rows), h, pi, config, positions, ratio)  # [B,S,k]
             whole = state_batch_entry(config, sel.shape[0])[0] == "whole"
-            query_keys = take_rows(new["comp_kv"], sel, batch_split=not whole)       # [B,S,k,d]
+            query_keys = take_rows(new.compressor.rows, sel, batch_split=not whole)       # [B,S,k,d]
         else:
-            comp = rows_of(new["comp_kv"])
+            comp = rows_of(new.compressor.rows)
             keys = jnp.concatenate([keys, comp], axis=1)
             mask = jnp.concatenate([mask, compressed_visible(positions, comp.shape[1], ratio)], axis=2)
     o = apply_rope(attend(core(q), keys, mask, p["attn_sink"], query_keys, query_mask), positions, freqs,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 
 from ...config import ModelConfig
+from ..state import LayerCache, Span
 from . import hyper
 from .attention import attention_sequence, attention_step
 from .moe import moe
@@ -28,12 +29,13 @@ def layer_sequence(X: jax.Array, p: dict, config: ModelConfig, layer: int, token
     return ffn_sublayer(X, p, config, mlp_type, tokens)
 
 
-def layer_step(X: jax.Array, p: dict, cache: dict, config: ModelConfig, layer: int, tokens: jax.Array,
-               positions: jax.Array, pos: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, dict]:
-    """Decoder layer `layer` on a block of tokens against its decode state. X [B,S,n,D] -> (X', cache')."""
+def layer_step(X: jax.Array, p: dict, cache: LayerCache, config: ModelConfig, layer: int, tokens: jax.Array,
+               span: Span) -> tuple[jax.Array, LayerCache]:
+    """Decoder layer `layer` on a block of tokens [B,S] at `span` against its decode state.
+    X [B,S,n,D] -> (X', cache')."""
     layer_type, ratio, mlp_type = config.layer_kind(layer)
     pre, post, comb = hyper.hc_weights(X, p["hc_attn"], config)
     h = rms_norm(hyper.collapse(X, pre), p["attn_norm"], config.rms_norm_eps)
-    y, cache = attention_step(h, p["attn"], config, layer_type, ratio, positions, pos, n_valid, cache)
+    y, cache = attention_step(h, p["attn"], config, layer_type, ratio, span, cache)
     X = hyper.expand(X, y, post, comb)
     return ffn_sublayer(X, p, config, mlp_type, tokens), cache

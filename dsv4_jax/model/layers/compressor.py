@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..state import StackedRows, rows_of
+from ..inplace import StackedRows, rows_of
+from ..state import CompressedRows, Span
 from ...ops.linear import linear
 from .norms import rms_norm
 from .rope import apply_rope
@@ -81,14 +82,15 @@ def _gather_positions(src: jax.Array, t: jax.Array, pos: jax.Array, ring: int) -
     return jax.vmap(lambda s, i: s[i])(src, idx)
 
 
-def close_windows(a: jax.Array, z: jax.Array, ring_a: jax.Array, ring_z: jax.Array, pos: jax.Array,
-                  n_valid: jax.Array, ratio: int, dim: int, overlap: bool):
-    """Pool every window that closes inside the block [pos, pos + n_valid).
+def close_windows(a: jax.Array, z: jax.Array, cache: CompressedRows, span: Span, ratio: int, dim: int,
+                  overlap: bool):
+    """Pool every window that closes inside the block [start, start + n_valid) of `span`.
 
-    a, z: the block's projections [B,S,cd]; ring_a/z: earlier projections [B,Rp,cd]. Returns
+    a, z: the block's projections [B,S,cd]; cache.a / cache.z: earlier projections [B,Rp,cd]. Returns
     (rows [B,J,dim] un-normed, window index w [B,J], ok [B,J]) for the J = ⌊(S−1)/m⌋+1 candidate
-    windows w = ⌊pos/m⌋ + j; ok marks those whose last token lies inside the valid block.
+    windows w = ⌊start/m⌋ + j; ok marks those whose last token lies inside the valid block.
     """
+    ring_a, ring_z, pos, n_valid = cache.a, cache.z, span.start, span.n_valid
     S = a.shape[1]
     R = ring_a.shape[1]
     J = (S - 1) // ratio + 1
@@ -119,7 +121,7 @@ ROW_UPDATES_MAX = 64
 
 
 def write_rows(table, rows: jax.Array, index: jax.Array, ok: jax.Array, per_row: bool = True):
-    """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c] (or a `model.state.StackedRows`,
+    """table[b, index[b,j]] = rows[b,j] where ok[b,j] (others dropped). table [B,T,c] (or a `model.inplace.StackedRows`,
     written in its stacked buffer, returned as one), rows [B,J,c]. per_row=False: always the scatter (a batch
     split by GSPMD: a row update at a constant sequence index b would gather the whole table)."""
     stacked = isinstance(table, StackedRows)

@@ -17,7 +17,8 @@ and does, for any split (the rules' divisibility fallback included):
      ("gather axes": every device of an expert group sees the group's tokens; decode / verify / prefill);
   2. keep the assignments to its local experts (ids e0 .. e0 + E_loc − 1, e0 from the device's index on
      the expert axes), weight 0 for the others, and run the local grouped matmul on them
-     (`ExpertParallel.local`, see `local_experts`) -> a float32 partial sum [T_group, D];
+     (`ExpertParallel.local`: a row of the dispatch table `experts.TABLE` that the single-device MoE
+     uses too, see `local_experts`) -> a float32 partial sum [T_group, D];
   3. reduce: `psum_scatter` over the gather axes (back to its own tokens), then `psum` over the other
      axes the experts are split over (expert axes not splitting tokens, and the `mlp` axes of
      expert-tensor parallelism). The shared expert runs on the device's own tokens; its partial sum
@@ -32,7 +33,7 @@ takes this shard's scale rows. The local matmuls dequantize one expert tile at a
 path, the expert-pure row tiles of `ops.moe.experts_tiled`), in the kernels (`pallas`, `pallas_tpu`
 for the formats `kernels.tpu_moe.supports`; Q8_0 falls back to the reference), or, for `dense`, the
 local stack as one expression feeding the matmuls (FP4 word stacks: one expert slice per matmul,
-`experts_each`, so XLA:TPU reads each slice in place from the layer-stacked words).
+`experts.experts_each`, so XLA:TPU reads each slice in place from the layer-stacked words).
 
 Prefill uses the same gather path. `jax.lax.ragged_all_to_all` (the dropless dispatch that sends each
 token only to the devices of its experts) is not implemented by XLA:CPU in jax 0.10.2, so it cannot be
@@ -55,11 +56,12 @@ from jax.sharding import PartitionSpec
 
 from ...backends import BackendError, ExpertParallel
 from ...config import MOE, ModelConfig
-from ...kernels import moe_decode, moe_prefill, tpu_moe
 from ...ops import moe as ops
 from ...ops import quant
 from ...ops.quant import QArray
 from ..params import ParamSpec, moe_specs
+from .experts import Assignments, ExpertCall, routed
+from .experts import reads_stack_in_place  # noqa: F401  (the in-place rule `local_experts` follows, named here too)
 from .stacked_experts import StackedExperts
 from ...ops.partitioning import leaf_partition_spec, mesh_sizes, partition_spec
 
@@ -77,6 +79,7 @@ class Layout:
     gather_axes: tuple[str, ...]           # token axes the experts are split over: gather, then scatter
     reduce_axes: tuple[str, ...]           # the other expert-split axes: psum
     shared_axes: tuple[str, ...]           # axes the shared expert's `mlp` is split over
+    sizes: dict                            # mesh axis -> devices along it
 
     @property
     def fold_shared(self) -> bool:
@@ -152,7 +155,7 @@ def layout(ep: ExpertParallel, config: ModelConfig, batch: int, experts: dict, s
             raise BackendError(f"expert-parallel MoE: the shared expert is split as {s_specs['w1']} over an axis "
                                f"that splits the tokens ({tok}) or over 'embed'; give 'mlp' other mesh axes")
     return Layout(PartitionSpec(tok[0] if len(tok) else None), e_specs, s_specs, expert_axes, gather, reduce_,
-                  s_axes)
+                  s_axes, sizes)
 
 
 # ---- quantized leaves inside the shard_map --------------------------------------------------------------
@@ -200,103 +203,11 @@ def local_leaves(tree: dict, specs: dict, sizes: dict) -> dict:
 
 # ---- the local grouped matmul --------------------------------------------------------------------------
 
-def _expert_matmul(x: jax.Array, m, e: jax.Array) -> jax.Array:
-    """x · W[e]ᵀ for expert e of a local stack [E_loc, N, K]: a dynamic slice of the dense stack, or of a
-    QArray's codes and scales contracted as codes (`quant.matmul_codes`: no dequantized copy). x [1, K]."""
-    pick = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)
-    if isinstance(m, QArray):
-        return quant.matmul_codes(x, QArray(pick(m.codes), pick(m.scale), m.fmt, m.dtype))
-    return x @ pick(m).T
-
-
-def experts_sliced(x: jax.Array, idx: jax.Array, w: jax.Array, w1, w2, w3, limit: float) -> jax.Array:
-    """Few assignments: one expert slice per assignment (read as a dynamic slice feeding its matmul, so
-    XLA reads exactly the assigned experts; `w1[idx]` gathers lower to copies of the whole stack on TPU;
-    a QArray expert is read as codes, `quant.matmul_codes`). x [T,D], idx/w [T,k] (idx in range), w1/w3 [E,I,D],
-    w2 [E,D,I] dense or QArray -> float32 [T,D]."""
-    T, k = idx.shape
-    rows = []
-    for a in range(T * k):
-        t, j = divmod(a, k)
-        e = idx[t, j]
-        xt = x[t:t + 1]
-        mm = lambda v, m: _expert_matmul(v, m, e)
-        h = ops.swiglu(mm(xt, w1), mm(xt, w3), limit)
-        rows.append(mm(h, w2))                                          # [1, D]
-    y = jnp.concatenate(rows, axis=0).reshape(T, k, -1)
-    return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), w.astype(jnp.float32))
-
-
-def experts_sorted_local(x: jax.Array, idx: jax.Array, w: jax.Array, local: jax.Array, w1: jax.Array,
-                         w2: jax.Array, w3: jax.Array, limit: float) -> jax.Array:
-    """Many assignments, dense experts: the local ones sorted into expert groups, grouped `ragged_dot`; the
-    others sort past the last group (ragged_dot leaves those rows zero). x [T,D], idx/w/local [T,k] ->
-    float32 [T,D]."""
-    T, k = idx.shape
-    E = w1.shape[0]
-    key = jnp.where(local, idx, E).reshape(-1)
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.bincount(key, length=E + 1)[:E].astype(jnp.int32)
-    xs = x[order // k]
-    h = ops.swiglu(ops.grouped_matmul(xs, w1, sizes), ops.grouped_matmul(xs, w3, sizes), limit)
-    ys = ops.grouped_matmul(h, w2, sizes).astype(jnp.float32) * w.reshape(-1)[order][:, None].astype(jnp.float32)
-    return jnp.zeros((T, x.shape[-1]), jnp.float32).at[order // k].add(ys)
-
-
-def experts_dense(x: jax.Array, idx: jax.Array, w: jax.Array, w1, w2, w3, limit: float) -> jax.Array:
-    """Many assignments: every local expert once over all tokens, the routing weight (0 when not routed)
-    folded into the hidden activations. x [T,D], idx/w [T,k], experts dense or QArray -> float32 [T,D].
-    FP4 word-layout stacks (`quant.words_format`, what TPU runs place) take `experts_each`; other QArrays
-    are dequantized as one expression feeding the matmul, for XLA to fuse."""
-    T, _ = idx.shape
-    E = w1.shape[0]
-    cw = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w.astype(jnp.float32))
-    if all(isinstance(m, QArray) and m.fmt.codes == "e2m1x8" for m in (w1, w2, w3)):
-        return experts_each(x, cw, w1, w2, w3, limit)
-    w1, w2, w3 = (quant.dense(m, x.dtype) for m in (w1, w2, w3))
-    h = ops.swiglu(jnp.einsum("td,eid->tei", x, w1), jnp.einsum("td,eid->tei", x, w3), limit)
-    h = (h.astype(jnp.float32) * cw[..., None]).astype(x.dtype)
-    return jnp.einsum("tei,edi->td", h, w2, preferred_element_type=jnp.float32)
-
-
-def experts_each(x: jax.Array, cw: jax.Array, w1, w2, w3, limit: float) -> jax.Array:
-    """Every local expert over all tokens, one expert slice at a time (the decode slot path with one slot
-    per expert: each slice read in place by its matmul, `_expert_matmul`). A matmul batched over the whole
-    stack makes XLA:TPU copy the layer's slice of the layer-stacked words out first (read + write + read:
-    3.5× the words in a one-chip probe, v6e); one matmul per expert reads each word
-    once (1.15×; experiments/results/aot_release_ep_2026-12-04.md, fifth step).
-    x [T,D], cw [T,E] routing weights (0 where not routed), w1/w3 [E,I,D], w2 [E,D,I] -> float32 [T,D]."""
-    y = jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32)
-    for e in range(cw.shape[1]):
-        mm = lambda v, m: _expert_matmul(v, m, e)
-        h = ops.swiglu(mm(x, w1), mm(x, w3), limit)
-        h = (h.astype(jnp.float32) * cw[:, e:e + 1]).astype(x.dtype)
-        y = y + mm(h, w2).astype(jnp.float32)
-    return y
-
-
-STACK_TILE_GROWTH = 1.25   # how much larger the grouped kernel's padded tile bound may get on a whole stack
-
-
-def reads_stack_in_place(impl: str, n_tokens: int, n_assign: int, e: StackedExperts) -> bool:
-    """Whether the Mosaic kernels take the whole stack `e` (ids offset by rep·E_loc) rather than the layer's
-    slice: always for the decode kernel (≤ DECODE_MAX_TOKENS tokens: its slots are min(E, T·k), the active
-    experts, whatever E is); for the grouped kernel while its padded row bound, which grows with
-    min(experts handed, T·k) (`ops.moe.align`), grows by at most STACK_TILE_GROWTH (verify blocks: T·k near
-    E_loc; not a prefill chunk, whose bound would grow with every layer's experts)."""
-    if impl != "pallas_tpu" or not tpu_moe.supports(e.stack):
-        return False
-    if n_tokens <= tpu_moe.DECODE_MAX_TOKENS:
-        return True
-    E, reps = e.n_experts, e.stack["w1"].shape[0]
-    return min(reps * E, n_assign) <= STACK_TILE_GROWTH * min(E, n_assign)
-
-
-def local_experts(x: jax.Array, idx: jax.Array, w: jax.Array, local: jax.Array, e: dict, impl: str,
-                  limit: float, interpret: bool) -> jax.Array:
-    """Σ over the local assignments of w · expert(x) on this device's expert slices (the one entry point for
-    the local computation). x [T,D]; idx [T,k] local ids (0 where not local), w [T,k] (0 where not local),
-    local bool [T,k]; e {"w1" [E_loc,I_loc,D], "w2" [E_loc,D,I_loc], "w3"}, dense or QArray -> float32 [T,D].
+def local_experts(a: Assignments, e, call: ExpertCall) -> jax.Array:
+    """Σ over the local assignments of w · expert(x) on this device's expert slices: the row `ExpertCall.impl`
+    (`ExpertParallel.local`) of the dispatch table `experts.TABLE`, in float32. a: x [T,D]; idx [T,k] local ids
+    (0 where not local), w [T,k] (0 where not local), local bool [T,k]; e {"w1" [E_loc,I_loc,D],
+    "w2" [E_loc,D,I_loc], "w3"}, dense or QArray -> float32 [T,D].
 
     The kernels get the foreign assignments as expert 0 with weight 0 (a dropless static shape); the
     decode kernels therefore may read local expert 0 once more than the step needs.
@@ -304,25 +215,7 @@ def local_experts(x: jax.Array, idx: jax.Array, w: jax.Array, local: jax.Array, 
     e may be a `StackedExperts` (this device's slice of the segment's stack + the layer's index): the Mosaic
     kernels read it in place through ids offset into the stack (no per-layer copy of the stack before the
     custom call) where `reads_stack_in_place`; every other path takes the layer's slice."""
-    if isinstance(e, StackedExperts):
-        if reads_stack_in_place(impl, x.shape[0], idx.size, e):
-            flat, ids = e.flat(idx)
-            return tpu_moe.routed(x, ids, w, flat, limit=limit, interpret=interpret).astype(jnp.float32)
-        e = e.layer()
-    w1, w2, w3 = e["w1"], e["w2"], e["w3"]
-    if impl == "pallas_tpu" and tpu_moe.supports(e):          # else (Q8_0 experts) the reference below
-        return tpu_moe.routed(x, idx, w, e, limit=limit, interpret=interpret).astype(jnp.float32)
-    if impl == "pallas":
-        kernel = moe_decode.experts_decode if x.shape[0] <= moe_decode.DECODE_MAX_TOKENS else \
-            moe_prefill.experts_prefill
-        return kernel(x, idx, w, e, limit=limit, interpret=interpret).astype(jnp.float32)
-    if ops.prefer_gather(idx.size, w1.shape[0]):
-        return experts_sliced(x, idx, w, w1, w2, w3, limit)
-    if impl == "dense":
-        return experts_dense(x, idx, w, w1, w2, w3, limit)
-    if any(isinstance(m, QArray) for m in (w1, w2, w3)):        # expert-pure row tiles, one expert dequantized
-        return ops.experts_tiled(x, idx, w, w1, w2, w3, limit).astype(jnp.float32)
-    return experts_sorted_local(x, idx, w, local, w1, w2, w3, limit)
+    return routed(a, e, call).astype(jnp.float32)
 
 
 # ---- the shard_map block --------------------------------------------------------------------------------
@@ -334,11 +227,12 @@ def _local_offset(expert_axes: tuple[str, ...], n_local: int):
     return jax.lax.axis_index(expert_axes) * n_local
 
 
-def _block(x, idx, w, experts, shared, rep=None, *, lay: Layout, sizes: dict, impl: str, limit: float,
-           interpret: bool):
-    """Per-device body: x [T_loc,D], idx/w [T_loc,k], local expert slices -> y [T_loc,D] (routed + shared).
-    With `rep` (the layer's index, a scalar) the experts are this device's slice of the segment's stack
-    [reps, E_loc, ...], handed on as `StackedExperts`."""
+def _block(tokens, experts, shared, rep=None, *, lay: Layout, call: ExpertCall):
+    """Per-device body: tokens (x [T_loc,D], idx/w [T_loc,k]), local expert slices -> y [T_loc,D] (routed +
+    shared). With `rep` (the layer's index, a scalar) the experts are this device's slice of the segment's
+    stack [reps, E_loc, ...], handed on as `StackedExperts`."""
+    x, idx, w = tokens
+    sizes, limit = lay.sizes, call.limit
     if rep is None:
         experts = local_leaves(experts, lay.experts, sizes)
         n_local = experts["w1"].shape[0]
@@ -353,8 +247,7 @@ def _block(x, idx, w, experts, shared, rep=None, *, lay: Layout, sizes: dict, im
         x, idx, w = gather(x), gather(idx), gather(w)
     e0 = _local_offset(lay.expert_axes, n_local)
     local = (idx >= e0) & (idx < e0 + n_local)
-    y = local_experts(x, jnp.where(local, idx - e0, 0), jnp.where(local, w, 0.0), local, experts, impl, limit,
-                      interpret)
+    y = local_experts(Assignments(x, jnp.where(local, idx - e0, 0), jnp.where(local, w, 0.0), local), experts, call)
     if lay.gather_axes:
         y = jax.lax.psum_scatter(y, lay.gather_axes, scatter_dimension=0, tiled=True)
     ys = None
@@ -374,7 +267,7 @@ def moe_block(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: Model
 
     x [T,D] with T = batch·S (the batch-major flattening of [batch, S, D]), idx / w [T,k] from the router,
     p the layer's ffn parameters ({"experts": ..., "shared_experts": ...}; the experts possibly a
-    `StackedExperts`, `target.reads_expert_stack`: its stack goes into the shard_map whole, each device its
+    `StackedExperts`, `inplace.reads_expert_stack`: its stack goes into the shard_map whole, each device its
     slice of every layer, with the layer's index) -> [T,D] in x.dtype.
     """
     ep = config.backends.ep
@@ -384,12 +277,12 @@ def moe_block(x: jax.Array, idx: jax.Array, w: jax.Array, p: dict, config: Model
     experts, shared = p["experts"], p.get("shared_experts")
     stacked = isinstance(experts, StackedExperts)
     lay = layout(ep, config, batch, layer_view(experts.stack) if stacked else experts, shared)
-    body = functools.partial(_block, lay=lay, sizes=mesh_sizes(ep.mesh), impl=ep.local, limit=config.swiglu_limit,
-                             interpret=config.backends.interpret)
-    in_specs = (lay.tokens, lay.tokens, lay.tokens, lay.experts, lay.shared)
-    args = (x, idx.astype(jnp.int32), w.astype(jnp.float32), experts, shared)
+    body = functools.partial(_block, lay=lay, call=ExpertCall(ep.local, config.swiglu_limit,
+                                                              config.backends.interpret))
+    in_specs = ((lay.tokens,) * 3, lay.experts, lay.shared)
+    args = ((x, idx.astype(jnp.int32), w.astype(jnp.float32)), experts, shared)
     if stacked:
-        in_specs = in_specs[:3] + ({k: stacked_spec(v) for k, v in lay.experts.items()}, lay.shared, PartitionSpec())
-        args = args[:3] + (experts.stack, shared, jnp.asarray(experts.rep, jnp.int32))
+        in_specs = in_specs[:1] + ({k: stacked_spec(v) for k, v in lay.experts.items()}, lay.shared, PartitionSpec())
+        args = args[:1] + (experts.stack, shared, jnp.asarray(experts.rep, jnp.int32))
     fn = jax.shard_map(body, mesh=ep.mesh, in_specs=in_specs, out_specs=lay.tokens, check_vma=False)
     return fn(*args)

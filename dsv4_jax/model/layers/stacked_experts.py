@@ -10,7 +10,7 @@ import jax.numpy as jnp
 class StackedExperts(NamedTuple):
     """Routed experts of one layer of a scanned segment, left in the segment's stack: stack {"w1", "w2",
     "w3"} [reps, E, ...] (dense or QArray), rep the layer's index in it (traced inside the scan). Made by
-    `target.run_segments` under the MoE kernels only (`target.reads_expert_stack`: "pallas", or "ep" with a
+    `target.run_segments` under the MoE kernels only (`inplace.reads_expert_stack`: "pallas", or "ep" with a
     "pallas_tpu" local matmul, where `moe_ep` hands each device its slice of the stack): the kernels read
     stack[rep] through expert ids offset by rep·E into the stack seen as [reps·E, ...] (a free reshape), with
     no per-layer copy."""

@@ -1,14 +1,17 @@
-"""The "will it fit" table of the README from saved `dsv4-aot` reports: one row per topology × weights ×
-program, peak HBM per chip (`memory_analysis` of the program as run) against what a chip may use, with the
-command that reproduces the row (the report's own `meta.command`).
+"""`dsv4-aot fit-table`: the "will it fit" table of the README from saved `dsv4-aot` reports: one row per
+topology × weights × program, peak HBM per chip (`memory_analysis` of the program as run) against what a chip
+may use, with the command that reproduces the row (the report's own `meta["command"]`).
 
-    python experiments/aot_fit_table.py REPORT.json [...] [--reproduce] [--out table.json]
+    dsv4-aot fit-table REPORT.json [...] [--reproduce] [--out table.json]
 
 Prints a Markdown table; `--out` also writes the rows as JSON. A prefill row names the chunk that fit and
-the chunks tried (`dsv4-aot` halves the chunk until it fits).
+the chunks tried (`dsv4-aot` halves the chunk until it fits). Compiles nothing.
 """
+from __future__ import annotations
+
 import argparse
 import json
+import sys
 
 GIB = 1024 ** 3
 KEY_FLAGS = ("--topology", "--weights", "--batch", "--programs", "--prefill-chunk", "--draft-n-max", "--kernels")
@@ -46,6 +49,7 @@ def key_flags(command: str) -> str:
 
 
 def table(rows: list[dict], reproduce: bool = False) -> str:
+    """The Markdown table of fit rows (ordered by topology, weights, program); `reproduce` adds the flags."""
     head = "| topology | weights | program | batch | tokens / sequence | peak / HBM GiB per chip | fits |"
     lines = [head + (" reproduce |" if reproduce else ""), "|---|---|---|---|---|---|---|" + ("---|" if reproduce else "")]
     key = lambda r: (r["topology"], r["weights"], ORDER.index(r["program"]) if r["program"] in ORDER else 9)
@@ -58,12 +62,17 @@ def table(rows: list[dict], reproduce: bool = False) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dsv4-aot fit-table", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reports", nargs="+")
     ap.add_argument("--out", default=None)
     ap.add_argument("--reproduce", action="store_true", help="add the flags that reproduce each row")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(sys.argv[2:] if argv is None else list(argv))
     rows = []
     for p in a.reports:
         with open(p) as f:
@@ -76,7 +85,4 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return 0
