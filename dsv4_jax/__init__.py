@@ -6,7 +6,7 @@ The public API, by what it is for (docs/design.md describes the layers behind it
                         forward, abstract_params, init_params
     incremental decode  prefill, extend, decode_step, verify, commit, DecodeState
     loading / saving    load_checkpoint, save_checkpoint, CheckpointConfig, tiny_demo
-    generation          generate, Sampling, Speculation, RunShape
+    generation          generate (-> Generated: .tokens, .stats), Sampling, Speculation, RunShape
     drafters            Drafter, register, drafter_names (docs/drafters.md)
     batching            SlotEngine (continuous batching, docs/batch_eval.md)
     sharding            parallel (module), make_mesh, preset, shard_params, param_shardings,
@@ -26,7 +26,7 @@ from .demo import tiny_demo
 from .io.checkpoint import load_checkpoint
 from .io.convert.save import save_checkpoint
 # generation
-from .speculative.generate import generate
+from .speculative.generate import Generated, generate
 from .speculative.options import RunShape, Sampling, Speculation
 # drafters
 from .drafters.base import Drafter
@@ -42,7 +42,7 @@ __all__ = [
     "init_params", "forward",
     "commit", "decode_step", "extend", "prefill", "verify", "DecodeState",
     "CheckpointConfig", "tiny_demo", "load_checkpoint", "save_checkpoint",
-    "generate", "RunShape", "Sampling", "Speculation",
+    "generate", "Generated", "RunShape", "Sampling", "Speculation",
     "Drafter", "drafter_names", "register",
     "SlotEngine",
     "parallel", "initialize_distributed", "make_mesh", "param_shardings", "preset", "shard_params",

@@ -4,6 +4,7 @@ and cost tables (files, errors, calibration and its cache)."""
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,8 +12,9 @@ import pytest
 import dsv4_jax as d
 from dsv4_jax.demo import tiny_demo
 from dsv4_jax.model.params import init_mtp
-from dsv4_jax.ops import width
-from dsv4_jax.speculative import cost_table, generate as spec_generate, loop, width_policy
+from dsv4_jax.drafters import registry
+from dsv4_jax.ops import verification, width
+from dsv4_jax.speculative import cost_table, generate as spec_generate, loop, stats as S, width_policy
 from dsv4_jax.speculative.cost_table import CostTable, CostTableError
 from dsv4_jax.training.evaluate import heldout_prompts
 
@@ -93,6 +95,30 @@ def test_calibration_factors():
     np.testing.assert_allclose(np.asarray(width.scale(accepted, raw)), [(4 + 1) / (8 + 1), (1 + 1) / (3 + 1)])
     np.testing.assert_allclose(np.asarray(width.calibrated(jnp.asarray([[1.0, 0.5]]), jnp.asarray([0.5, 4.0]))),
                                [[0.5, 1.0]])
+
+
+def test_statistics_groups_by_hand():
+    """`speculative.stats`: one drafting round (sequence 0 verifies 2 drafts and accepts 1; sequence 1 done), then
+    2 plain rounds of sequence 0 — the core, the width group and the per-round trace."""
+    spec = S.StatsSpec(verification=False, width=True, trace=True)
+    s = S.zeros(spec, 2, 3, 5)
+    assert [type(g) for g in s.groups] == [S.Width, S.Trace] and s.group(S.Verification) is None
+    o = verification.Outcome(n_accept=jnp.asarray([1, 0]), next=jnp.asarray([0, 0]), expected=jnp.zeros((2, 2)),
+                             alpha=jnp.zeros((2, 2)))
+    est = jnp.asarray([[0.5, 0.5], [0.5, 0.5]])
+    s = S.add_round(s, S.Observed(active=jnp.asarray([True, False]), n_draft=jnp.asarray([2, 0]),
+                                  n_accept=jnp.asarray([1, 0]), outcome=o, conf=None, est=est, raw=est,
+                                  offered=jnp.asarray([True, False]), cost=jnp.float32(1.5), w=2,
+                                  r0=s.core.rounds))
+    s = S.add_plain(s, jnp.asarray([2, 0]), jnp.float32(1.0))
+    class P:        # what the summaries read of the program
+        drafter, greedy, verify, synthetic_accept, forced_acceptance = registry.get("mtp"), True, "token", None, False
+    out = S.summary(jax.tree.map(np.asarray, s), P, 2)
+    assert out["rounds"] == 3 and out["drafted"] == 2 and out["accepted"] == 1
+    assert out["per_position_accepted"] == [1, 0] and out["draft_length_histogram"] == [2, 0, 1]
+    assert out["width_histogram"] == {"0": 0, "1": 0, "2": 1, "plain": 2} and out["drafting_rounds"] == 1
+    assert out["modelled_cost_s"] == 3.5 and out["expected_tokens_per_round"] == pytest.approx((1.75 + 2) / 3)
+    assert out["per_round_accepted"] == [[1, 0, 0], []] and out["per_round_drafted"] == [[2, 0, 0], []]
 
 
 # ---- cost tables --------------------------------------------------------------------------------------
