@@ -2,8 +2,8 @@
 
 Contract (as `kernels.moe_decode.experts_decode` / `kernels.moe_prefill.experts_prefill` and the references
 `ops.moe.experts_gather` / `experts_sorted`): x [T, D], idx int [T, k], w f32 [T, k], expert weights
-w1 / w3 [E, I, D] and w2 [E, D, I] in one of the formats of `tpu_common` (codes + scale arrays, a static
-`fmt`), y[t] = Σ_j w[t,j] · W2[e] swiglu(W1[e] x[t], W3[e] x[t]) with e = idx[t, j] -> [T, D] in x.dtype.
+w1 / w3 [E, I, D] and w2 [E, D, I] in one of the formats of `tpu_common` (the codes (w1, w2, w3) and their scales
+as two tuples; the format, the SwiGLU limit and the tiling static in one `Spec`), y[t] = Σ_j w[t,j] · W2[e] swiglu(W1[e] x[t], W3[e] x[t]) with e = idx[t, j] -> [T, D] in x.dtype.
 
 Decode (`experts_decode`, few tokens): one fused kernel. The distinct experts of the T·k assignments are
 sorted into U = min(E, T·k) slots; their ids are scalar-prefetched (`PrefetchScalarGridSpec`) and read by

@@ -140,10 +140,12 @@ def verify_block(key, target_logits, drafts, draft_probs, n_draft, temperature, 
     return Outcome(tau, nxt, analytic_block(h, n_draft), alpha)
 
 
-def verify_synthetic(key, target_logits, drafts, n_draft, rates: tuple, temperature, top_p, greedy: bool) -> Outcome:
+def verify_synthetic(key, target_logits, drafts, n_draft, rates: tuple, sample: tuple) -> Outcome:
     """Synthetic acceptance (cost studies, not lossless): draft j accepted iff u_j < r_j, u_j ~ U(0,1)
-    independent; n_accept = the accepted prefix; the next token from the target's row n_accept (argmax when
-    greedy). rates: one rate, or one per position (the last repeats). expected [B,j] = Π_{i<=j} r_i."""
+    independent; n_accept = the accepted prefix; the next token from the target's row n_accept, drawn as
+    sample = (temperature, top_p, greedy) says (argmax when greedy). rates: one rate, or one per position (the
+    last repeats). expected [B,j] = Π_{i<=j} r_i."""
+    temperature, top_p, greedy = sample
     B, k = drafts.shape
     r = jnp.asarray([rates[min(j, len(rates) - 1)] for j in range(k)], jnp.float32)[None, :]
     k_u, k_next = jax.random.split(key)
@@ -167,7 +169,7 @@ def verify(key, target_logits, drafts, draft_probs, n_draft, temperature, top_p,
         raise ValueError(f"verify rule must be one of {RULES}, got {rule!r}")
     k, V = drafts.shape[1], target_logits.shape[-1]
     if synthetic is not None:
-        return verify_synthetic(key, target_logits, drafts, n_draft, tuple(synthetic), temperature, top_p, greedy)
+        return verify_synthetic(key, target_logits, drafts, n_draft, tuple(synthetic), (temperature, top_p, greedy))
     if forced or greedy:
         a, nxt = (verify_forced if forced else verify_greedy)(target_logits, drafts, n_draft)
         p, q = greedy_dists(target_logits, drafts, V)
