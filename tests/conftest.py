@@ -8,7 +8,7 @@ os.environ["DSV4_COMPILE_CACHE"] = "0"
 # e.g. test_decode.py::test_drafter_outputs_hidden_and_taps 54 -> 38 CPU s; the 20k-sample MTP sampling
 # test 124 -> 121). The HLO passes and the float semantics are the same (no fast-math either way), so the
 # parity tolerances are untouched; user runs keep XLA's defaults.
-from .eight_devices import FAST_COMPILE  # noqa: E402
+from .eight_devices import FAST_COMPILE, shared_cpu  # noqa: E402
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")]
                                    + [f for f in FAST_COMPILE if f not in os.environ.get("XLA_FLAGS", "")]).strip()
@@ -20,6 +20,14 @@ jax.config.update("jax_enable_x64", False)
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cpu_share():
+    """Every test holds the tests' CPU lock shared, so that a forced-device subprocess
+    (`eight_devices.exclusive_cpu`) runs while no other worker's test does."""
+    with shared_cpu():
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -4,10 +4,13 @@
 (`sharding_checks.py`, `ep_checks.py`). fast_compile: XLA backend optimisation off — both sides of every
 comparison run in that one process with the same flags.
 """
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -30,10 +33,51 @@ def host_devices_flags(devices: int, fast_compile: bool = True) -> str:
     return " ".join(flags)
 
 
+# Tests hold this file's lock shared (conftest `_cpu_share`); a forced-device subprocess holds it exclusive: its
+# device threads meet at every collective, and beside another pytest worker's compiles on 2 cores one such run
+# took > 1,200 s where it takes 107 s alone (CI, 2026-12-07), so it runs while the other workers wait.
+LOCK_PATH = os.path.join(tempfile.gettempdir(), f"dsv4_jax_tests_{os.getuid()}.lock")
+_shared: list = []          # this process's shared-lock file, while a test runs
+
+
+@contextlib.contextmanager
+def shared_cpu():
+    """Hold the tests' CPU lock shared (every test, through conftest)."""
+    with open(LOCK_PATH, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        _shared.append(f)
+        try:
+            yield
+        finally:
+            _shared.remove(f)
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def exclusive_cpu():
+    """Hold the tests' CPU lock exclusive: no other pytest worker runs a test meanwhile (this process's own
+    shared hold, if any, is converted and given back after)."""
+    if _shared:
+        f = _shared[-1]
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_SH)
+        return
+    with open(LOCK_PATH, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_checks(script: str, args, timeout: int, fast_compile: bool = True) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_devices_flags(8, fast_compile))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    with exclusive_cpu():
+        proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(lines[-1][len("RESULT "):])
