@@ -228,30 +228,13 @@ class Generated(NamedTuple):
     tokens: list[list[int]]      # per prompt, the generated tokens (the first one from the prefill)
     stats: dict[str, Any]        # every statistic (`summarize`, plus prefill_s, decode_s, cost_table)
 
-    @property
-    def rounds(self) -> int:
-        return self.stats["rounds"]
-
-    @property
-    def accepted(self) -> int:
-        return self.stats["accepted"]
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per round including the bonus token."""
-        return self.stats["mean_accepted_length"]
-
-    @property
-    def draft_acceptance_rate(self) -> float:
-        return self.stats["draft_acceptance_rate"]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.stats["tokens_per_s"]
-
-    @property
-    def wall_s(self) -> float:
-        return self.stats["wall_s"]
+    rounds = property(lambda self: self.stats["rounds"])
+    accepted = property(lambda self: self.stats["accepted"])
+    mean_accepted_length = property(lambda self: self.stats["mean_accepted_length"],
+                                    doc="Tokens per round including the bonus token.")
+    draft_acceptance_rate = property(lambda self: self.stats["draft_acceptance_rate"])
+    tokens_per_s = property(lambda self: self.stats["tokens_per_s"])
+    wall_s = property(lambda self: self.stats["wall_s"])
 
 
 def generate(params: dict, config: ModelConfig | CheckpointConfig, prompt_tokens, max_new_tokens: int, *,
