@@ -12,6 +12,9 @@ knowing their names:
                                          per round, target tap layers, hashable settings) — part of
                                          the jit key; bundle: a checkpoint's drafter metadata by name
     max_drafts(setup)                    its cap on drafts per round (None: none), host side
+    context_rows(run)                    how many committed positions before a round's anchor its proposal
+                                         depends on (None: all); what-if's teacher-forced pass
+                                         (`dsv4_jax.research.whatif`) feeds each anchor only those
     knobs(options)                       -> the dynamic part, a pytree of arrays the loop carries
                                          opaquely in `Knobs.drafter` (default: the dynamic fields)
 
@@ -148,6 +151,11 @@ class Drafter:
     def max_drafts(self, setup: DraftSetup) -> int | None:
         """The most drafts per round it proposes under setup, whatever k it was asked for (DSpark: its block
         size); None: as many as asked."""
+        return None
+
+    def context_rows(self, run: Bound) -> int | None:
+        """The committed positions before an anchor that its state at the anchor depends on: observing only
+        the last context_rows of them gives the same proposal as observing all (None: all are needed)."""
         return None
 
     # ---- traced ---------------------------------------------------------------------------------

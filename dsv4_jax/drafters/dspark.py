@@ -234,6 +234,10 @@ class DSparkDrafter(Drafter):
     def max_drafts(self, setup) -> int:
         return setup.settings.block_size
 
+    def context_rows(self, run):
+        """Its rows attend within the sliding window: the last `sliding_window` committed positions."""
+        return run.config.sliding_window
+
     def init(self, run, batch, max_len, dtype):
         return init(run.params["dspark"], run.config, batch, dtype)
 

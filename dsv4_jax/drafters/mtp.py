@@ -149,6 +149,10 @@ class MTPDrafter(Drafter):
         self.require_weights(params)
         return DraftSetup(k=k)
 
+    def context_rows(self, run):
+        """Its rows attend within the sliding window: the last `sliding_window` committed positions."""
+        return run.config.sliding_window
+
     def init(self, run, batch, max_len, dtype):
         return init(run.config, batch, max_len, run.setup.k + 1, dtype)
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from ..config import ModelConfig
 from ..drafters import registry
 from ..drafters.base import Knobs
+from ..ops.host import to_host
 from . import stats as S
 from .program import Carry, Program
 from .round import plain_step, round_step, speculative_round
@@ -95,11 +96,21 @@ def hand_over(carry: Carry, plain: Program) -> Carry:
                                                         max_new_tokens=plain.max_new_tokens))
 
 
-@jax.jit
+_add_plain = jax.jit(S.add_plain)
+
+
 def hand_back(drafter, stats: S.Stats, lean: Carry, knobs: Knobs) -> Carry:
     """lean (the `none` program's carry after the rest of the run) with the drafter state and statistics held
-    at the switch, plus the plain rounds since (the `none` program's own count of them)."""
-    return lean.replace(drafter=drafter, stats=S.add_plain(stats, lean.stats.core.rounds, knobs.plain_cost))
+    at the switch, plus the plain rounds since (the `none` program's own count of them). Only the statistics
+    go through a program: a jitted replace of the whole carry copied the decode state (0.75 ms a run on
+    XLA:CPU for the bundled model, 1.6 % of its 64-token decode)."""
+    return lean.replace(drafter=drafter, stats=_add_plain(stats, lean.stats.core.rounds, knobs.plain_cost))
+
+
+def running(carry: Carry, program: Program) -> bool:
+    """`cond` on the host: one read of the done flags and the round counter (no program launched)."""
+    done, rounds = to_host((carry.done, carry.round))
+    return bool((~done).any()) and int(rounds) < program.max_new_tokens
 
 
 def decode(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, program: Program,
@@ -108,7 +119,7 @@ def decode(params: dict, config: ModelConfig, carry: Carry, knobs: Knobs, progra
     if host_loop:
         return run_rounds_python(params, config, carry, knobs, program)
     carry = run_rounds(params, config, carry, knobs, program)
-    if not program.adaptive or not bool(cond(carry, program)):
+    if not program.adaptive or not running(carry, program):
         return carry
     plain = plain_program(program)
     lean = run_rounds(params, config, hand_over(carry, plain), plain_knobs(knobs), plain)   # donates the rest
