@@ -161,14 +161,17 @@ def speculation(setting: Setting, a, table=None) -> Speculation:
                        synthetic_accept=common.verify_options(a)[1], **width)
 
 
-def price(engine: SlotEngine, setting: Setting, a, tables: dict, log) -> dict:
-    """Price an auto setting's engine, once per `Setting.table_key`: --cost-table's table, or the cached /
-    measured calibration of this engine's own rounds (`SlotEngine.calibrate`, under the continuous schedule
-    when it is run, else static); printed when obtained. tables: {key: {"table", "how"}}, filled in."""
+def price(engine: SlotEngine, setting: Setting, a, tables: dict, log, roofline=None) -> dict:
+    """Price an auto setting's engine, once per `Setting.table_key`: --cost-table's table, --roofline's
+    (roofline(setting) -> CostTable), or the cached / measured calibration of this engine's own rounds
+    (`SlotEngine.calibrate`, under the continuous schedule when it is run, else static); printed when
+    obtained. tables: {key: {"table", "how"}}, filled in."""
     key = setting.table_key
     if key not in tables:
         if a.cost_table_obj is not None:
             tables[key] = {"table": a.cost_table_obj, "how": "given"}
+        elif roofline is not None:
+            tables[key] = {"table": roofline(setting), "how": "roofline"}
         else:
             schedule = "continuous" if "continuous" in a.schedules else a.schedules[0]
             table, how = engine.calibrate(schedule, refresh=a.recalibrate, drafter=setting.spec,
@@ -351,12 +354,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = len(settings) * (1 + a.repeats * len(a.schedules))
     print(f"dsv4-batch-eval: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings × "
           f"{'/'.join(a.schedules)}, output lengths {a.output_lengths or max_new} -> {a.out}", file=sys.stderr)
+    context = common.run_context([len(p["tokens"]) for p in prompts], budgets)
+    roof = None if a.roofline is None else lambda s: common.roofline_table(model, s, a.roofline, context)
     with report.atomic_dir(a.out) as tmp, common.progress(total, a.quiet, "batch-eval") as bar:
         rows, records, tables = [], [], {}
         for s in settings:
             engine = build_engine(model, prompts, budgets, s, a)
             if s.auto:
-                price(engine, s, a, tables, bar.write)
+                price(engine, s, a, tables, bar.write, roof)
             new_rows, recs = evaluate(engine, model, prompts, s, a, bar)
             # one setting's programs at a time: a process holding every setting's compiled programs runs out
             # of memory maps on XLA:CPU (vm.max_map_count) in wide sweeps
@@ -381,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "mesh": None if a.mesh_obj is None else dict(parallel.mesh_sizes(a.mesh_obj)),
                             "verify": a.verify, "synthetic_accept": common.verify_options(a)[1],
                             "draft_n_max_bound": a.auto_bound, "cost_table_file": a.cost_table,
+                            "roofline": None if a.roofline is None else a.roofline.name,
                             "cost_tables": [report.cost_table_meta(key, t["table"], t["how"])
                                             for key, t in tables.items()],
                             "timing": "per schedule: wall time of SlotEngine.run (prefills, inserts and decode "

@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 
 from .. import cli
 from ..cli import OptionError, enable_compile_cache, float_list, int_list  # noqa: F401 - the research CLIs' names
+from ..speculative import cost_table, roofline
 from ..speculative.cost_table import CostTable, CostTableError
 from . import prompts as P
 from .runner import SPEC_TYPES
@@ -139,16 +140,24 @@ def verify_options(a: argparse.Namespace) -> tuple[str, tuple[float, ...] | None
 
 
 def add_width_args(g: argparse._ArgumentGroup) -> None:
-    """--draft-n-max-bound, --cost-table and --recalibrate: the width scheduler's options (--draft-n-max auto;
-    docs/width_scheduler.md), shared by dsv4-sweep and dsv4-batch-eval."""
+    """--draft-n-max-bound, --cost-table / --roofline and --recalibrate: the width scheduler's options
+    (--draft-n-max auto; docs/width_scheduler.md), shared by dsv4-sweep and dsv4-batch-eval. --roofline's
+    value is parsed here (`cost_table.parse_machine`: a bad one exits 2 before any model loads)."""
     g.add_argument("--draft-n-max-bound", type=int, default=DEFAULT_BOUND, metavar="K",
                    help=f"--draft-n-max auto: the most drafts a round may verify (default {DEFAULT_BOUND}; "
                         "`auto` alone means 1-K,auto)")
-    g.add_argument("--cost-table", metavar="FILE",
-                   help="--draft-n-max auto: a cost table JSON (seconds per round for 0..K drafts and plain "
-                        "decoding; `dsv4_jax.speculative.cost_table`) for every auto setting; default: measured "
-                        "per drafter, batch size and greedy/sampled by a short calibration on the run's own "
-                        "program, cached under ~/.cache/dsv4_jax/cost_tables")
+    source = g.add_mutually_exclusive_group()
+    source.add_argument("--cost-table", metavar="FILE",
+                        help="--draft-n-max auto: a cost table JSON (seconds per round for 0..K drafts and plain "
+                             "decoding; `dsv4_jax.speculative.cost_table`) for every auto setting; default: "
+                             "measured per drafter, batch size and greedy/sampled by a short calibration on the "
+                             "run's own program, cached under ~/.cache/dsv4_jax/cost_tables")
+    source.add_argument("--roofline", metavar="MACHINE", type=cli.arg_type(cost_table.parse_machine, "machine"),
+                        help="--draft-n-max auto: price every auto setting by a bandwidth roofline of MACHINE "
+                             "instead (bytes a round reads / its bandwidth + a fixed cost per round, per drafter "
+                             "and batch size at the run's mean context; docs/width_scheduler.md §4): "
+                             f"{', '.join(sorted(roofline.MACHINES))}, or NAME:GBPS[:FIXED_US] (default fixed "
+                             f"{roofline.DEFAULT_FIXED_US:g} us, assumed)")
     g.add_argument("--recalibrate", action="store_true",
                    help="--draft-n-max auto: measure the cost tables again, ignoring the cache")
 
@@ -170,17 +179,19 @@ def draft_n_max_list(text: str, bound: int) -> tuple[list[int], bool]:
 
 def width_options(a: argparse.Namespace) -> tuple[list[int], int | None, CostTable | None]:
     """(fixed draft_n_max values, the auto bound or None without `auto`, the --cost-table's table or None),
-    checked before any model work (raises OptionError naming the problem)."""
+    checked before any model work (raises OptionError naming the problem). --roofline's machine stays in
+    a.roofline: its tables need the model and are built per setting (`roofline_table`)."""
     if a.draft_n_max_bound < 1:
         raise OptionError(f"--draft-n-max-bound must be >= 1, got {a.draft_n_max_bound}")
     try:
         ks, auto = draft_n_max_list(a.draft_n_max, a.draft_n_max_bound)
     except OptionError as e:
         raise OptionError(f"{e}; or 'auto' for the width scheduler") from None
-    if (a.cost_table or a.recalibrate) and not auto:
-        raise OptionError("--cost-table and --recalibrate need 'auto' in --draft-n-max")
-    if a.cost_table and a.recalibrate:
-        raise OptionError("give --cost-table or --recalibrate, not both")
+    roof = getattr(a, "roofline", None)
+    if (a.cost_table or a.recalibrate or roof) and not auto:
+        raise OptionError("--cost-table, --roofline and --recalibrate need 'auto' in --draft-n-max")
+    if (a.cost_table or roof) and a.recalibrate:
+        raise OptionError(f"give {'--cost-table' if a.cost_table else '--roofline'} or --recalibrate, not both")
     table = None
     if a.cost_table:
         try:
@@ -191,3 +202,19 @@ def width_options(a: argparse.Namespace) -> tuple[list[int], int | None, CostTab
             raise OptionError(f"--cost-table: {a.cost_table} prices up to {table.bound} drafts per round, "
                               f"--draft-n-max-bound is {a.draft_n_max_bound}")
     return ks, a.draft_n_max_bound if auto else None, table
+
+
+def run_context(prompt_lengths: list[int], new_tokens: list[int]) -> int:
+    """The context a roofline table prices a run at: the mean prompt length + half the mean new tokens
+    (the middle of the decode)."""
+    return round(sum(prompt_lengths) / len(prompt_lengths) + sum(new_tokens) / len(new_tokens) / 2)
+
+
+def roofline_table(model, setting, machine, context: int) -> CostTable:
+    """--roofline's table for an auto setting: `cost_table.roofline` of the model (its config, weight format,
+    drafter shapes and DSpark block size) for the setting's drafter, batch size and bound at `context`."""
+    setup = model.draft_setup(setting.spec, setting.draft_n_max)
+    return cost_table.roofline(model.config, setting.spec, setting.batch_size, setting.draft_n_max, machine,
+                               context=context, fmt=roofline.weight_format(model.params),
+                               dspark_block=getattr(setup.settings, "block_size", None),
+                               drafter_specs=roofline.specs_of(model.config, setting.spec, model.params))

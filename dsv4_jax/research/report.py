@@ -211,7 +211,7 @@ def add_width_predictions(rows: list[dict], tables: dict, default=None) -> list[
 
 def cost_table_meta(key: tuple, table, how: str) -> dict:
     """summary.json's record of a cost table: what it prices (drafter, batch size, greedy), how it was
-    obtained ("given" | "cached" | "measured"), the table (CostTable.to_json) and its printed lines."""
+    obtained ("given" | "roofline" | "cached" | "measured"), the table (CostTable.to_json) and its printed lines."""
     spec, batch, greedy = key
     return {"spec_type": spec, "batch_size": batch, "greedy": greedy, "how": how, "table": table.to_json(),
             "lines": table.lines()}

@@ -9,9 +9,10 @@ end and the prefill are reported beside them; rates are medians over the repeats
 
 --draft-n-max auto adds, per drafter, a run whose verify width is chosen each round on the device by the
 width scheduler (docs/width_scheduler.md) up to --draft-n-max-bound, priced by a cost table (--cost-table,
-or measured per drafter, batch size and greedy/sampled by a short cached calibration on the run's own
-program); the fixed widths then run in the same program (`RunShape.adaptive_widths`), and the report
-sets the cost table's predicted speed-up of each width beside the measured one.
+--roofline MACHINE's bandwidth roofline, or measured per drafter, batch size and greedy/sampled by a short
+cached calibration on the run's own program); the fixed widths then run in the same program
+(`RunShape.adaptive_widths`), and the report sets the cost table's predicted speed-up of each width beside the
+measured one.
 
 Settings share compiled programs (runner.py): prompts padded to at most --prompt-buckets lengths and
 prefilled in chunks of the shortest (one prefill program for every bucket), one max_len and one
@@ -62,6 +63,7 @@ EXAMPLES = """examples:
   dsv4-sweep --out results/smoke --random-tiny --max-new-tokens 16 --draft-n-max 1,2
   dsv4-sweep --out results/auto --spec none,mtp --draft-n-max auto --draft-n-max-bound 4   # k=1..4 and auto
   dsv4-sweep --out results/auto-file --spec none,mtp --draft-n-max 2,auto --draft-n-max-bound 3 --cost-table costs.json
+  dsv4-sweep --out results/auto-h100 --spec none,mtp --draft-n-max auto --roofline h100   # priced as on an H100
 """
 
 
@@ -171,14 +173,18 @@ def aggregate_line(s: dict) -> str:
 
 def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: SweepPlan, a, bar) -> dict:
     """The cost table of every auto setting's (drafter, batch size, greedy) (`Setting.table_key`): --cost-table's,
-    or the cached / measured calibration of the setting's own program at its first batch shape; each printed
-    when obtained. -> {key: {"table": CostTable, "how": "given" | "cached" | "measured"}}."""
+    --roofline's (`common.roofline_table` at the prompts' mean length + half the new tokens), or the cached /
+    measured calibration of the setting's own program at its first batch shape; each printed when obtained.
+    -> {key: {"table": CostTable, "how": "given" | "roofline" | "cached" | "measured"}}."""
     out = {}
     for s in settings:
         if not s.auto or s.table_key in out:
             continue
         if a.cost_table_obj is not None:
             out[s.table_key] = {"table": a.cost_table_obj, "how": "given"}
+        elif a.roofline is not None:
+            context = common.run_context([len(p["tokens"]) for p in prompts], [plan.max_new_tokens])
+            out[s.table_key] = {"table": common.roofline_table(model, s, a.roofline, context), "how": "roofline"}
         else:
             bar.write(f"== cost table for {s.spec} B={s.batch_size} {'greedy' if s.temperature == 0 else 'sampled'}: "
                       f"{'calibrating' if a.recalibrate else 'cached or calibrating'}", file=sys.stderr)
@@ -461,7 +467,7 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: SweepPlan) -
             "drafter_pool": list(plan.drafter_pool) if plan.drafter_pool else None,
             "dynamic_draft_n": plan.dynamic_draft_n, "verify": plan.verify,
             "draft_n_max_bound": a.auto_bound, "adaptive_widths": plan.adaptive_widths,
-            "cost_table_file": a.cost_table,
+            "cost_table_file": a.cost_table, "roofline": None if a.roofline is None else a.roofline.name,
             "synthetic_accept": list(plan.synthetic_accept) if plan.synthetic_accept else None,
             "verify_width": "draft_n_max + 1 (one loop program for every draft_n_max, a switch over the widths)"
             if plan.dynamic_draft_n else "draft_n_max + 1 (one loop program per width)",
