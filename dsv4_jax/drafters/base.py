@@ -110,6 +110,9 @@ class Drafter:
     weights_help = ""                   # what its weights are called in messages ("MTP weights")
     stop_knob: str | None = None        # the dynamic option that shortens its chain, if any (research sweeps)
     scored = False                      # `propose_scored` returns confidences (a confidence head)
+    # under the width scheduler's MODE_AUTO its chain stops before a draft `ops.width.keep_drafting` says no width
+    # could pay for (MTP); what-if replays that stop (`dsv4_jax.research.whatif.replay_auto`)
+    sequential = False
 
     # ---- options (host side) --------------------------------------------------------------------
 

@@ -144,6 +144,7 @@ class MTPDrafter(Drafter):
     weights = "mtp"
     weights_help = "MTP weights"
     stop_knob = "p_min"
+    sequential = True
 
     def configure(self, params, config, k, options=None, bundle=None) -> DraftSetup:
         self.require_weights(params)

@@ -143,8 +143,9 @@ def add_width_args(g: argparse._ArgumentGroup) -> None:
     """--draft-n-max-bound, --cost-table / --roofline and --recalibrate: the width scheduler's options
     (--draft-n-max auto; docs/width_scheduler.md), shared by dsv4-sweep and dsv4-batch-eval. --roofline's
     value is parsed here (`cost_table.parse_machine`: a bad one exits 2 before any model loads)."""
-    g.add_argument("--draft-n-max-bound", type=int, default=DEFAULT_BOUND, metavar="K",
-                   help=f"--draft-n-max auto: the most drafts a round may verify (default {DEFAULT_BOUND}; "
+    g.add_argument("--draft-n-max-bound", type=int, default=None, metavar="K",
+                   help=f"--draft-n-max auto: the most drafts a round may verify (default: the widest fixed "
+                        f"--draft-n-max, or {DEFAULT_BOUND} for 'auto' alone; "
                         "`auto` alone means 1-K,auto)")
     source = g.add_mutually_exclusive_group()
     source.add_argument("--cost-table", metavar="FILE",
@@ -181,6 +182,12 @@ def width_options(a: argparse.Namespace) -> tuple[list[int], int | None, CostTab
     """(fixed draft_n_max values, the auto bound or None without `auto`, the --cost-table's table or None),
     checked before any model work (raises OptionError naming the problem). --roofline's machine stays in
     a.roofline: its tables need the model and are built per setting (`roofline_table`)."""
+    if a.draft_n_max_bound is None:
+        fixed = [t for t in a.draft_n_max.split(",") if t.strip() and t.strip().lower() != AUTO]
+        try:
+            a.draft_n_max_bound = max(int_list(",".join(fixed), "--draft-n-max", 1)) if fixed else DEFAULT_BOUND
+        except OptionError:
+            a.draft_n_max_bound = DEFAULT_BOUND      # the list's own error comes below
     if a.draft_n_max_bound < 1:
         raise OptionError(f"--draft-n-max-bound must be >= 1, got {a.draft_n_max_bound}")
     try:
@@ -188,7 +195,7 @@ def width_options(a: argparse.Namespace) -> tuple[list[int], int | None, CostTab
     except OptionError as e:
         raise OptionError(f"{e}; or 'auto' for the width scheduler") from None
     roof = getattr(a, "roofline", None)
-    if (a.cost_table or a.recalibrate or roof) and not auto:
+    if (a.cost_table or a.recalibrate or roof) and not auto and not getattr(a, "what_if", False):
         raise OptionError("--cost-table, --roofline and --recalibrate need 'auto' in --draft-n-max")
     if (a.cost_table or roof) and a.recalibrate:
         raise OptionError(f"give {'--cost-table' if a.cost_table else '--roofline'} or --recalibrate, not both")
@@ -198,9 +205,10 @@ def width_options(a: argparse.Namespace) -> tuple[list[int], int | None, CostTab
             table = CostTable.load(a.cost_table)
         except CostTableError as e:
             raise OptionError(f"--cost-table: {e}") from None
-        if table.bound < a.draft_n_max_bound:
+        widest = max(ks) if getattr(a, "what_if", False) else a.draft_n_max_bound
+        if table.bound < widest:
             raise OptionError(f"--cost-table: {a.cost_table} prices up to {table.bound} drafts per round, "
-                              f"--draft-n-max-bound is {a.draft_n_max_bound}")
+                              f"{'the widest --draft-n-max' if getattr(a, 'what_if', False) else '--draft-n-max-bound'} is {widest}")
     return ks, a.draft_n_max_bound if auto else None, table
 
 

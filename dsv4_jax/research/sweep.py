@@ -36,7 +36,7 @@ from typing import Sequence
 from ..io.outdir import OutDirError
 from ..speculative.options import LONG_PROMPT_CHUNK
 from ..drafters import registry
-from . import common, report
+from . import common, report, whatif_cli
 from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
 from . import prompts as prompts_mod
@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     g = p.add_argument_group("sweep grid (comma-separated lists; integer ranges like 1-5 allowed)")
     g.add_argument("--spec", default="none,mtp,dspark", help="spec types (default none,mtp,dspark)")
-    g.add_argument("--draft-n-max", default="1,2,3", metavar="K",
-                   help="drafts per round for mtp/dspark (default 1,2,3; DSpark truncates values above its block "
+    g.add_argument("--draft-n-max", default="1,2,3,auto", metavar="K",
+                   help="drafts per round for mtp/dspark (default 1,2,3,auto; DSpark truncates values above its block "
                         "size); 'auto' as an item: the width scheduler chooses each round (docs/width_scheduler.md), "
                         "'auto' alone = 1-K,auto with K = --draft-n-max-bound")
     g.add_argument("--p-min", default="0", metavar="P", help="MTP: stop the draft chain below this top-1 probability "
@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the same tokens and per-round cost, about 30%% less compiling; default); "
                         "--no-shared-draft-widths: one loop program per draft_n_max")
     common.add_verify_args(p)
+    whatif_cli.add_args(p)
     p.add_argument("--by-output-position", type=int, nargs="?", const=report.OUTPUT_BUCKET, default=None, metavar="N",
                    help="record every round (RunShape.round_trace) and report acceptance against the output "
                         f"position, in buckets of N tokens (default {report.OUTPUT_BUCKET}): per setting and "
@@ -118,6 +119,7 @@ def parse_grid(a: argparse.Namespace) -> dict:
     if a.by_output_position is not None and a.by_output_position < 1:
         raise OptionError(f"--by-output-position must be >= 1 tokens, got {a.by_output_position}")
     common.verify_options(a)          # --synthetic-accept's rates, checked before any model work
+    whatif_cli.check(a)
     ks, a.auto_bound, a.cost_table_obj = common.width_options(a)
     return {"specs": common.spec_list(a.spec), "ks": ks, "auto_bound": a.auto_bound,
             "p_mins": common.float_list(a.p_min, "--p-min", 0.0, 1.0),
@@ -401,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser, a, parse_grid, lambda g: (g["specs"], g["ks"] + ([g["auto_bound"]] if g["auto_bound"] else [])))
     settings = build_settings(**grid)
     max_new, plan, total = plan_run(a, model, prompts, settings, suite_max_new, notes)
+    if a.what_if:
+        return whatif_cli.run(a, argv, model, suite, prompts, settings, plan)
     n_prog = programs(settings, prompts, plan, model)
     est_c, est_r = estimate_s(settings, prompts, plan, model, a.repeats)
     print(f"dsv4-sweep: {model.name}, {len(prompts)} prompts ({suite}), {len(settings)} settings, "

@@ -42,10 +42,11 @@ from ..bundle import unbundle
 from ..config import ModelConfig
 from ..drafters import registry
 from ..drafters.base import Knobs
-from ..model.decode import process_block
+from ..model.decode import advance, process_block
 from ..model.state import init_state
 from ..ops import width
 from ..speculative.generate import generate
+from ..speculative.options import LONG_PROMPT_CHUNK
 from ..speculative.program import Program
 
 ANCHOR_CHUNK = 256       # anchors per call of the drafter pass (one compiled program for every chunk)
@@ -67,22 +68,26 @@ class Path:
 def continuations(params: dict, config, prompts: Sequence[Sequence[int]], n_tokens: int, *,
                   batch: int = 8) -> list[Path]:
     """The target's greedy continuation of each prompt, n_tokens long, never stopping at EOS (`generate` with no
-    drafter; the walk stops at EOS itself)."""
+    drafter; the walk stops at EOS itself). Every batch padded to the same shape: one compiled program."""
+    width_ = max(len(p) for p in prompts)
+    size = min(batch, len(prompts))
     out = []
-    for lo in range(0, len(prompts), batch):
-        group = [list(p) for p in prompts[lo:lo + batch]]
-        tokens, _ = generate(params, config, group, n_tokens, eos_token_id=-1)
+    for lo in range(0, len(prompts), size):
+        group = [list(p) for p in prompts[lo:lo + size]]
+        filled = group + [group[0]] * (size - len(group))
+        tokens, _ = generate(params, config, filled, n_tokens, eos_token_id=-1, pad_to=width_,
+                             max_len=width_ + n_tokens + 1)
         out += [Path(np.asarray(p, np.int32), np.asarray(t, np.int32)) for p, t in zip(group, tokens)]
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "taps"))
-def _target_pass(params: dict, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, *, taps: tuple):
-    """The target on right-padded sequences tokens [B,S] in one block. -> (aux {"hidden" [B,S,n,D], "taps"
-    [B,S,len(taps),D]}, argmax [B,S], top-1 − top-2 probability [B,S])."""
-    state = init_state(config, tokens.shape[0], tokens.shape[1], 1, params["embed"].dtype)
-    logits, _, aux = process_block(params, config, state, tokens, lengths, taps)
-    return aux, jnp.argmax(logits, axis=-1).astype(jnp.int32), _margin(jax.nn.softmax(logits.astype(jnp.float32)))
+@functools.partial(jax.jit, static_argnames=("config", "taps"), donate_argnames=("state",))
+def _target_chunk(params: dict, config: ModelConfig, state, tokens: jax.Array, n_valid: jax.Array, *, taps: tuple):
+    """The target on one chunk tokens [B,C] (n_valid [B] real). -> (state advanced, aux {"hidden" [B,C,n,D],
+    "taps" [B,C,len(taps),D]}, argmax [B,C], top-1 − top-2 probability [B,C])."""
+    logits, state, aux = process_block(params, config, state, tokens, n_valid, taps)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return advance(state, n_valid), aux, jnp.argmax(logits, axis=-1).astype(jnp.int32), _margin(probs)
 
 
 def _margin(probs: jax.Array) -> jax.Array:
@@ -134,16 +139,26 @@ class TargetPass:
     margin: np.ndarray        # [B,S] its top-1 − top-2 probability (near-ties of the target)
 
 
-def target_pass(params: dict, config: ModelConfig, paths: Sequence[Path], taps: tuple) -> TargetPass:
-    """The target along the paths with the tap layers taps (the union of the drafters')."""
+def target_pass(params: dict, config: ModelConfig, paths: Sequence[Path], taps: tuple,
+                chunk: int = LONG_PROMPT_CHUNK) -> TargetPass:
+    """The target along the paths with the tap layers taps (the union of the drafters'), in chunks of at most
+    `chunk` tokens (one program for every chunk)."""
     seqs = [p.sequence for p in paths]
-    S = max(len(s) for s in seqs)
+    lengths = np.array([len(s) for s in seqs], np.int32)
+    C = min(chunk, int(lengths.max()))
+    S = -(-int(lengths.max()) // C) * C
     tokens = np.zeros((len(seqs), S), np.int32)
     for b, s in enumerate(seqs):
         tokens[b, :len(s)] = s
-    aux, argmax, margin = _target_pass(params, config, jnp.asarray(tokens),
-                                       jnp.asarray([len(s) for s in seqs], jnp.int32), taps=tuple(taps))
-    return TargetPass(aux, tokens, tuple(taps), np.asarray(argmax), np.asarray(margin))
+    state = init_state(config, len(seqs), S, C, params["embed"].dtype)
+    parts = []
+    for lo in range(0, S, C):
+        state, *out = _target_chunk(params, config, state, jnp.asarray(tokens[:, lo:lo + C]),
+                                    jnp.asarray(np.clip(lengths - lo, 0, C), jnp.int32), taps=tuple(taps))
+        parts.append(jax.device_get(out))
+    aux = {name: np.concatenate([p[0][name] for p in parts], axis=1) for name in parts[0][0]}
+    return TargetPass(aux, tokens, tuple(taps), np.concatenate([p[1] for p in parts], axis=1),
+                      np.concatenate([p[2] for p in parts], axis=1))
 
 
 def proposals(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
@@ -156,9 +171,9 @@ def proposals(params: dict, config, paths: Sequence[Path], drafter: str, k: int,
     program = Program(drafter=d, setup=setup, greedy=True)
     if target is None:
         target = target_pass(params, config, paths, setup.taps)
-    full = {"hidden": target.aux["hidden"],
-            "taps": target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]]}
-    seq = target.tokens
+    full = {"hidden": jnp.asarray(target.aux["hidden"]),
+            "taps": jnp.asarray(target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]])}
+    seq = jnp.asarray(target.tokens)
     S = seq.shape[1]
     need = d.context_rows(program.bind(params, config))
     rows_needed = S if need is None else min(need, S)
@@ -175,7 +190,7 @@ def proposals(params: dict, config, paths: Sequence[Path], drafter: str, k: int,
             opts = d.options(options, **({knob: v} if knob else {}))
             knobs = Knobs(temperature=jnp.float32(1e-6), top_p=jnp.float32(1.0), drafter=d.knobs(opts))
             outs[t].append([np.asarray(x) for x in _anchored(
-                params, config, full, jnp.asarray(seq), row, anchor, knobs, key, program=program,
+                params, config, full, seq, row, anchor, knobs, key, program=program,
                 rows_needed=rows_needed, max_len=S + setup.k + 2)])
     n = len(pairs)
     cat = lambda t, j: np.concatenate([o[j] for o in outs[t]])[:n].reshape((len(paths), n_anchors) + outs[t][0][j].shape[1:])
@@ -186,16 +201,163 @@ def proposals(params: dict, config, paths: Sequence[Path], drafter: str, k: int,
 def walk(path: Path, drafts: np.ndarray, n_rule: np.ndarray, w: int, max_new_tokens: int, eos: int = -1):
     """The rounds of a fixed-width greedy run along path: drafts [A,K] and n_rule [A] at each anchor, w drafts
     verified per round. -> (trace [[drafted, accepted] per round], tokens emitted)."""
-    y, out, i, trace = path.tokens, 1, 0, []
-    done = out >= max_new_tokens or y[0] == eos
+    out, i, trace = 1, 0, []
+    done = out >= max_new_tokens or path.tokens[0] == eos
     while not done:
         n = int(min(n_rule[i], w))
-        match = drafts[i, :n] == y[i + 1:i + 1 + n]
-        a = int(np.argmin(match)) if not match.all() else n
+        a = _accepted(drafts[i, :n], path.tokens[i + 1:i + 1 + n])
         trace.append([n, a])
-        emitted = y[i + 1:i + 1 + min(a + 1, max_new_tokens - out)]
-        hit = np.flatnonzero(emitted == eos) if eos >= 0 else []
-        out += int(hit[0]) + 1 if len(hit) else len(emitted)
-        done = len(hit) > 0 or out >= max_new_tokens
-        i += a + 1
+        out, done, i = _emit(path.tokens, i, a, out, max_new_tokens, eos)
     return trace, out
+
+
+# ---- the width scheduler's auto, replayed (batch 1) -------------------------------------------------------
+
+def replay_auto(path: Path, p: Proposals, b: int, t: int, bound: int, table, max_new_tokens: int, eos: int = -1,
+                sequential: bool = False):
+    """The rounds of a draft_n_max="auto" run at batch 1 along path b of p (threshold index t), priced by table (a
+    `speculative.cost_table.CostTable`): the round's calibration, `ops.width.choose`, the switch to plain decoding
+    (`speculative.width_policy`) and, for a sequential drafter (`Drafter.sequential`: MTP's chain), the chain's
+    early stop (`ops.width.keep_drafting`), in the order `speculative.round.speculative_round` runs them.
+    -> (trace [[drafted, accepted] per round; plain rounds [0, 0]], tokens emitted, widths chosen [w or −1: plain])."""
+    from ..speculative import width_policy as policy
+    k = min(bound, p.drafts.shape[2])
+    cost, plain = (jnp.asarray(x) for x in table.costs(k))
+    y, drafts, n_rule = path.tokens, p.drafts[b, :, :k], p.n_draft[t, b]
+    raw_all = np.where(p.conf[b, :, :k] >= 0, p.conf[b, :, :k], p.probability[b, :, :k]).astype(np.float32)
+    per_pos, raw_sum = np.zeros(k, np.int32), np.zeros(k, np.float32)
+    rounds = accepted = offered = 0
+    predicted = cost_sum = np.float32(0)
+    never = bool(policy.no_width_can_pay(_knobs(cost, plain, k)))
+    out, i, trace, widths = 1, 0, [], []
+    done = out >= max_new_tokens or y[0] == eos
+    while not done and not _switched(never, rounds, accepted, offered, predicted, cost_sum, plain):
+        factors = width.scale(jnp.asarray(per_pos)[None], jnp.asarray(raw_sum)[None])
+        raw = jnp.asarray(raw_all[i])[None]
+        est = width.calibrated(raw, factors)
+        steps = k
+        if sequential:       # the chain stops before a draft no width could pay for (drafts beyond: probability 0)
+            steps = 1
+            while steps < k and bool(width.keep_drafting(jnp.where(jnp.arange(k) < steps, est, 0.0), steps, cost, k)):
+                steps += 1
+            raw = jnp.where(jnp.arange(k) < steps, raw, 0.0)
+            est = width.calibrated(raw, factors)
+        proposed = min(int(n_rule[i]), steps, k)
+        w = int(width.choose(est, jnp.asarray([proposed]), jnp.asarray([True]), cost, jnp.int32(k)))
+        n = min(proposed, w)
+        a = _accepted(drafts[i, :n], y[i + 1:i + 1 + n])
+        trace.append([n, a])
+        widths.append(w)
+        rounds, accepted, offered = rounds + 1, accepted + a, offered + (proposed > 0)
+        per_pos[:a] += 1
+        cost_sum = np.float32(cost_sum + np.float32(cost[w]))
+        est_w, raw_w = np.asarray(est)[0, :w], np.asarray(raw)[0, :w]
+        on = np.arange(w) < n
+        predicted = np.float32(predicted + np.float32(1.0 + np.sum(np.cumprod(np.where(on, est_w, 0.0)))))
+        raw_sum[:w] += np.where(on & (np.arange(w) <= a), raw_w, 0.0).astype(np.float32)
+        out, done, i = _emit(y, i, a, out, max_new_tokens, eos)
+    while not done:                                        # plain decoding for the rest of the run
+        trace.append([0, 0])
+        widths.append(-1)
+        out, done, i = _emit(y, i, 0, out, max_new_tokens, eos)
+    return trace, out, widths
+
+
+def _knobs(cost, plain, k):
+    return Knobs(temperature=jnp.float32(1e-6), top_p=jnp.float32(1.0), draft_n=jnp.int32(k), width_cost=cost,
+                 plain_cost=plain)
+
+
+def _switched(never: bool, rounds: int, accepted: int, offered: int, predicted, cost_sum, plain) -> bool:
+    """`width_policy.realised_rate_below_plain` at batch 1, before a round (rounds so far, all drafting)."""
+    from ..speculative.width_policy import WARMUP_ROUNDS
+    plain = np.float32(plain)
+    realised_low = np.float32(rounds + accepted) * plain <= cost_sum
+    forecast_low = (predicted * plain <= cost_sum) and offered >= rounds
+    return never or (bool(realised_low) and rounds >= (1 if forecast_low else WARMUP_ROUNDS))
+
+
+def _accepted(drafts: np.ndarray, target: np.ndarray) -> int:
+    """Greedy verification: the longest prefix of drafts equal to the target's tokens."""
+    match = drafts == target[:len(drafts)]
+    return int(len(match) if match.all() else np.argmin(match))
+
+
+def _emit(y: np.ndarray, i: int, a: int, out: int, max_new_tokens: int, eos: int):
+    """Emit a round's a accepted drafts and the target's token after anchor i (`speculative.program.emit`).
+    -> (tokens emitted so far, done, next anchor)."""
+    emitted = y[i + 1:i + 1 + min(a + 1, max_new_tokens - out)]
+    hit = np.flatnonzero(emitted == eos) if eos >= 0 else []
+    out += int(hit[0]) + 1 if len(hit) else len(emitted)
+    return out, len(hit) > 0 or out >= max_new_tokens, i + a + 1
+
+
+# ---- a grid of settings ---------------------------------------------------------------------------------
+
+def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens: int, eos: int = -1,
+             tables: dict | None = None, progress=print) -> tuple[list[dict], dict]:
+    """Every greedy setting (`research.runner.Setting`, spec != "none") on the prompts ({"id", "category",
+    "tokens"}): one continuation per prompt, one target pass, one proposal pass per drafter at its widest width
+    and every value of its stop knob, then a walk per setting and prompt (auto: `replay_auto` at batch 1 with
+    tables[(spec, batch, True)]). -> (records, one per prompt × setting, like dsv4-sweep's results.jsonl lines;
+    {"continuation_s", "target_pass_s", "proposals_s" {drafter: s}, "walk_s"})."""
+    import time
+    settings = [s for s in settings if s.drafter is not None]
+    if any(s.temperature != 0 for s in settings):
+        raise ValueError("what-if computes greedy settings (temperature 0) only")
+    widest = {}
+    for s in settings:
+        widest[s.spec] = max(widest.get(s.spec, 0), s.draft_n_max)
+    K = max(widest.values())
+    t0 = time.perf_counter()
+    paths = continuations(model.params, model.bundle, [p["tokens"] for p in prompts], max_new_tokens + K + 1)
+    t1 = time.perf_counter()
+    progress(f"what-if: {len(paths)} continuations of {max_new_tokens + K + 1} tokens in {t1 - t0:.1f} s")
+    taps = sorted({t for spec in widest for t in model.draft_setup(spec, widest[spec]).taps})
+    target = target_pass(model.params, model.config, paths, tuple(taps))
+    t2 = time.perf_counter()
+    progress(f"what-if: target pass in {t2 - t1:.1f} s")
+    props, prop_s = {}, {}
+    for spec, k in widest.items():
+        t = time.perf_counter()
+        knob = registry.get(spec).stop_knob
+        values = sorted({getattr(s, knob) for s in settings if s.spec == spec}) if knob else [0.0]
+        props[spec] = proposals(model.params, model.bundle, paths, spec, k, max_new_tokens, values, target=target)
+        prop_s[spec] = time.perf_counter() - t
+        progress(f"what-if: {spec} proposals (k={k}, {len(values)} threshold(s)) in {prop_s[spec]:.1f} s")
+    t3 = time.perf_counter()
+    records = []
+    for s in settings:
+        p = props[s.spec]
+        knob = registry.get(s.spec).stop_knob
+        t_index = p.thresholds.index(getattr(s, knob)) if knob else 0
+        for b, (prompt, path) in enumerate(zip(prompts, paths)):
+            widths = None
+            if s.auto:
+                table = (tables or {}).get((s.spec, s.batch_size, True))
+                if table is None or s.batch_size != 1:
+                    continue           # replayed at batch 1 with a cost table only
+                trace, out, widths = replay_auto(path, p, b, t_index, s.draft_n_max, table, max_new_tokens, eos,
+                                                 registry.get(s.spec).sequential)
+            else:
+                trace, out = walk(path, p.drafts[b], p.n_draft[t_index, b], s.draft_n_max, max_new_tokens, eos)
+            records.append(record(s, prompt, path, trace, out, widths))
+    walk_s = time.perf_counter() - t3
+    return records, {"continuation_s": t1 - t0, "target_pass_s": t2 - t1, "proposals_s": prop_s, "walk_s": walk_s,
+                     "paths": paths, "target": target, "proposals": props}
+
+
+def record(setting, prompt: dict, path: Path, trace: list, out: int, widths: list | None) -> dict:
+    """One results.jsonl line of a what-if setting and prompt (dsv4-sweep's fields where they apply)."""
+    draft, acc, rounds = sum(d for d, _ in trace), sum(a for _, a in trace), len(trace)
+    K = max(setting.draft_n_max, 1)
+    rec = {**setting.as_dict(), "id": prompt["id"], "category": prompt["category"],
+           "prompt_tokens": len(prompt["tokens"]), "pred": out, "draft": draft, "acc": acc, "rounds": rounds,
+           "rate": acc / draft if draft else 0.0,
+           "mean_accepted_length": (acc + rounds) / rounds if rounds else 0.0,
+           "per_position_accepted": [sum(a > j for _, a in trace) for j in range(K)],
+           "per_position_proposed": [sum(d > j for d, _ in trace) for j in range(K)],
+           "round_trace": trace, "output_tokens": path.tokens[:out].tolist()}
+    if widths is not None:
+        rec["widths"] = widths
+    return rec

@@ -1,0 +1,157 @@
+"""What-if (docs/whatif.md): every greedy setting's rounds from one teacher-forced pass equal the decode loop's,
+round by round — fixed widths with stop thresholds, the width scheduler's auto — and the walk itself on
+hand-made cases."""
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax as d
+from dsv4_jax.drafters import registry
+from dsv4_jax.research import whatif as W
+from dsv4_jax.research.models import bundled
+from dsv4_jax.speculative.cost_table import CostTable
+from dsv4_jax.training.evaluate import heldout_prompts
+
+N = 40          # new tokens per prompt
+K = 3           # widest width
+KNOB = {"mtp": "p_min", "dspark": "confidence_threshold"}
+
+
+@pytest.fixture(scope="module")
+def run():
+    """The bundled model, three held-out prompts, their continuations and both drafters' proposals."""
+    model = bundled()
+    prompts = heldout_prompts(3, prompt_len=48, seed=7)
+    paths = W.continuations(model.params, model.bundle, prompts, N + K + 1)
+    target = W.target_pass(model.params, model.config, paths, (4, 5, 6))
+    props = {name: W.proposals(model.params, model.bundle, paths, name, K, N, (0.0, 0.6), target=target)
+             for name in ("mtp", "dspark")}
+    return model, prompts, paths, props
+
+
+def _loop_rounds(model, prompts, drafter, **options):
+    """Each prompt's rounds in the real loop: [[drafted, accepted], ...] (RunShape.round_trace)."""
+    g = d.generate(model.params, model.bundle, prompts, N, drafter=drafter, round_trace=True, pad_to=48,
+                   max_len=48 + N + K + 1, max_block=K + 1, **options)
+    return [[[a, b] for a, b in zip(dr, ac)] for dr, ac in zip(g.stats["per_round_drafted"],
+                                                                 g.stats["per_round_accepted"])], g.tokens
+
+
+def test_continuation_is_the_plain_greedy_output(run):
+    model, prompts, paths, _ = run
+    plain, _ = d.generate(model.params, model.bundle, prompts, N, eos_token_id=-1)
+    assert [list(p.tokens[:N]) for p in paths] == plain
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
+@pytest.mark.parametrize("k,threshold", [(1, 0.0), (3, 0.0), (3, 0.6)])
+def test_fixed_width_rounds_equal_the_loops_round_by_round(run, drafter, k, threshold):
+    model, prompts, paths, props = run
+    p = props[drafter]
+    t = p.thresholds.index(threshold)
+    want, tokens = _loop_rounds(model, prompts, drafter, draft_n_max=k, eos_token_id=-1, dynamic_draft_n=True,
+                                **{KNOB[drafter]: threshold})
+    for b, path in enumerate(paths):
+        trace, out = W.walk(path, p.drafts[b], p.n_draft[t, b], k, N)
+        assert trace == want[b]
+        assert out == len(tokens[b]) == N
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
+def test_auto_replay_equals_the_schedulers_rounds(run, drafter):
+    """draft_n_max="auto" at batch 1 with a given cost table: the chosen widths, the chain's early stop (MTP) and
+    the switch to plain decoding replayed from the proposals give the loop's rounds."""
+    model, prompts, paths, props = run
+    table = CostTable(seconds=(1.2, 1.5, 1.7, 1.9), plain_seconds=1.0, drafter=drafter)
+    for b, (prompt, path) in enumerate(zip(prompts, paths)):
+        want, _ = _loop_rounds(model, [prompt], drafter, draft_n_max="auto", draft_n_max_bound=K, cost_table=table,
+                               eos_token_id=-1)
+        trace, out, widths = W.replay_auto(path, props[drafter], b, 0, K, table, N, -1,
+                                           registry.get(drafter).sequential)
+        assert trace == want[0]
+        assert len(widths) == len(trace) and out == N
+
+
+def test_a_window_of_committed_rows_gives_the_same_proposals_as_all_of_them(run):
+    """`Drafter.context_rows`: MTP and DSpark fed only the last sliding_window committed positions propose what
+    they propose after observing the whole sequence."""
+    model, _, paths, props = run
+    config, bundle = W.unbundle(model.bundle)
+    for name in ("mtp", "dspark"):
+        drafter = registry.get(name)
+        window = drafter.context_rows(W.Program(drafter, drafter.configure(model.params, config, K, None,
+                                                                           dict(bundle))).bind(model.params, config))
+        assert window == config.sliding_window < len(paths[0].prompt)
+
+        class Everything(type(drafter)):
+            def context_rows(self, run):
+                return None
+        everything = Everything()
+        everything.name = "whatif-all-" + name
+        registry.register(everything)
+        meta = {"dspark_meta": dict(bundle)["dspark"]} if name == "dspark" else {}
+        try:
+            full = W.proposals(model.params, model.bundle, paths, everything.name, K, N, (0.0,),
+                               options=everything.options(**meta))
+        finally:
+            registry.unregister("whatif-all-" + name)
+        np.testing.assert_array_equal(full.drafts, props[name].drafts)
+        np.testing.assert_array_equal(full.n_draft[0], props[name].n_draft[0])
+
+
+def test_walk_by_hand():
+    """Anchor i proposes drafts[i]; the continuation decides: prefix match, then the target's token."""
+    path = W.Path(prompt=np.array([1, 2], np.int32), tokens=np.array([10, 11, 12, 13, 14, 15, 16, 17, 18], np.int32))
+    drafts = np.zeros((9, 2), np.int32)
+    drafts[0] = [11, 12]          # both accepted: emit 11, 12, 13 -> anchor 3
+    drafts[3] = [14, 99]          # one accepted: emit 14, 15 -> anchor 5
+    drafts[5] = [99, 17]          # none accepted: emit 16 -> anchor 6
+    drafts[6] = [17, 18]
+    n_rule = np.array([2, 2, 2, 2, 2, 2, 1, 2, 2])     # the stop rule keeps one draft at anchor 6
+    trace, out = W.walk(path, drafts, n_rule, 2, max_new_tokens=9)
+    assert trace == [[2, 2], [2, 1], [2, 0], [1, 1]] and out == 9
+    # a budget of 5 tokens stops the second round's emission after 2 of its tokens
+    trace, out = W.walk(path, drafts, n_rule, 2, max_new_tokens=5)
+    assert trace == [[2, 2], [2, 1]] and out == 5
+    # EOS (13) emitted in the first round ends the run there, the round's acceptance still counted
+    trace, out = W.walk(path, drafts, n_rule, 2, max_new_tokens=9, eos=13)
+    assert trace == [[2, 2]] and out == 4
+    # width 1 verifies one draft per round whatever the drafter proposes
+    trace, _ = W.walk(path, drafts, n_rule, 1, max_new_tokens=4)
+    assert trace == [[1, 1], [1, 0]]       # 11 accepted (emit 11, 12), then 13 from anchor 2: 4 tokens
+
+
+def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
+    """dsv4-whatif --compare on a dsv4-sweep of the same grid (random tiny model): every prompt × setting equal,
+    every round; a predicted speed-up per setting; the best setting named; bad options exit 2."""
+    common = ["--random-tiny", "--limit", "3", "--max-new-tokens", "12", "--spec", "none,mtp,dspark",
+              "--draft-n-max", "1,2", "--p-min", "0,0.5", "--quiet", "--no-plots", "--no-compile-cache"]
+    sweep = tmp_path / "sweep"
+    subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--out", str(sweep), "--repeats", "1",
+                    "--by-output-position", *common], check=True, capture_output=True, timeout=900)
+    out = tmp_path / "whatif"
+    table = tmp_path / "costs.json"
+    CostTable(seconds=(1.5, 2.0, 2.5), plain_seconds=1.0).save(str(table))
+    subprocess.run([sys.executable, "-m", "dsv4_jax.research.whatif_cli", "--out", str(out), "--compare",
+                    str(sweep), "--cost-table", str(table), "--price", "h100", *common], check=True,
+                   capture_output=True, timeout=900)
+    summary = json.loads((out / "summary.json").read_text())
+    cmp_ = summary["compare"]
+    assert cmp_["compared"] == 3 * (2 * 2 + 2) and cmp_["equal"] == cmp_["compared"], cmp_["differences"]
+    rows = {r["label"]: r for r in summary["settings"]}
+    r = rows["mtp k=2 p_min=0 T=0 B=1"]
+    # the given table: width 2 costs 2.5 plain rounds
+    assert r["predicted_speedup"]["given"] == pytest.approx(
+        (r["total_predicted"] - 3) / (r["rounds"] * 2.5), rel=1e-9)
+    assert r["predicted_speedup"]["h100"] > 0
+    assert any(b["spec_type"] == "best" for b in summary["best"])
+    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert all(sum(a + 1 for _, a in x["round_trace"]) + 1 >= x["pred"] for x in lines)
+    bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.whatif_cli", "--out", str(tmp_path / "x"),
+                          "--temperature", "0.8", *common], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "greedy" in bad.stderr and not (tmp_path / "x").exists()
