@@ -1,4 +1,4 @@
-"""Bandwidth-roofline cost tables (`cost_table.roofline`, `speculative.roofline`; docs/width_scheduler.md §4):
+"""Bandwidth-roofline cost tables (`analysis.roofline.table`, `analysis.roofline`; docs/width_scheduler.md §4):
 the prices' shape, a hand count of the bytes on the tiny config, the machines, --roofline on the CLIs.
 Abstract shapes only: nothing is compiled."""
 import math
@@ -11,7 +11,8 @@ from dsv4_jax.model import params as P
 from dsv4_jax.research import batch_eval, common, sweep
 from dsv4_jax.research.models import random_tiny
 from dsv4_jax.research.runner import grid_settings
-from dsv4_jax.speculative import cost_table, roofline
+from dsv4_jax.analysis import roofline
+from dsv4_jax.speculative import cost_table
 from dsv4_jax.speculative.cost_table import CostTable, CostTableError
 
 CONFIG = d.tiny()
@@ -20,7 +21,7 @@ FIXED = roofline.DEFAULT_FIXED_US * 1e-6
 
 @pytest.mark.parametrize("drafter", ["mtp", "dspark", "ngram"])
 def test_roofline_seconds_increase_with_width(drafter):
-    t = cost_table.roofline(CONFIG, drafter, 2, 6, "h100", context=64)
+    t = roofline.table(CONFIG, drafter, 2, 6, "h100", context=64)
     assert t.bound == 6 and t.drafter == drafter and t.batch == 2 and t.source == "roofline h100"
     assert all(a < b for a, b in zip(t.seconds, t.seconds[1:]))
     assert t.plain_seconds <= t.seconds[0] < t.seconds[1]
@@ -42,7 +43,7 @@ def test_roofline_by_hand():
     """The plain round is the one-token decode's bytes bound / bandwidth + the fixed cost; MTP's width 1
     adds the observe of 2 rows per sequence, width 2 a chain step of 1 row (formulas of `roofline`)."""
     B, C, gbps, fixed_us = 3, 40, 1000.0, 7.0
-    t = cost_table.roofline(CONFIG, "mtp", B, 2, f"x:{gbps:g}:{fixed_us:g}", context=C)
+    t = roofline.table(CONFIG, "mtp", B, 2, f"x:{gbps:g}:{fixed_us:g}", context=C)
     at = lambda n_bytes: n_bytes / (gbps * 1e9) + fixed_us * 1e-6
     assert t.plain_seconds == pytest.approx(at(traffic.bytes_bound(CONFIG, "bf16", B, C, 1)["total"]), rel=1e-12)
 
@@ -67,21 +68,21 @@ def test_roofline_dspark_markov_steps():
 
 def test_roofline_machines():
     with pytest.raises(CostTableError, match=r"unknown machine 'nosuch'.*h100, h200, .*v5e, v5p, v6e"):
-        cost_table.roofline(CONFIG, "mtp", 1, 3, "nosuch", context=16)
+        roofline.table(CONFIG, "mtp", 1, 3, "nosuch", context=16)
     for bad in ("x:0", "x:fast", "x:100:-1"):
         with pytest.raises(CostTableError, match=bad):
-            cost_table.parse_machine(bad)
+            roofline.machine(bad)
     with pytest.raises(CostTableError, match="drafters mtp, dspark, ngram"):
-        cost_table.roofline(CONFIG, "oracle", 1, 3, "h100", context=16)
-    slow, fast = (cost_table.roofline(CONFIG, "mtp", 1, 3, f"x:{g}", context=16) for g in (1000, 2000))
+        roofline.table(CONFIG, "oracle", 1, 3, "h100", context=16)
+    slow, fast = (roofline.table(CONFIG, "mtp", 1, 3, f"x:{g}", context=16) for g in (1000, 2000))
     for s, f in zip(slow.seconds + (slow.plain_seconds,), fast.seconds + (fast.plain_seconds,)):
         assert s - FIXED == pytest.approx(2 * (f - FIXED), rel=1e-12)
-    assert cost_table.parse_machine("H200").gbps == 4800 and cost_table.parse_machine("trillium").name == "v6e"
-    assert cost_table.parse_machine("v5p").gbps == 2765 and cost_table.parse_machine("a:10:0").fixed_us == 0
+    assert roofline.machine("H200").gbps == 4800 and roofline.machine("trillium").name == "v6e"
+    assert roofline.machine("v5p").gbps == 2765 and roofline.machine("a:10:0").fixed_us == 0
 
 
 def test_roofline_table_prints_and_round_trips(tmp_path):
-    t = cost_table.roofline(CONFIG, "dspark", 1, 2, "h100", context=16, dspark_block=4)
+    t = roofline.table(CONFIG, "dspark", 1, 2, "h100", context=16, dspark_block=4)
     lines = "\n".join(t.lines())
     assert "cost table (roofline h100; drafter dspark, batch 1)" in lines
     assert "roofline of h100: 3350 GB/s read + 30 us per round (NVIDIA H100" in lines and "context 16" in lines
@@ -93,9 +94,9 @@ def test_roofline_table_of_a_loaded_model():
     """The CLIs' table: the model's DSpark shapes (2 stages, rank 8) and block size, the setting's bound."""
     model = random_tiny(0)
     s = grid_settings(["dspark"], [1], {"confidence_threshold": [0.0]}, [0.0], [2], auto_bound=3)[-1]
-    t = common.roofline_table(model, s, cost_table.parse_machine("v5e"), 30)
+    t = common.roofline_table(model, s, roofline.machine("v5e"), 30)
     specs = P.dspark_specs(model.config, 2, 3, 8, False)
-    want = cost_table.roofline(model.config, "dspark", 2, 3, "v5e", context=30, dspark_block=5, drafter_specs=specs)
+    want = roofline.table(model.config, "dspark", 2, 3, "v5e", context=30, dspark_block=5, drafter_specs=specs)
     assert t == want and t.bound == 3
     assert common.run_context([10, 20], [8, 12]) == 20
 

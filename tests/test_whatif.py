@@ -137,7 +137,7 @@ def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
     out = tmp_path / "whatif"
     table = tmp_path / "costs.json"
     CostTable(seconds=(1.5, 2.0, 2.5), plain_seconds=1.0).save(str(table))
-    subprocess.run([sys.executable, "-m", "dsv4_jax.research.whatif_cli", "--out", str(out), "--compare",
+    subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(out), "--compare",
                     str(sweep), "--cost-table", str(table), "--price", "h100", *common], check=True,
                    capture_output=True, timeout=900)
     summary = json.loads((out / "summary.json").read_text())
@@ -152,6 +152,6 @@ def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
     assert any(b["spec_type"] == "best" for b in summary["best"])
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert all(sum(a + 1 for _, a in x["round_trace"]) + 1 >= x["pred"] for x in lines)
-    bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.whatif_cli", "--out", str(tmp_path / "x"),
+    bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(tmp_path / "x"),
                           "--temperature", "0.8", *common], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "greedy" in bad.stderr and not (tmp_path / "x").exists()

@@ -1,16 +1,19 @@
-"""Argument parsing and pre-flight checks shared by `dsv4-sweep` and `dsv4-batch-eval`."""
+"""Argument parsing, pre-flight checks and cost tables shared by `dsv4-sweep`, `dsv4-whatif` and `dsv4-batch-eval`."""
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Sequence
 
 from tqdm.auto import tqdm
 
 from .. import cli
 from ..cli import OptionError, enable_compile_cache, float_list, int_list  # noqa: F401 - the research CLIs' names
-from ..speculative import cost_table, roofline
+from ..analysis import roofline
+from ..speculative import cost_table
 from ..speculative.cost_table import CostTable, CostTableError
 from . import prompts as P
-from .runner import SPEC_TYPES
+from .runner import SPEC_TYPES, SweepPlan, Setting, calibrate_setting, shapes
 
 AUTO = "auto"       # --draft-n-max: the width scheduler (docs/width_scheduler.md)
 DEFAULT_BOUND = 7   # --draft-n-max-bound
@@ -142,7 +145,7 @@ def verify_options(a: argparse.Namespace) -> tuple[str, tuple[float, ...] | None
 def add_width_args(g: argparse._ArgumentGroup) -> None:
     """--draft-n-max-bound, --cost-table / --roofline and --recalibrate: the width scheduler's options
     (--draft-n-max auto; docs/width_scheduler.md), shared by dsv4-sweep and dsv4-batch-eval. --roofline's
-    value is parsed here (`cost_table.parse_machine`: a bad one exits 2 before any model loads)."""
+    value is parsed here (`roofline.machine`: a bad one exits 2 before any model loads)."""
     g.add_argument("--draft-n-max-bound", type=int, default=None, metavar="K",
                    help=f"--draft-n-max auto: the most drafts a round may verify (default: the widest fixed "
                         f"--draft-n-max, or {DEFAULT_BOUND} for 'auto' alone; "
@@ -153,7 +156,7 @@ def add_width_args(g: argparse._ArgumentGroup) -> None:
                              "decoding; `dsv4_jax.speculative.cost_table`) for every auto setting; default: "
                              "measured per drafter, batch size and greedy/sampled by a short calibration on the "
                              "run's own program, cached under ~/.cache/dsv4_jax/cost_tables")
-    source.add_argument("--roofline", metavar="MACHINE", type=cli.arg_type(cost_table.parse_machine, "machine"),
+    source.add_argument("--roofline", metavar="MACHINE", type=cli.arg_type(roofline.machine, "machine"),
                         help="--draft-n-max auto: price every auto setting by a bandwidth roofline of MACHINE "
                              "instead (bytes a round reads / its bandwidth + a fixed cost per round, per drafter "
                              "and batch size at the run's mean context; docs/width_scheduler.md §4): "
@@ -219,10 +222,36 @@ def run_context(prompt_lengths: list[int], new_tokens: list[int]) -> int:
 
 
 def roofline_table(model, setting, machine, context: int) -> CostTable:
-    """--roofline's table for an auto setting: `cost_table.roofline` of the model (its config, weight format,
+    """--roofline's table for an auto setting: `analysis.roofline.table` of the model (its config, weight format,
     drafter shapes and DSpark block size) for the setting's drafter, batch size and bound at `context`."""
     setup = model.draft_setup(setting.spec, setting.draft_n_max)
-    return cost_table.roofline(model.config, setting.spec, setting.batch_size, setting.draft_n_max, machine,
+    return roofline.table(model.config, setting.spec, setting.batch_size, setting.draft_n_max, machine,
                                context=context, fmt=roofline.weight_format(model.params),
                                dspark_block=getattr(setup.settings, "block_size", None),
                                drafter_specs=roofline.specs_of(model.config, setting.spec, model.params))
+
+
+def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: SweepPlan, a, bar) -> dict:
+    """The cost table of every auto setting's (drafter, batch size, greedy) (`Setting.table_key`): --cost-table's,
+    --roofline's (`common.roofline_table` at the prompts' mean length + half the new tokens), or the cached /
+    measured calibration of the setting's own program at its first batch shape; each printed when obtained.
+    -> {key: {"table": CostTable, "how": "given" | "roofline" | "cached" | "measured"}}."""
+    out = {}
+    for s in settings:
+        if not s.auto or s.table_key in out:
+            continue
+        if a.cost_table_obj is not None:
+            out[s.table_key] = {"table": a.cost_table_obj, "how": "given"}
+        elif a.roofline is not None:
+            context = run_context([len(p["tokens"]) for p in prompts], [plan.max_new_tokens])
+            out[s.table_key] = {"table": roofline_table(model, s, a.roofline, context), "how": "roofline"}
+        else:
+            bar.write(f"== cost table for {s.spec} B={s.batch_size} {'greedy' if s.temperature == 0 else 'sampled'}: "
+                      f"{'calibrating' if a.recalibrate else 'cached or calibrating'}", file=sys.stderr)
+            table, how = calibrate_setting(model, shapes(prompts, s.batch_size, plan)[0], s, plan,
+                                           refresh=a.recalibrate, progress=None if a.quiet else bar.write)
+            out[s.table_key] = {"table": table, "how": how}
+        bar.write("\n".join([f"== cost table ({out[s.table_key]['how']}) for {s.spec} B={s.batch_size} "
+                             f"{'greedy' if s.temperature == 0 else 'sampled'}:", *out[s.table_key]["table"].lines()]),
+                  file=sys.stderr)
+    return out

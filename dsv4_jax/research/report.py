@@ -122,6 +122,22 @@ def aggregate(batch_records: Sequence[dict]) -> dict:
             **aggregate_verification(batch_records), **aggregate_width(batch_records)}
 
 
+def per_category(records: list[dict]) -> dict:
+    out: dict[str, dict] = {}
+    for r in records:
+        c = out.setdefault(r["category"], {"n_requests": 0, "total_predicted": 0, "total_draft": 0,
+                                           "total_draft_accepted": 0, "rounds": 0})
+        c["n_requests"] += 1
+        c["total_predicted"] += r["pred"]
+        c["total_draft"] += r["draft"]
+        c["total_draft_accepted"] += r["acc"]
+        c["rounds"] += r["rounds"]
+    for c in out.values():
+        c["aggregate_accept_rate"] = c["total_draft_accepted"] / c["total_draft"] if c["total_draft"] else 0.0
+        c["mean_accepted_length"] = (c["total_draft_accepted"] + c["rounds"]) / c["rounds"] if c["rounds"] else 0.0
+    return out
+
+
 # ---- acceptance vs output position --------------------------------------------------------------
 
 OUTPUT_BUCKET = 16     # output positions per bucket of `by_output_position`

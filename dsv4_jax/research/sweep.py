@@ -41,7 +41,7 @@ from .common import OptionError
 from .models import ModelError, add_model_args, check_model_dir, load_model
 from . import prompts as prompts_mod
 from .prompts import PromptError
-from .runner import (BASELINE, SPEC_TYPES, SweepPlan, Setting, batches, calibrate_setting, effective_draft_n_max,
+from .runner import (BASELINE, SPEC_TYPES, SweepPlan, Setting, batches, effective_draft_n_max,
                      grid_settings, merge_runs, per_sequence, plan_shapes, pool_for, precompile, run_batch, shapes,
                      warm_up)
 
@@ -173,32 +173,6 @@ def aggregate_line(s: dict) -> str:
             f"mean_acc_len={s['mean_accepted_length']:.2f}{sp}")
 
 
-def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: SweepPlan, a, bar) -> dict:
-    """The cost table of every auto setting's (drafter, batch size, greedy) (`Setting.table_key`): --cost-table's,
-    --roofline's (`common.roofline_table` at the prompts' mean length + half the new tokens), or the cached /
-    measured calibration of the setting's own program at its first batch shape; each printed when obtained.
-    -> {key: {"table": CostTable, "how": "given" | "roofline" | "cached" | "measured"}}."""
-    out = {}
-    for s in settings:
-        if not s.auto or s.table_key in out:
-            continue
-        if a.cost_table_obj is not None:
-            out[s.table_key] = {"table": a.cost_table_obj, "how": "given"}
-        elif a.roofline is not None:
-            context = common.run_context([len(p["tokens"]) for p in prompts], [plan.max_new_tokens])
-            out[s.table_key] = {"table": common.roofline_table(model, s, a.roofline, context), "how": "roofline"}
-        else:
-            bar.write(f"== cost table for {s.spec} B={s.batch_size} {'greedy' if s.temperature == 0 else 'sampled'}: "
-                      f"{'calibrating' if a.recalibrate else 'cached or calibrating'}", file=sys.stderr)
-            table, how = calibrate_setting(model, shapes(prompts, s.batch_size, plan)[0], s, plan,
-                                           refresh=a.recalibrate, progress=None if a.quiet else bar.write)
-            out[s.table_key] = {"table": table, "how": how}
-        bar.write("\n".join([f"== cost table ({out[s.table_key]['how']}) for {s.spec} B={s.batch_size} "
-                             f"{'greedy' if s.temperature == 0 else 'sampled'}:", *out[s.table_key]["table"].lines()]),
-                  file=sys.stderr)
-    return out
-
-
 def time_settings(model, prompts: list[dict], settings: Sequence[Setting], plan: SweepPlan, repeats: int, bar,
                   tables: dict, interleaved: bool = True) -> tuple[list, list]:
     """Warm up every setting's batch shapes, then time every batch `repeats` times. interleaved (default): in
@@ -267,22 +241,6 @@ def prompt_record(model, p: dict, setting: Setting, seq: dict, r: dict, b: int) 
     if model.decode is not None:
         rec["output_text"] = model.decode(r["tokens"][b])
     return rec
-
-
-def per_category(records: list[dict]) -> dict:
-    out: dict[str, dict] = {}
-    for r in records:
-        c = out.setdefault(r["category"], {"n_requests": 0, "total_predicted": 0, "total_draft": 0,
-                                           "total_draft_accepted": 0, "rounds": 0})
-        c["n_requests"] += 1
-        c["total_predicted"] += r["pred"]
-        c["total_draft"] += r["draft"]
-        c["total_draft_accepted"] += r["acc"]
-        c["rounds"] += r["rounds"]
-    for c in out.values():
-        c["aggregate_accept_rate"] = c["total_draft_accepted"] / c["total_draft"] if c["total_draft"] else 0.0
-        c["mean_accepted_length"] = (c["total_draft_accepted"] + c["rounds"]) / c["rounds"] if c["rounds"] else 0.0
-    return out
 
 
 def add_by_output_position(row: dict, records: list[dict], bucket: int) -> None:
@@ -421,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.compile_threads and model.sharding is None else None
         if pre:
             log(f"== compiled {pre['programs']} programs in {pre['wall_s']:.1f} s ({a.compile_threads} at a time)")
-        tables = cost_tables(model, prompts, settings, plan, a, bar)
+        tables = common.cost_tables(model, prompts, settings, plan, a, bar)
         runs, warms = time_settings(model, prompts, settings, plan, a.repeats, bar, tables, a.order == "interleaved")
         all_records, rows, baselines = [], [], {}
         for setting, setting_runs, warm in zip(settings, runs, warms):
@@ -430,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if setting.spec == BASELINE:
                 baselines[setting.group] = records
             row = {**setting.as_dict(), "effective_draft_n_max": effective_draft_n_max(setting, model),
-                   **report.aggregate(batch_records), "warmup_s": warm, "per_category": per_category(records),
+                   **report.aggregate(batch_records), "warmup_s": warm, "per_category": report.per_category(records),
                    "outputs_match_baseline": match_baseline(records, baselines.get(setting.group))}
             if a.by_output_position is not None:
                 add_by_output_position(row, records, a.by_output_position)
@@ -486,6 +444,11 @@ def run_meta(a, argv, model, suite: str, prompts: list[dict], plan: SweepPlan) -
                       "total, with min and max",
             "speedup_baseline": "decode_tokens_per_s (tokens_per_s) / the same of spec 'none' with the same "
                                 "temperature and batch size; _lo/_hi pair the slowest and fastest repeats"}
+
+
+def what_if_main(argv: Sequence[str] | None = None) -> int:
+    """dsv4-whatif: `dsv4-sweep --what-if` (docs/whatif.md)."""
+    return main(["--what-if", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -47,6 +48,7 @@ from ..model.state import init_state
 from ..ops import width
 from ..speculative.generate import generate
 from ..speculative.options import LONG_PROMPT_CHUNK
+from ..speculative import width_policy
 from ..speculative.program import Program
 
 ANCHOR_CHUNK = 256       # anchors per call of the drafter pass (one compiled program for every chunk)
@@ -220,7 +222,6 @@ def replay_auto(path: Path, p: Proposals, b: int, t: int, bound: int, table, max
     (`speculative.width_policy`) and, for a sequential drafter (`Drafter.sequential`: MTP's chain), the chain's
     early stop (`ops.width.keep_drafting`), in the order `speculative.round.speculative_round` runs them.
     -> (trace [[drafted, accepted] per round; plain rounds [0, 0]], tokens emitted, widths chosen [w or −1: plain])."""
-    from ..speculative import width_policy as policy
     k = min(bound, p.drafts.shape[2])
     cost, plain = (jnp.asarray(x) for x in table.costs(k))
     y, drafts, n_rule = path.tokens, p.drafts[b, :, :k], p.n_draft[t, b]
@@ -228,7 +229,7 @@ def replay_auto(path: Path, p: Proposals, b: int, t: int, bound: int, table, max
     per_pos, raw_sum = np.zeros(k, np.int32), np.zeros(k, np.float32)
     rounds = accepted = offered = 0
     predicted = cost_sum = np.float32(0)
-    never = bool(policy.no_width_can_pay(_knobs(cost, plain, k)))
+    never = bool(width_policy.no_width_can_pay(_knobs(cost, plain, k)))
     out, i, trace, widths = 1, 0, [], []
     done = out >= max_new_tokens or y[0] == eos
     while not done and not _switched(never, rounds, accepted, offered, predicted, cost_sum, plain):
@@ -270,11 +271,10 @@ def _knobs(cost, plain, k):
 
 def _switched(never: bool, rounds: int, accepted: int, offered: int, predicted, cost_sum, plain) -> bool:
     """`width_policy.realised_rate_below_plain` at batch 1, before a round (rounds so far, all drafting)."""
-    from ..speculative.width_policy import WARMUP_ROUNDS
     plain = np.float32(plain)
     realised_low = np.float32(rounds + accepted) * plain <= cost_sum
     forecast_low = (predicted * plain <= cost_sum) and offered >= rounds
-    return never or (bool(realised_low) and rounds >= (1 if forecast_low else WARMUP_ROUNDS))
+    return never or (bool(realised_low) and rounds >= (1 if forecast_low else width_policy.WARMUP_ROUNDS))
 
 
 def _accepted(drafts: np.ndarray, target: np.ndarray) -> int:
@@ -301,7 +301,6 @@ def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens:
     and every value of its stop knob, then a walk per setting and prompt (auto: `replay_auto` at batch 1 with
     tables[(spec, batch, True)]). -> (records, one per prompt × setting, like dsv4-sweep's results.jsonl lines;
     {"continuation_s", "target_pass_s", "proposals_s" {drafter: s}, "walk_s"})."""
-    import time
     settings = [s for s in settings if s.drafter is not None]
     if any(s.temperature != 0 for s in settings):
         raise ValueError("what-if computes greedy settings (temperature 0) only")

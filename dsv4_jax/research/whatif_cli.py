@@ -1,4 +1,4 @@
-"""`dsv4-whatif` (= `dsv4-sweep --what-if`): a sweep grid's greedy acceptance from one teacher-forced pass, its
+"""`dsv4-whatif` (= `dsv4-sweep --what-if`, `research.sweep.what_if_main`): a sweep grid's greedy acceptance from one teacher-forced pass, its
 predicted speed from cost tables, and (--compare) a check against a real sweep (docs/whatif.md).
 
 The grid, prompts, model and shared shapes are dsv4-sweep's (same options); instead of timing every setting it
@@ -24,10 +24,12 @@ import sys
 import time
 from typing import Sequence
 
-from ..speculative.cost_table import CostTable, CostTableError, parse_machine
+from ..analysis.roofline import machine as parse_machine
+from ..speculative.cost_table import CostTable, CostTableError
 from . import common, report
 from .common import OptionError
 from .runner import BASELINE, batches
+from .whatif import evaluate
 
 TITLE = "What-if"
 
@@ -69,14 +71,13 @@ def _price_items(a) -> list[str]:
 
 def price_tables(a, model, prompts, settings, plan) -> dict[str, dict]:
     """{name: {(spec, batch, greedy): CostTable}} of --price's files and machines."""
-    from . import sweep
     out = {}
     for item in _price_items(a):
         if os.path.isfile(item):
             t = CostTable.load(item)
             out[os.path.basename(item)] = {key: t for key in _keys(settings)}
         else:
-            tables = sweep.cost_tables(model, prompts, _auto(settings), plan,
+            tables = common.cost_tables(model, prompts, _auto(settings), plan,
                                        dataclasses.replace(_Opts(a), roofline=parse_machine(item)), _Quiet())
             out[item] = {key: v["table"] for key, v in tables.items()}
     return out
@@ -84,7 +85,7 @@ def price_tables(a, model, prompts, settings, plan) -> dict[str, dict]:
 
 @dataclasses.dataclass
 class _Opts:
-    """The options `sweep.cost_tables` reads, for a --price machine."""
+    """The options `common.cost_tables` reads, for a --price machine."""
 
     a: object
     roofline: object = None
@@ -134,7 +135,6 @@ def predicted_speedup(setting, records: Sequence[dict], table: CostTable) -> flo
 
 def rows_of(settings, records: list[dict], tables: dict[str, dict], bucket: int | None) -> list[dict]:
     """One summary row per setting: dsv4-sweep's acceptance fields, predicted speed-up per cost table."""
-    from .sweep import per_category
     rows = []
     for s in settings:
         rs = [r for r in records if r["label"] == s.label]
@@ -152,7 +152,7 @@ def rows_of(settings, records: list[dict], tables: dict[str, dict], bucket: int 
                "emitted_per_round": sum(r["pred"] - 1 for r in rs) / rounds if rounds else 0.0,
                "per_position_accepted": acc, "per_position_proposed": prop,
                "per_position_accept_rate": [a / p if p else 0.0 for a, p in zip(acc, prop)],
-               "per_category": per_category(rs),
+               "per_category": report.per_category(rs),
                "predicted_speedup": {name: predicted_speedup(s, rs, t[s.table_key]) for name, t in tables.items()
                                      if s.table_key in t}}
         if s.auto:
@@ -320,12 +320,10 @@ def plot(rows: list[dict], names: list[str], out_dir: str, title: str) -> list[s
 
 def run(a, argv, model, suite: str, prompts: list[dict], settings, plan) -> int:
     """dsv4-sweep --what-if's body (sweep.main hands over after its checks and shared shapes)."""
-    from . import sweep
-    from .whatif import evaluate
     t0 = time.perf_counter()
     bar = common.progress(0, True, "what-if")
     t_tables = time.perf_counter()
-    own = sweep.cost_tables(model, prompts, _auto(settings), plan, a, bar)
+    own = common.cost_tables(model, prompts, _auto(settings), plan, a, bar)
     name = "given" if a.cost_table_obj is not None else (f"roofline {a.roofline.name}" if a.roofline is not None
                                                          else "this machine")
     tables = {name: {key: v["table"] for key, v in own.items()}, **price_tables(a, model, prompts, settings, plan)}
@@ -364,12 +362,3 @@ def _speed(sweep_dir: str, rows: list[dict], name: str) -> list[dict]:
         measured = {r["label"]: r.get("decode_speedup") for r in json.load(f)["settings"]}
     return [{"label": r["label"], "predicted": r["predicted_speedup"][name], "measured": measured[r["label"]]}
             for r in rows if measured.get(r["label"]) is not None and r["predicted_speedup"].get(name) is not None]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from . import sweep
-    return sweep.main(["--what-if", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,12 +2,12 @@
 w = 0..K drafts with a drafter, and per plain decoding round — measured on this machine by a short
 calibration (cached with the machine, shapes and versions), read from a `dsv4-aot` report (roofline
 times of a TPU topology), priced by a bandwidth roofline of a named machine (`roofline`: bytes from the
-abstract shapes ÷ its bandwidth + a fixed cost per round, `speculative.roofline`), or given as a JSON file.
+abstract shapes ÷ its bandwidth + a fixed cost per round, `analysis.roofline.table`), or given as a JSON file.
 
     table = cost_table.calibrate(params, config, prepared)           # a prepared auto run (generate.prepare)
     table = cost_table.cached_or_calibrate(params, config, prepared)  # the same, cached under ~/.cache
     table, how = engine.calibrate()                                   # a continuous-batching engine's rounds
-    table = cost_table.roofline(config, "mtp", 1, 7, "h100", context=4096)  # no model, no device
+    table = analysis.roofline.table(config, "mtp", 1, 7, "h100", context=4096)  # no model, no device
     table.save("costs.json"); CostTable.load("costs.json")
     table.predicted_speedup(mean_accepted_length, w)
 """
@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..drafters.base import MODE_FIXED, MODE_PLAIN
-from . import roofline as R
 from .loop import decode
 from .prefill import start
 
@@ -169,38 +168,6 @@ def from_aot_report(path: str, drafter: str, weights: str | None = None) -> Cost
                          source=f"aot:{os.path.basename(path)}:{run.get('topology')}:{run.get('weights')}")
     raise CostTableError(f"dsv4-aot report {path}: no run with compiled decode and verify programs"
                          + (f" for weights {weights!r}" if weights else ""))
-
-
-def parse_machine(text: str) -> R.Machine:
-    """A machine for `roofline`: a name of `roofline.MACHINES` ("h100", "h200", "v5e", "v5p", "v6e", ...)
-    or "NAME:GBPS[:FIXED_US]"; CostTableError naming the known machines otherwise."""
-    try:
-        return R.parse_machine(text)
-    except ValueError as e:
-        raise CostTableError(str(e)) from None
-
-
-def roofline(config, drafter: str, batch: int, bound: int, machine: "R.Machine | str", *, context: int,
-             fmt: str = "bf16", dspark_block: int | None = None, drafter_specs=None) -> CostTable:
-    """A table of bandwidth-roofline seconds (docs/width_scheduler.md §4, formulas in `speculative.roofline`):
-    width w = 0..bound costs (bytes of the target's verify of w + 1 tokens per sequence + the drafter's work
-    for w drafts) / the machine's bandwidth + its fixed cost per round; plain the one-token decode's bytes /
-    bandwidth + the fixed cost. batch sequences at `context` committed tokens, weights in traffic's format
-    `fmt`; dspark_block: DSpark's block size γ; drafter_specs: the drafter's ParamSpec tree (default its
-    released shapes, `roofline.default_specs`; a loaded model's: `roofline.specs_of`). Abstract shapes
-    only. CostTableError for an unknown machine, drafter or format."""
-    m = machine if isinstance(machine, R.Machine) else parse_machine(machine)
-    try:
-        b = R.round_bytes(config, drafter, batch, bound, context=context, fmt=fmt, dspark_block=dspark_block,
-                          specs=drafter_specs)
-    except ValueError as e:
-        raise CostTableError(f"roofline: {e}") from None
-    key = {"roofline": {"machine": m.name, "gbps": m.gbps, "fixed_us": m.fixed_us, "machine_source": m.source,
-                        "format": fmt, "context": context,
-                        "dspark_block": (dspark_block or R.DSPARK_BLOCK) if drafter == "dspark" else None,
-                        "plain_bytes": b["plain"], "bytes": list(b["rounds"]), "drafter_bytes": list(b["drafter"])}}
-    return CostTable(seconds=tuple(m.seconds(x) for x in b["rounds"]), plain_seconds=m.seconds(b["plain"]),
-                     drafter=drafter, batch=batch, source=f"roofline {m.name}", key=key)
 
 
 def roofline_text(r: dict) -> str:

@@ -1,7 +1,7 @@
 """Bandwidth-roofline prices of speculative rounds (docs/width_scheduler.md §4): the bytes a round must read,
 from the abstract parameter shapes, ÷ a machine's read bandwidth + a fixed cost per round. Nothing is
-allocated or compiled. `cost_table.roofline` turns them into a `CostTable`; this module holds the machines
-and the byte counts (it imports nothing of `speculative`, so `cost_table` may import it).
+allocated or compiled. `table` turns them into a `speculative.cost_table.CostTable`; this module holds the machines
+and the byte counts (in `analysis`: `speculative` imports nothing above it).
 
 Notation: B sequences, context C committed tokens, w drafts verified (w = 0..K), weight format f
 (`analysis.traffic.FORMATS`), β the machine's read bandwidth (bytes/s), t₀ its fixed cost per round (s),
@@ -54,11 +54,12 @@ import dataclasses
 import math
 import re
 
-from ..analysis import traffic
-from ..analysis.aot import bounds
-from ..analysis.aot.chips import ALIASES, CHIPS
+from . import traffic
+from .aot import bounds
+from .aot.chips import ALIASES, CHIPS
 from ..config import ModelConfig
 from ..model import params as P
+from ..speculative.cost_table import CostTable, CostTableError
 
 DEFAULT_FIXED_US = 30.0           # fixed cost per round, µs (assumed: module docstring)
 CACHE_ITEMSIZE = 2                # bf16 window / context rows
@@ -218,3 +219,37 @@ def round_bytes(config: ModelConfig, drafter: str, batch: int, bound: int, *, co
              for w in range(bound + 1)]
     rounds = tuple(target_bytes(config, fmt, batch, context, w + 1) + draft[w] for w in range(bound + 1))
     return {"plain": target_bytes(config, fmt, batch, context, 1), "rounds": rounds, "drafter": tuple(draft)}
+
+
+# ---- as a cost table (`speculative.cost_table.CostTable`) -----------------------------------------------
+
+def machine(text: str) -> Machine:
+    """A machine for `table`: a name of `MACHINES` ("h100", "h200", "v5e", "v5p", "v6e", ...)
+    or "NAME:GBPS[:FIXED_US]"; CostTableError naming the known machines otherwise."""
+    try:
+        return parse_machine(text)
+    except ValueError as e:
+        raise CostTableError(str(e)) from None
+
+
+def table(config, drafter: str, batch: int, bound: int, machine_: "Machine | str", *, context: int,
+          fmt: str = "bf16", dspark_block: int | None = None, drafter_specs=None) -> CostTable:
+    """A table of bandwidth-roofline seconds (docs/width_scheduler.md §4, formulas in the module docstring):
+    width w = 0..bound costs (bytes of the target's verify of w + 1 tokens per sequence + the drafter's work
+    for w drafts) / the machine's bandwidth + its fixed cost per round; plain the one-token decode's bytes /
+    bandwidth + the fixed cost. batch sequences at `context` committed tokens, weights in traffic's format
+    `fmt`; dspark_block: DSpark's block size γ; drafter_specs: the drafter's ParamSpec tree (default its
+    released shapes, `default_specs`; a loaded model's: `specs_of`). Abstract shapes
+    only. CostTableError for an unknown machine, drafter or format."""
+    m = machine_ if isinstance(machine_, Machine) else machine(machine_)
+    try:
+        b = round_bytes(config, drafter, batch, bound, context=context, fmt=fmt, dspark_block=dspark_block,
+                          specs=drafter_specs)
+    except ValueError as e:
+        raise CostTableError(f"roofline: {e}") from None
+    key = {"roofline": {"machine": m.name, "gbps": m.gbps, "fixed_us": m.fixed_us, "machine_source": m.source,
+                        "format": fmt, "context": context,
+                        "dspark_block": (dspark_block or DSPARK_BLOCK) if drafter == "dspark" else None,
+                        "plain_bytes": b["plain"], "bytes": list(b["rounds"]), "drafter_bytes": list(b["drafter"])}}
+    return CostTable(seconds=tuple(m.seconds(x) for x in b["rounds"]), plain_seconds=m.seconds(b["plain"]),
+                     drafter=drafter, batch=batch, source=f"roofline {m.name}", key=key)
