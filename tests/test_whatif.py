@@ -12,6 +12,7 @@ import pytest
 
 import dsv4_jax as d
 from dsv4_jax.drafters import registry
+from dsv4_jax.drafters.precision import drafter_at_precision
 from dsv4_jax.research import whatif as W
 from dsv4_jax.research.models import bundled
 from dsv4_jax.speculative.cost_table import CostTable
@@ -77,6 +78,20 @@ def test_auto_replay_equals_the_schedulers_rounds(run, drafter):
         assert len(widths) == len(trace) and out == N
 
 
+def test_a_quantized_drafters_rounds_equal_the_loops_with_that_drafter(run):
+    """The drafter precision axis: proposals of the MTP drafter stored as fp8 (`drafters.precision`), the target
+    pass reused, walk to the rounds the loop runs with those weights."""
+    model, prompts, paths, _ = run
+    fp8 = drafter_at_precision(model.params, "mtp", "fp8")
+    target = W.target_pass(model.params, model.config, paths, ())
+    p = W.proposals(fp8, model.bundle, paths, "mtp", K, N, (0.0,), target=target)
+    g = d.generate(fp8, model.bundle, prompts, N, drafter="mtp", draft_n_max=K, round_trace=True, eos_token_id=-1,
+                   pad_to=48, max_len=48 + N + K + 1, max_block=K + 1, dynamic_draft_n=True)
+    for b, path in enumerate(paths):
+        trace, _ = W.walk(path, p.drafts[b], p.n_draft[0, b], K, N)
+        assert trace == [[x, y] for x, y in zip(g.stats["per_round_drafted"][b], g.stats["per_round_accepted"][b])]
+
+
 def test_a_window_of_committed_rows_gives_the_same_proposals_as_all_of_them(run):
     """`Drafter.context_rows`: MTP and DSpark fed only the last sliding_window committed positions propose what
     they propose after observing the whole sequence."""
@@ -138,7 +153,8 @@ def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
     table = tmp_path / "costs.json"
     CostTable(seconds=(1.5, 2.0, 2.5), plain_seconds=1.0).save(str(table))
     subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(out), "--compare",
-                    str(sweep), "--cost-table", str(table), "--price", "h100", *common], check=True,
+                    str(sweep), "--cost-table", str(table), "--price", "h100", "--drafter-precision", "as-loaded,bf16",
+                    *common], check=True,
                    capture_output=True, timeout=900)
     summary = json.loads((out / "summary.json").read_text())
     cmp_ = summary["compare"]
@@ -150,6 +166,7 @@ def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
         (r["total_predicted"] - 3) / (r["rounds"] * 2.5), rel=1e-9)
     assert r["predicted_speedup"]["h100"] > 0
     assert any(b["spec_type"] == "best" for b in summary["best"])
+    assert rows["dspark k=1 conf=0 T=0 B=1 prec=bf16"]["n_requests"] == 3
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert all(sum(a + 1 for _, a in x["round_trace"]) + 1 >= x["pred"] for x in lines)
     bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(tmp_path / "x"),

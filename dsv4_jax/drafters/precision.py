@@ -61,7 +61,8 @@ import jax.numpy as jnp
 from ..model import params as P
 from ..ops import quant
 
-PRECISIONS = ("as-loaded", "f32", "bf16", "fp8", "int8")
+AS_LOADED = "as-loaded"
+PRECISIONS = (AS_LOADED, "f32", "bf16", "fp8", "int8")
 DRAFTERS = ("mtp", "dspark")                  # each is its params key
 CASTS = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 QUANTIZED = {"fp8": quant.FP8, "int8": quant.Q8_0}
@@ -128,7 +129,7 @@ def drafter_at_precision(params: dict, drafter: str, precision: str) -> dict:
         raise ValueError(f"unknown drafter precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     if not params.get(drafter):
         raise ValueError(f"params hold no {drafter} weights (params[{drafter!r}]); keys: {sorted(params)}")
-    if precision == "as-loaded":
+    if precision == AS_LOADED:
         return params
     compute = params["embed"].dtype if "embed" in params else None
     if precision in CASTS and compute is not None and jnp.promote_types(CASTS[precision], compute) != compute:

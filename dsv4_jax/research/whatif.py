@@ -43,6 +43,7 @@ from ..bundle import unbundle
 from ..config import ModelConfig
 from ..drafters import registry
 from ..drafters.base import Knobs
+from ..drafters.precision import AS_LOADED, drafter_at_precision
 from ..model.decode import advance, process_block
 from ..model.state import init_state
 from ..ops import width
@@ -295,12 +296,15 @@ def _emit(y: np.ndarray, i: int, a: int, out: int, max_new_tokens: int, eos: int
 # ---- a grid of settings ---------------------------------------------------------------------------------
 
 def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens: int, eos: int = -1,
-             tables: dict | None = None, progress=print) -> tuple[list[dict], dict]:
+             tables: dict | None = None, progress=print, precisions: Sequence[str] = (AS_LOADED,)
+             ) -> tuple[list[dict], dict]:
     """Every greedy setting (`research.runner.Setting`, spec != "none") on the prompts ({"id", "category",
-    "tokens"}): one continuation per prompt, one target pass, one proposal pass per drafter at its widest width
-    and every value of its stop knob, then a walk per setting and prompt (auto: `replay_auto` at batch 1 with
-    tables[(spec, batch, True)]). -> (records, one per prompt × setting, like dsv4-sweep's results.jsonl lines;
-    {"continuation_s", "target_pass_s", "proposals_s" {drafter: s}, "walk_s"})."""
+    "tokens"}): one continuation per prompt, one target pass, one proposal pass per drafter and drafter precision
+    (`drafters.precision.drafter_at_precision`: the drafter's weights stored so, the target as loaded) at its
+    widest width and every value of its stop knob, then a walk per setting, precision and prompt (auto:
+    `replay_auto` at batch 1 with tables[(spec, batch, True)]). -> (records, one per prompt × setting ×
+    precision, like dsv4-sweep's results.jsonl lines, "drafter_precision" and the label's " prec=…" naming
+    the precision; {"continuation_s", "target_pass_s", "proposals_s" {drafter[@precision]: s}, "walk_s"})."""
     settings = [s for s in settings if s.drafter is not None]
     if any(s.temperature != 0 for s in settings):
         raise ValueError("what-if computes greedy settings (temperature 0) only")
@@ -318,16 +322,19 @@ def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens:
     progress(f"what-if: target pass in {t2 - t1:.1f} s")
     props, prop_s = {}, {}
     for spec, k in widest.items():
-        t = time.perf_counter()
-        knob = registry.get(spec).stop_knob
-        values = sorted({getattr(s, knob) for s in settings if s.spec == spec}) if knob else [0.0]
-        props[spec] = proposals(model.params, model.bundle, paths, spec, k, max_new_tokens, values, target=target)
-        prop_s[spec] = time.perf_counter() - t
-        progress(f"what-if: {spec} proposals (k={k}, {len(values)} threshold(s)) in {prop_s[spec]:.1f} s")
+        for prec in precisions:
+            t = time.perf_counter()
+            knob = registry.get(spec).stop_knob
+            values = sorted({getattr(s, knob) for s in settings if s.spec == spec}) if knob else [0.0]
+            params = model.params if prec == AS_LOADED else drafter_at_precision(model.params, spec, prec)
+            props[spec, prec] = proposals(params, model.bundle, paths, spec, k, max_new_tokens, values, target=target)
+            name = spec if prec == AS_LOADED else f"{spec}@{prec}"
+            prop_s[name] = time.perf_counter() - t
+            progress(f"what-if: {name} proposals (k={k}, {len(values)} threshold(s)) in {prop_s[name]:.1f} s")
     t3 = time.perf_counter()
     records = []
-    for s in settings:
-        p = props[s.spec]
+    for s, prec in ((s, prec) for prec in precisions for s in settings):
+        p = props[s.spec, prec]
         knob = registry.get(s.spec).stop_knob
         t_index = p.thresholds.index(getattr(s, knob)) if knob else 0
         for b, (prompt, path) in enumerate(zip(prompts, paths)):
@@ -340,17 +347,24 @@ def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens:
                                                  registry.get(s.spec).sequential)
             else:
                 trace, out = walk(path, p.drafts[b], p.n_draft[t_index, b], s.draft_n_max, max_new_tokens, eos)
-            records.append(record(s, prompt, path, trace, out, widths))
+            records.append(record(s, prompt, path, trace, out, widths, prec))
     walk_s = time.perf_counter() - t3
     return records, {"continuation_s": t1 - t0, "target_pass_s": t2 - t1, "proposals_s": prop_s, "walk_s": walk_s,
                      "paths": paths, "target": target, "proposals": props}
 
 
-def record(setting, prompt: dict, path: Path, trace: list, out: int, widths: list | None) -> dict:
+def label(setting, precision: str = AS_LOADED) -> str:
+    """A what-if setting's label: the sweep's, and the drafter's precision unless as loaded."""
+    return setting.label + ("" if precision == AS_LOADED else f" prec={precision}")
+
+
+def record(setting, prompt: dict, path: Path, trace: list, out: int, widths: list | None,
+           precision: str = AS_LOADED) -> dict:
     """One results.jsonl line of a what-if setting and prompt (dsv4-sweep's fields where they apply)."""
     draft, acc, rounds = sum(d for d, _ in trace), sum(a for _, a in trace), len(trace)
     K = max(setting.draft_n_max, 1)
-    rec = {**setting.as_dict(), "id": prompt["id"], "category": prompt["category"],
+    rec = {**setting.as_dict(), "label": label(setting, precision), "drafter_precision": precision,
+           "id": prompt["id"], "category": prompt["category"],
            "prompt_tokens": len(prompt["tokens"]), "pred": out, "draft": draft, "acc": acc, "rounds": rounds,
            "rate": acc / draft if draft else 0.0,
            "mean_accepted_length": (acc + rounds) / rounds if rounds else 0.0,

@@ -25,11 +25,12 @@ import time
 from typing import Sequence
 
 from ..analysis.roofline import machine as parse_machine
+from ..drafters.precision import AS_LOADED, PRECISIONS
 from ..speculative.cost_table import CostTable, CostTableError
 from . import common, report
 from .common import OptionError
 from .runner import BASELINE, batches
-from .whatif import evaluate
+from .whatif import evaluate, label
 
 TITLE = "What-if"
 
@@ -42,6 +43,11 @@ def add_args(p) -> None:
     g.add_argument("--price", metavar="TABLES",
                    help="--what-if: more cost tables to predict with, comma-separated: cost table JSON files or "
                         "roofline machines (h100, h200, v5e, v5p, v6e, NAME:GBPS[:FIXED_US])")
+    g.add_argument("--drafter-precision", default=AS_LOADED, metavar="P",
+                   help=f"--what-if: the drafter's weights stored at each of these precisions, the target as loaded "
+                        f"(comma-separated of {', '.join(PRECISIONS)}; `drafters.precision`): acceptance per "
+                        f"precision from the same target pass (default {AS_LOADED}); predictions use the run's cost "
+                        "tables")
     g.add_argument("--compare", metavar="SWEEP_DIR",
                    help="--what-if: compare with a dsv4-sweep output directory of the same grid (its "
                         "results.jsonl; run it with --by-output-position to compare every round)")
@@ -49,10 +55,15 @@ def add_args(p) -> None:
 
 def check(a) -> None:
     """What-if option checks before any model work (raises OptionError)."""
+    a.precisions = [t.strip().lower() for t in a.drafter_precision.split(",") if t.strip()]
     if not a.what_if:
-        if a.price or a.compare:
-            raise OptionError("--price and --compare need --what-if")
+        if a.price or a.compare or a.precisions != [AS_LOADED]:
+            raise OptionError("--price, --compare and --drafter-precision need --what-if")
         return
+    bad = [p for p in a.precisions if p not in PRECISIONS]
+    if bad or not a.precisions:
+        raise OptionError(f"--drafter-precision: unknown {bad or [a.drafter_precision]}; choose from "
+                          f"{', '.join(PRECISIONS)}")
     if any(t != 0 for t in common.float_list(a.temperature, "--temperature", 0.0)):
         raise OptionError("--what-if computes greedy settings only (--temperature 0)")
     if a.compare and not os.path.isfile(os.path.join(a.compare, "results.jsonl")):
@@ -136,15 +147,15 @@ def predicted_speedup(setting, records: Sequence[dict], table: CostTable) -> flo
 def rows_of(settings, records: list[dict], tables: dict[str, dict], bucket: int | None) -> list[dict]:
     """One summary row per setting: dsv4-sweep's acceptance fields, predicted speed-up per cost table."""
     rows = []
-    for s in settings:
-        rs = [r for r in records if r["label"] == s.label]
+    for s, prec in ((s, prec) for prec in dict.fromkeys(r["drafter_precision"] for r in records) for s in settings):
+        rs = [r for r in records if r["label"] == label(s, prec)]
         if not rs:
             continue
         K = max(len(r["per_position_accepted"]) for r in rs)
         acc = [sum(r["per_position_accepted"][j] for r in rs if j < len(r["per_position_accepted"])) for j in range(K)]
         prop = [sum(r["per_position_proposed"][j] for r in rs if j < len(r["per_position_proposed"])) for j in range(K)]
         draft, accepted, rounds = (sum(r[k] for r in rs) for k in ("draft", "acc", "rounds"))
-        row = {**s.as_dict(), "n_requests": len(rs), "total_predicted": sum(r["pred"] for r in rs),
+        row = {**s.as_dict(), "label": label(s, prec), "drafter_precision": prec, "n_requests": len(rs), "total_predicted": sum(r["pred"] for r in rs),
                "total_draft": draft, "total_draft_accepted": accepted, "rounds": rounds,
                "aggregate_accept_rate": accepted / draft if draft else 0.0,
                "mean_accepted_length": (accepted + rounds) / rounds if rounds else 0.0,
@@ -196,13 +207,15 @@ def why_lines(rows: list[dict], tables: dict[str, dict]) -> list[str]:
         groups: dict[tuple, list] = {}
         for r in rows:
             if not r["draft_n_max"] == "auto" and r["predicted_speedup"].get(name) is not None:
-                groups.setdefault((r["spec_type"], report.knob_text(r), r["batch_size"]), []).append(r)
-        for (spec, knob, b), rs in groups.items():
+                groups.setdefault((r["spec_type"], report.knob_text(r), r["batch_size"], r["drafter_precision"]),
+                                  []).append(r)
+        for (spec, knob, b, prec), rs in groups.items():
             t = ts[(spec, b, True)]
             parts = [f"k={r['draft_n_max']} needs {t.break_even(r['draft_n_max']):.2f} tokens/round, emits "
                      f"{r['emitted_per_round']:.2f} ({'pays' if r['predicted_speedup'][name] > 1 else 'loses'})"
                      for r in sorted(rs, key=lambda r: r["draft_n_max"])]
-            out.append(f"- {name}: **{spec}**{'' if knob == '–' else ' ' + knob} B={b}: " + "; ".join(parts))
+            out.append(f"- {name}: **{spec}**{'' if prec == AS_LOADED else ' (' + prec + ')'}"
+                       f"{'' if knob == '–' else ' ' + knob} B={b}: " + "; ".join(parts))
     return out
 
 
@@ -269,10 +282,10 @@ def markdown(summary: dict) -> str:
              + f", walks {meta['timing']['walk_s']:.2f} s; cost tables {meta['tables_s']:.1f} s",
              "", "Every setting's accepted drafts are computed exactly from one teacher-forced pass (docs/whatif.md); "
              "speed-ups are predicted from the cost tables (rounds × seconds per round vs plain decoding).", ""]
-    header = ["spec", "k", "knob", "B", "n", "drafted", "accepted", "accept_rate", "mean_acc_len", "rounds",
+    header = ["spec", "k", "knob", "drafter", "B", "n", "drafted", "accepted", "accept_rate", "mean_acc_len", "rounds",
               "per-position accept"] + [f"predicted ({n})" for n in names]
     body = [[r["spec_type"], r["draft_n_max"] if r["draft_n_max"] != "auto" else f"auto≤{r['draft_n_max_bound']}",
-             report.knob_text(r), r["batch_size"], r["n_requests"], r["total_draft"], r["total_draft_accepted"],
+             report.knob_text(r), r["drafter_precision"], r["batch_size"], r["n_requests"], r["total_draft"], r["total_draft_accepted"],
              f"{r['aggregate_accept_rate']:.3f}", f"{r['mean_accepted_length']:.3f}", r["rounds"],
              " ".join(f"{x:.2f}" for x in r["per_position_accept_rate"])]
             + [("–" if r["predicted_speedup"].get(n) is None else f"{r['predicted_speedup'][n]:.2f}×") for n in names]
@@ -331,7 +344,7 @@ def run(a, argv, model, suite: str, prompts: list[dict], settings, plan) -> int:
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr))
     records, timing = evaluate(model, prompts, settings, plan.max_new_tokens,
                                plan.eos_token_id if plan.eos_token_id is not None else model.config.eos_token_id,
-                               tables[name], log)
+                               tables[name], log, a.precisions)
     rows = rows_of(settings, records, tables, a.by_output_position)
     summary = {"meta": {"tool": "dsv4-whatif", "env": report.environment("dsv4-sweep", argv),
                         "model": model.describe(), "suite": suite, "n_prompts": len(prompts),
