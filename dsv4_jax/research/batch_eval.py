@@ -394,13 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "untimed warm-up per setting that compiles every program"},
                    "settings": report.add_width_predictions(
                        rows, {key: t["table"] for key, t in tables.items()}, a.cost_table_obj)}
-        report.write_jsonl(f"{tmp}/results.jsonl", records)
         if not a.no_plots:
             summary["meta"]["plots"] = report.plot_batch_eval(rows, tmp, model.name) + report.verification_plots(
                 [{**r, "label": f"{r['label']} {r['schedule']}"} for r in rows], tmp, model.name)
-        report.write_json(f"{tmp}/batch_eval.json", summary)
-        with open(f"{tmp}/batch_eval.md", "w", encoding="utf-8") as f:
-            f.write(markdown(summary))
+        report.write_outputs(tmp, records, summary, markdown(summary),
+                             ("results.jsonl", "batch_eval.json", "batch_eval.md"))
     if not a.quiet:
         print(markdown(summary))
     print(f"dsv4-batch-eval: wrote {a.out}/batch_eval.json, batch_eval.md, results.jsonl", file=sys.stderr)

@@ -806,6 +806,16 @@ def atomic_dir(path: str):
         d.commit()
 
 
+def write_outputs(out_dir: str, records: Iterable[dict], summary: dict, markdown: str,
+                  names: tuple[str, str, str] = ("results.jsonl", "summary.json", "summary.md")) -> None:
+    """A tool's three files in out_dir (`atomic_dir`'s temporary one): its per-prompt records (JSON lines), its
+    summary (JSON) and the summary as markdown."""
+    write_jsonl(f"{out_dir}/{names[0]}", records)
+    write_json(f"{out_dir}/{names[1]}", summary)
+    with open(f"{out_dir}/{names[2]}", "w", encoding="utf-8") as f:
+        f.write(markdown)
+
+
 def write_json(path: str, obj) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)

@@ -26,7 +26,7 @@ from typing import Sequence
 
 from ..analysis.roofline import machine as parse_machine
 from ..drafters.precision import AS_LOADED, PRECISIONS
-from ..speculative.cost_table import CostTable, CostTableError
+from ..speculative.cost_table import CostTable, CostTableError, from_aot_report
 from . import common, report
 from .common import OptionError
 from .runner import BASELINE, batches
@@ -41,8 +41,9 @@ def add_args(p) -> None:
                    help="compute every greedy setting's rounds from one teacher-forced pass instead of running it, "
                         "and predict its speed from cost tables (dsv4-whatif)")
     g.add_argument("--price", metavar="TABLES",
-                   help="--what-if: more cost tables to predict with, comma-separated: cost table JSON files or "
-                        "roofline machines (h100, h200, v5e, v5p, v6e, NAME:GBPS[:FIXED_US])")
+                   help="--what-if: more cost tables to predict with, comma-separated: cost table JSON files, "
+                        "dsv4-aot JSON reports (their roofline seconds, `cost_table.from_aot_report`) or roofline "
+                        "machines (h100, h200, v5e, v5p, v6e, NAME:GBPS[:FIXED_US])")
     g.add_argument("--drafter-precision", default=AS_LOADED, metavar="P",
                    help=f"--what-if: the drafter's weights stored at each of these precisions, the target as loaded "
                         f"(comma-separated of {', '.join(PRECISIONS)}; `drafters.precision`): acceptance per "
@@ -69,7 +70,9 @@ def check(a) -> None:
     if a.compare and not os.path.isfile(os.path.join(a.compare, "results.jsonl")):
         raise OptionError(f"--compare: {a.compare} has no results.jsonl (a dsv4-sweep output directory)")
     for item in _price_items(a):
-        if not os.path.isfile(item):
+        if os.path.isfile(item):
+            _file_table(item, "mtp")
+        else:
             try:
                 parse_machine(item)
             except CostTableError as e:
@@ -85,13 +88,23 @@ def price_tables(a, model, prompts, settings, plan) -> dict[str, dict]:
     out = {}
     for item in _price_items(a):
         if os.path.isfile(item):
-            t = CostTable.load(item)
-            out[os.path.basename(item)] = {key: t for key in _keys(settings)}
+            out[os.path.basename(item)] = {key: _file_table(item, key[0]) for key in _keys(settings)}
         else:
             tables = common.cost_tables(model, prompts, _auto(settings), plan,
                                        dataclasses.replace(_Opts(a), roofline=parse_machine(item)), _Quiet())
             out[item] = {key: v["table"] for key, v in tables.items()}
     return out
+
+
+def _file_table(path: str, drafter: str) -> CostTable:
+    """A cost table file, or a `dsv4-aot` JSON report's table for drafter (`cost_table.from_aot_report`)."""
+    try:
+        return CostTable.load(path)
+    except CostTableError as e:
+        try:
+            return from_aot_report(path, drafter)
+        except CostTableError as e2:
+            raise OptionError(f"--price {path}: neither a cost table ({e}) nor a dsv4-aot report ({e2})") from None
 
 
 @dataclasses.dataclass
@@ -257,7 +270,7 @@ def _difference(real: dict, mine: dict, ev: dict, b: int) -> dict:
     i = 0
     for r, (x, y) in enumerate(zip(trace, mine["round_trace"])):
         if list(x) != y:
-            p, path = ev["proposals"][real["spec_type"]], ev["paths"][b]
+            p, path = ev["proposals"][real["spec_type"], AS_LOADED], ev["paths"][b]
             P = len(path.prompt)
             out.update(round=r, anchor=i, sweep_round=list(x), what_if_round=y,
                        drafter_margin=[float(m) for m in p.margin[b, i]],
@@ -336,10 +349,12 @@ def run(a, argv, model, suite: str, prompts: list[dict], settings, plan) -> int:
     t0 = time.perf_counter()
     bar = common.progress(0, True, "what-if")
     t_tables = time.perf_counter()
-    own = common.cost_tables(model, prompts, _auto(settings), plan, a, bar)
+    own = {key: v["table"] for key, v in common.cost_tables(model, prompts, _auto(settings), plan, a, bar).items()}
     name = "given" if a.cost_table_obj is not None else (f"roofline {a.roofline.name}" if a.roofline is not None
                                                          else "this machine")
-    tables = {name: {key: v["table"] for key, v in own.items()}, **price_tables(a, model, prompts, settings, plan)}
+    if a.compare:      # replay the sweep's auto settings with the tables its runs used
+        own.update(_sweep_tables(a.compare))
+    tables = {name: own, **price_tables(a, model, prompts, settings, plan)}
     tables_s = time.perf_counter() - t_tables
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr))
     records, timing = evaluate(model, prompts, settings, plan.max_new_tokens,
@@ -357,16 +372,21 @@ def run(a, argv, model, suite: str, prompts: list[dict], settings, plan) -> int:
         summary["compare"]["speed"] = _speed(a.compare, rows, name)
     summary["meta"]["wall_s"] = time.perf_counter() - t0
     with report.atomic_dir(a.out) as tmp:
-        report.write_jsonl(f"{tmp}/results.jsonl", records)
         if not a.no_plots:
             summary["meta"]["plots"] = plot(rows, list(tables), tmp, model.name)
-        report.write_json(f"{tmp}/summary.json", summary)
-        with open(f"{tmp}/summary.md", "w", encoding="utf-8") as f:
-            f.write(markdown(summary))
+        report.write_outputs(tmp, records, summary, markdown(summary))
     if not a.quiet:
         print(markdown(summary))
     print(f"dsv4-whatif: wrote {a.out}/summary.json, summary.md, results.jsonl", file=sys.stderr)
     return 0
+
+
+def _sweep_tables(sweep_dir: str) -> dict:
+    """The cost tables a dsv4-sweep's auto settings ran with (its summary.json's meta), by (spec, batch, greedy)."""
+    with open(os.path.join(sweep_dir, "summary.json"), encoding="utf-8") as f:
+        meta = json.load(f)["meta"]
+    return {(t["spec_type"], t["batch_size"], t["greedy"]): CostTable.from_json(t["table"])
+            for t in meta.get("cost_tables") or []}
 
 
 def _speed(sweep_dir: str, rows: list[dict], name: str) -> list[dict]:
