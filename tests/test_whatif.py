@@ -63,6 +63,16 @@ def test_fixed_width_rounds_equal_the_loops_round_by_round(run, drafter, k, thre
         assert out == len(tokens[b]) == N
 
 
+def test_an_ngram_drafter_that_reads_every_committed_token_walks_to_the_loops_rounds(run):
+    """The n-gram drafter needs the whole history (`Drafter.context_rows` None): each anchor is fed all of it."""
+    model, prompts, paths, _ = run
+    p = W.proposals(model.params, model.bundle, paths, "ngram", K, N, (0.0,))
+    want, _ = _loop_rounds(model, prompts, "ngram", draft_n_max=K, eos_token_id=-1, dynamic_draft_n=True)
+    assert any(d for rounds in want for d, _ in rounds)          # it found matches to draft from
+    for b, path in enumerate(paths):
+        assert W.walk(path, p.drafts[b], p.n_draft[0, b], K, N)[0] == want[b]
+
+
 @pytest.mark.parametrize("drafter", ["mtp", "dspark"])
 def test_auto_replay_equals_the_schedulers_rounds(run, drafter):
     """draft_n_max="auto" at batch 1 with a given cost table: the chosen widths, the chain's early stop (MTP) and
