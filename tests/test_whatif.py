@@ -182,3 +182,6 @@ def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(tmp_path / "x"),
                           "--temperature", "0.8", *common], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "greedy" in bad.stderr and not (tmp_path / "x").exists()
+    bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(tmp_path / "x"),
+                          *common, "--spec", "none"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "needs a drafter" in bad.stderr and not (tmp_path / "x").exists()

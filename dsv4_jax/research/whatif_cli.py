@@ -65,6 +65,8 @@ def check(a) -> None:
     if bad or not a.precisions:
         raise OptionError(f"--drafter-precision: unknown {bad or [a.drafter_precision]}; choose from "
                           f"{', '.join(PRECISIONS)}")
+    if not [t for t in common.spec_list(a.spec) if t != BASELINE]:
+        raise OptionError("--what-if needs a drafter in --spec (the rounds of 'none' need no what-if)")
     if any(t != 0 for t in common.float_list(a.temperature, "--temperature", 0.0)):
         raise OptionError("--what-if computes greedy settings only (--temperature 0)")
     if a.compare and not os.path.isfile(os.path.join(a.compare, "results.jsonl")):
@@ -313,7 +315,7 @@ def markdown(summary: dict) -> str:
     if cmp_:
         lines += ["## Against the sweep", "", f"`{cmp_['sweep_dir']}`: {cmp_['equal']} of {cmp_['compared']} prompt × "
                   "setting records equal (tokens, drafts, accepted, rounds; every round where the sweep kept its "
-                  "trace)", ""]
+                  "trace)" + ("" if cmp_["compared"] else ": the sweep shares no setting and prompt with this grid"), ""]
         lines += [f"- {d['label']} {d['id']}: sweep {d['sweep']} vs what-if {d['what_if']}"
                   + (f"; round {d['round']} at anchor {d['anchor']}: {d['sweep_round']} vs {d['what_if_round']}, "
                      f"drafter margins {[round(m, 5) for m in d['drafter_margin']]}, target margins "
