@@ -1,11 +1,12 @@
 """What-if (docs/whatif.md): every greedy setting's rounds from one teacher-forced pass equal the decode loop's,
 round by round — fixed widths with stop thresholds, the width scheduler's auto — and the walk itself on
-hand-made cases."""
+hand-made cases; the sampled estimate's pieces (the forced chain, the Σ min(p, q) chain)."""
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -185,3 +186,34 @@ def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(tmp_path / "x"),
                           *common, "--spec", "none"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "needs a drafter" in bad.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
+def test_teacher_forcing_a_chain_with_its_own_drafts_changes_nothing(run, drafter):
+    """`Drafter.propose_along` fed the drafter's own sampled drafts gives the distributions `propose` drew them
+    from (the forced chain is the chain)."""
+    model, _, paths, _ = run
+    config, bundle = W.unbundle(model.bundle)
+    dr = registry.get(drafter)
+    setup = dr.configure(model.params, config, K, None, dict(bundle))
+    run_ = W.Program(dr, setup, greedy=False).bind(model.params, config)
+    st = dr.begin(run_, 2, 128, jnp.float32, None)
+    hidden = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, config.hc_mult, config.hidden_size)), jnp.float32)
+    aux = {"hidden": hidden, "taps": jnp.repeat(hidden[:, :, :1], len(setup.taps), axis=2)}
+    st = dr.observe(run_, st, aux, jnp.asarray(paths[0].prompt[:16].reshape(2, 8)), jnp.zeros(2, jnp.int32),
+                    jnp.full(2, 8, jnp.int32))
+    knobs = dr.default_knobs(temperature=0.8)
+    pos, last, key = jnp.full(2, 8, jnp.int32), jnp.asarray([5, 9]), jax.random.PRNGKey(3)
+    drafts, q = dr.propose_scored(run_, st, pos, last, key, knobs, False)[:2]
+    np.testing.assert_allclose(dr.propose_along(run_, st, pos, last, drafts, key, knobs), q, rtol=1e-6, atol=1e-7)
+    # other tokens fed: the first draft's distribution (before any fed token) stays, the later ones move
+    other = dr.propose_along(run_, st, pos, last, (drafts + 1) % config.vocab_size, key, knobs)
+    np.testing.assert_allclose(other[:, 0], q[:, 0], rtol=1e-6, atol=1e-7)
+    assert np.abs(np.asarray(other[:, 1:]) - np.asarray(q[:, 1:])).max() > 1e-3
+
+
+def test_expected_accepted_length_by_hand():
+    """1 + Σ_{m<=w} Π_{j<=m} α_j, averaged over anchors."""
+    alpha = np.array([[[0.5, 0.4, 0.9], [1.0, 1.0, 1.0]]])
+    assert W.expected_accepted_length(alpha, 1) == pytest.approx((1.5 + 2.0) / 2)
+    assert W.expected_accepted_length(alpha, 3) == pytest.approx((1 + 0.5 + 0.2 + 0.18 + 4.0) / 2)

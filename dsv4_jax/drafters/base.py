@@ -26,6 +26,8 @@ The traced methods take `run = Bound(params, config, setup)`, bound once per pro
                                          feed newly committed target positions start..start+n_valid−1:
                                          aux = the target step's {"hidden" [B,S,n,D], "taps"
                                          [B,S,len(taps),D]}, tokens [B,S] = the token after each
+    propose_along(run, state, pos, last, path, key, knobs)  -> q [B,k,V] with the chain fed path [B,k]
+                                         (teacher forcing; None where unsupported)
     propose(run, state, pos, last, key, knobs, greedy) -> (drafts [B,k], q [B,k,V], n_draft [B]):
                                          k = setup.k drafts after `last` (the token at position pos,
                                          not yet processed by the target), their draft distributions q
@@ -183,6 +185,12 @@ class Drafter:
         [0,1], or None for a drafter without a confidence head). The loop records conf against realised
         acceptance (docs/verification.md §4)."""
         return self.propose(run, state, pos, last, key, knobs, greedy) + (None,)
+
+    def propose_along(self, run: Bound, state, pos: jax.Array, last: jax.Array, path: jax.Array, key, knobs: Knobs):
+        """Teacher forcing (what-if's sampled estimate, `dsv4_jax.research.whatif.sampled_acceptance`): the draft
+        distributions q [B,k,V] at temperature knobs.temperature when the chain after `last` is fed path [B,k]
+        (the tokens that followed) instead of its own drafts. None: not supported by this drafter."""
+        return None
 
     def require_weights(self, params: dict) -> None:
         """ValueError naming the missing weights (host side)."""

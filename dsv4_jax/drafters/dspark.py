@@ -171,12 +171,13 @@ def kept_drafts(conf: jax.Array, threshold, rule: str) -> jax.Array:
 
 
 def propose(run: Bound, st: DSparkState, anchor_pos: jax.Array, anchor_tok: jax.Array, key, knobs: Knobs,
-            greedy: bool):
+            greedy: bool, forced=None):
     """Drafts for the k = run.setup.k positions after the anchor: (drafts [B,k], q [B,k,V], n_draft [B],
     confidences [B,k]); run.setup.settings is the DSparkConfig, knobs.drafter["confidence_threshold"] τ.
 
     knobs.draft_n: None (all k) or a traced int32 scalar <= k: the serial Markov head runs only the first
-    draft_n positions, in a loop (the rest stay 0)."""
+    draft_n positions, in a loop (the rest stay 0). forced [B,k] (teacher forcing, `Drafter.propose_along`): the
+    Markov head's previous token at position j is forced[:, j−1] instead of draft j."""
     dparams, dcfg, k, n_steps = run.params["dspark"], run.setup.settings, run.setup.k, knobs.draft_n
     temperature, top_p, threshold = knobs.temperature, knobs.top_p, knobs.drafter["confidence_threshold"]
     y, U = block_outputs(dparams, run.params, run.config, dcfg, st, anchor_pos, anchor_tok)
@@ -189,7 +190,8 @@ def propose(run: Bound, st: DSparkState, anchor_pos: jax.Array, anchor_tok: jax.
         logits = U[:, j] + linear(e, w2).astype(jnp.float32)
         tok, q, _ = draw(keys[j], logits, temperature, top_p, greedy)
         conf = confidence(dparams, y[:, j], e)
-        return tok, drafts.at[:, j].set(tok), probs.at[:, j].set(q), confs.at[:, j].set(conf)
+        nxt = tok if forced is None else forced[:, j]
+        return nxt, drafts.at[:, j].set(tok), probs.at[:, j].set(q), confs.at[:, j].set(conf)
 
     B, V = U.shape[0], U.shape[-1]
     chain = (anchor_tok, jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, V), jnp.float32),
@@ -250,6 +252,9 @@ class DSparkDrafter(Drafter):
 
     def propose_scored(self, run, state, pos, last, key, knobs, greedy):
         return propose(run, state, pos, last, key, knobs, greedy)
+
+    def propose_along(self, run, state, pos, last, path, key, knobs):
+        return propose(run, state, pos, last, key, knobs, False, forced=path)[1]
 
 
 DRAFTER = DSparkDrafter()

@@ -77,12 +77,13 @@ def observe(mtp: dict, target: dict, config: ModelConfig, st: MTPState, hidden, 
                     last_logits=keep(_last(logits, n_valid), st.last_logits))
 
 
-def propose(run: Bound, st: MTPState, pos: jax.Array, key, knobs: Knobs, greedy: bool):
+def propose(run: Bound, st: MTPState, pos: jax.Array, key, knobs: Knobs, greedy: bool, forced=None):
     """Draft a chain of k = run.setup.k tokens after committed position pos−1 (pos = target's committed count).
 
     knobs.draft_n: None (all k: a loop, written out step by step under `Backends.unroll_layers`) or a traced
     int32 scalar <= k: only the first draft_n drafts are computed, in a loop; the rest stay 0.
     Returns (drafts [B,k], draft probs q [B,k,V], n_draft [B] ≤ k after the rule knobs.drafter["p_min"]).
+    forced [B,k] (teacher forcing, `Drafter.propose_along`): chain row j is fed forced[:, j−1] instead of draft j.
     """
     mtp, target, config, k, n_steps = run.params["mtp"][0], run.params, run.config, run.setup.k, knobs.draft_n
     temperature, top_p, p_min = knobs.temperature, knobs.top_p, knobs.drafter["p_min"]
@@ -93,7 +94,8 @@ def propose(run: Bound, st: MTPState, pos: jax.Array, key, knobs: Knobs, greedy:
     def step(j, chain):
         # chain row at position pos−1+j: (X1 of the previous row, previous draft)
         X, cache, drafts, probs, tops = chain
-        X1, logits, cache = rows(mtp, target, config, cache, X[:, None], drafts[:, j - 1][:, None],
+        fed = drafts if forced is None else forced
+        X1, logits, cache = rows(mtp, target, config, cache, X[:, None], fed[:, j - 1][:, None],
                                  Span.of(pos - 1 + j, 1, ones))
         tok, q, top1 = draw(keys[j], logits[:, 0], temperature, top_p, greedy)
         return X1[:, 0], cache, drafts.at[:, j].set(tok), probs.at[:, j].set(q), tops.at[:, j].set(top1)
@@ -162,6 +164,9 @@ class MTPDrafter(Drafter):
 
     def propose(self, run, state, pos, last, key, knobs, greedy):
         return propose(run, state, pos, key, knobs, greedy)
+
+    def propose_along(self, run, state, pos, last, path, key, knobs):
+        return propose(run, state, pos, key, knobs, False, forced=path)[1]
 
 
 DRAFTER = MTPDrafter()

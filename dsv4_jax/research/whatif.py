@@ -47,6 +47,7 @@ from ..drafters.precision import AS_LOADED, drafter_at_precision
 from ..model.decode import advance, process_block
 from ..model.state import init_state
 from ..ops import width
+from ..ops.sampling import filtered_probs
 from ..speculative.generate import generate
 from ..speculative.options import LONG_PROMPT_CHUNK
 from ..speculative import width_policy
@@ -84,13 +85,16 @@ def continuations(params: dict, config, prompts: Sequence[Sequence[int]], n_toke
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "taps"), donate_argnames=("state",))
-def _target_chunk(params: dict, config: ModelConfig, state, tokens: jax.Array, n_valid: jax.Array, *, taps: tuple):
+@functools.partial(jax.jit, static_argnames=("config", "taps", "tempered"), donate_argnames=("state",))
+def _target_chunk(params: dict, config: ModelConfig, state, tokens: jax.Array, n_valid: jax.Array, *, taps: tuple,
+                  tempered: tuple | None = None):
     """The target on one chunk tokens [B,C] (n_valid [B] real). -> (state advanced, aux {"hidden" [B,C,n,D],
-    "taps" [B,C,len(taps),D]}, argmax [B,C], top-1 − top-2 probability [B,C])."""
+    "taps" [B,C,len(taps),D]}, argmax [B,C], top-1 − top-2 probability [B,C], and with tempered = (T, top_p)
+    the sampling distributions [B,C,V] (`ops.sampling.filtered_probs`), else None)."""
     logits, state, aux = process_block(params, config, state, tokens, n_valid, taps)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    return advance(state, n_valid), aux, jnp.argmax(logits, axis=-1).astype(jnp.int32), _margin(probs)
+    dist = None if tempered is None else filtered_probs(logits, *tempered)
+    return advance(state, n_valid), aux, jnp.argmax(logits, axis=-1).astype(jnp.int32), _margin(probs), dist
 
 
 def _margin(probs: jax.Array) -> jax.Array:
@@ -99,24 +103,43 @@ def _margin(probs: jax.Array) -> jax.Array:
     return top2[..., 0] - top2[..., 1]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "program", "rows_needed", "max_len"))
-def _anchored(params: dict, config: ModelConfig, aux: dict, seq: jax.Array, row: jax.Array, anchor: jax.Array,
-              knobs: Knobs, key, *, program: Program, rows_needed: int, max_len: int):
-    """The drafter's proposal at anchors anchor [A] of sequences seq [B,S] (row [A]: which), its state built by
-    `observe` of the rows_needed committed positions before each anchor (aux: the target's, full sequences).
-    -> (drafts [A,K], n_draft [A], draft probability [A,K], top-1 − top-2 margin [A,K], conf [A,K] or −1)."""
+def _state_at(params: dict, config: ModelConfig, aux: dict, seq: jax.Array, row: jax.Array, anchor: jax.Array,
+              knobs: Knobs, program: Program, rows_needed: int, max_len: int):
+    """The drafter's state at anchors anchor [A] of sequences seq [B,S] (row [A]: which): `observe` of the
+    rows_needed committed positions before each anchor (aux: the target's, full sequences). -> (run, state)."""
     S = seq.shape[1]
     start = jnp.maximum(anchor - rows_needed, 0)
     idx = jnp.minimum(start[:, None] + jnp.arange(rows_needed)[None, :], S - 1)            # [A,L]
     window = {name: a[row[:, None], idx] for name, a in aux.items()}
     nxt = seq[row[:, None], jnp.minimum(idx + 1, S - 1)]
     run = program.bind(params, config)
-    dtype = params["embed"].dtype
-    st = program.drafter.begin(run, anchor.shape[0], max_len, dtype, knobs)
-    st = program.drafter.observe(run, st, window, nxt, start, anchor - start)
+    st = program.drafter.begin(run, anchor.shape[0], max_len, params["embed"].dtype, knobs)
+    return run, program.drafter.observe(run, st, window, nxt, start, anchor - start)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "program", "rows_needed", "max_len"))
+def _anchored(params: dict, config: ModelConfig, aux: dict, seq: jax.Array, row: jax.Array, anchor: jax.Array,
+              knobs: Knobs, key, *, program: Program, rows_needed: int, max_len: int):
+    """The drafter's greedy proposal at each anchor (`_state_at`). -> (drafts [A,K], n_draft [A], draft
+    probability [A,K], top-1 − top-2 margin [A,K], conf [A,K] or −1)."""
+    run, st = _state_at(params, config, aux, seq, row, anchor, knobs, program, rows_needed, max_len)
     drafts, q, n_draft, conf = program.drafter.propose_scored(run, st, anchor, seq[row, anchor], key, knobs, True)
     conf = jnp.full(drafts.shape, -1.0, jnp.float32) if conf is None else conf
     return drafts, n_draft, width.draft_probability(drafts, q), _margin(q), conf
+
+
+@functools.partial(jax.jit, static_argnames=("config", "program", "rows_needed", "max_len"))
+def _alpha_along(params: dict, config: ModelConfig, aux: dict, seq: jax.Array, probs: jax.Array, row: jax.Array,
+                 anchor: jax.Array, knobs: Knobs, key, *, program: Program, rows_needed: int, max_len: int):
+    """α_j = Σ_v min(p_j(v), q_j(v)) at each anchor [A] -> [A,K]: q_j the drafter's distribution of draft j with its
+    chain fed the sequence's own next tokens (`Drafter.propose_along`), p_j the target's (probs [B,S,V], tempered
+    as q) at the position before that token."""
+    run, st = _state_at(params, config, aux, seq, row, anchor, knobs, program, rows_needed, max_len)
+    K, S = program.k, seq.shape[1]
+    at = jnp.minimum(anchor[:, None] + jnp.arange(K)[None, :], S - 1)                      # [A,K]
+    q = program.drafter.propose_along(run, st, anchor, seq[row, anchor], seq[row[:, None], jnp.minimum(at + 1, S - 1)],
+                                      key, knobs)
+    return jnp.sum(jnp.minimum(probs[row[:, None], at], q), axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +163,14 @@ class TargetPass:
     taps: tuple               # the tap layers in aux["taps"]
     argmax: np.ndarray        # [B,S] the target's greedy token after each position
     margin: np.ndarray        # [B,S] its top-1 − top-2 probability (near-ties of the target)
+    probs: np.ndarray | None = None   # [B,S,V] its sampling distribution at tempered = (T, top_p)
+    tempered: tuple | None = None
 
 
 def target_pass(params: dict, config: ModelConfig, paths: Sequence[Path], taps: tuple,
-                chunk: int = LONG_PROMPT_CHUNK) -> TargetPass:
+                chunk: int = LONG_PROMPT_CHUNK, tempered: tuple | None = None) -> TargetPass:
     """The target along the paths with the tap layers taps (the union of the drafters'), in chunks of at most
-    `chunk` tokens (one program for every chunk)."""
+    `chunk` tokens (one program for every chunk); tempered = (T, top_p): also its sampling distributions."""
     seqs = [p.sequence for p in paths]
     lengths = np.array([len(s) for s in seqs], np.int32)
     C = min(chunk, int(lengths.max()))
@@ -157,11 +182,13 @@ def target_pass(params: dict, config: ModelConfig, paths: Sequence[Path], taps: 
     parts = []
     for lo in range(0, S, C):
         state, *out = _target_chunk(params, config, state, jnp.asarray(tokens[:, lo:lo + C]),
-                                    jnp.asarray(np.clip(lengths - lo, 0, C), jnp.int32), taps=tuple(taps))
+                                    jnp.asarray(np.clip(lengths - lo, 0, C), jnp.int32), taps=tuple(taps),
+                                    tempered=tempered)
         parts.append(jax.device_get(out))
     aux = {name: np.concatenate([p[0][name] for p in parts], axis=1) for name in parts[0][0]}
     return TargetPass(aux, tokens, tuple(taps), np.concatenate([p[1] for p in parts], axis=1),
-                      np.concatenate([p[2] for p in parts], axis=1))
+                      np.concatenate([p[2] for p in parts], axis=1),
+                      None if tempered is None else np.concatenate([p[3] for p in parts], axis=1), tempered)
 
 
 def proposals(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
@@ -199,6 +226,44 @@ def proposals(params: dict, config, paths: Sequence[Path], drafter: str, k: int,
     cat = lambda t, j: np.concatenate([o[j] for o in outs[t]])[:n].reshape((len(paths), n_anchors) + outs[t][0][j].shape[1:])
     return Proposals(drafts=cat(0, 0), n_draft=np.stack([cat(t, 1) for t in range(len(values))]), thresholds=values,
                      probability=cat(0, 2), margin=cat(0, 3), conf=cat(0, 4))
+
+
+def sampled_acceptance(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
+                       target: TargetPass, options=None) -> np.ndarray:
+    """T > 0 (an approximation, docs/whatif.md §4): α_j(i) = Σ_v min(p, q) of draft j at every anchor i of sampled
+    paths (each a plain sampling run's continuation), q from the drafter's chain fed the path's own tokens
+    (`Drafter.propose_along`), p the target's distribution there; target: `target_pass(tempered=(T, top_p))`.
+    -> α [n_paths, n_anchors, k]."""
+    config, bundle = unbundle(config)
+    d = registry.get(drafter)
+    setup = d.configure(params, config, k, d.options(options), dict(bundle))
+    program = Program(drafter=d, setup=setup, greedy=False)
+    if target.tempered is None:
+        raise ValueError("sampled_acceptance needs target_pass(..., tempered=(T, top_p))")
+    T, top_p = target.tempered
+    full = {"hidden": jnp.asarray(target.aux["hidden"]),
+            "taps": jnp.asarray(target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]])}
+    seq, probs = jnp.asarray(target.tokens), jnp.asarray(target.probs)
+    S = seq.shape[1]
+    need = d.context_rows(program.bind(params, config))
+    pairs = [(b, len(p.prompt) + i) for b, p in enumerate(paths) for i in range(n_anchors)]
+    chunk = min(ANCHOR_CHUNK, len(pairs))
+    knobs = Knobs(temperature=jnp.float32(T), top_p=jnp.float32(top_p), drafter=d.knobs(d.options(options)))
+    out = []
+    for lo in range(0, len(pairs), chunk):
+        part = pairs[lo:lo + chunk] + [pairs[-1]] * (chunk - len(pairs[lo:lo + chunk]))
+        row, anchor = (jnp.asarray(np.array(x, np.int32)) for x in zip(*part))
+        out.append(np.asarray(_alpha_along(params, config, full, seq, probs, row, anchor, knobs, jax.random.PRNGKey(0),
+                                           program=program, rows_needed=S if need is None else min(need, S),
+                                           max_len=S + setup.k + 2)))
+    return np.concatenate(out)[:len(pairs)].reshape(len(paths), n_anchors, setup.k)
+
+
+def expected_accepted_length(alpha: np.ndarray, w: int) -> float:
+    """Mean over anchors of 1 + Σ_{m<=w} Π_{j<=m} α_j (token-wise verification's expected tokens per round when
+    acceptances are independent given the path): alpha [..., A, K] -> float."""
+    reach = np.cumprod(alpha[..., :w], axis=-1)
+    return float(np.mean(1.0 + reach.sum(-1)))
 
 
 def walk(path: Path, drafts: np.ndarray, n_rule: np.ndarray, w: int, max_new_tokens: int, eos: int = -1):

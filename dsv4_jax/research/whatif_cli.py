@@ -68,7 +68,8 @@ def check(a) -> None:
     if not [t for t in common.spec_list(a.spec) if t != BASELINE]:
         raise OptionError("--what-if needs a drafter in --spec (the rounds of 'none' need no what-if)")
     if any(t != 0 for t in common.float_list(a.temperature, "--temperature", 0.0)):
-        raise OptionError("--what-if computes greedy settings only (--temperature 0)")
+        raise OptionError("--what-if computes greedy settings only (--temperature 0); for sampling see "
+                          "docs/whatif.md §5 (the library's approximation)")
     if a.compare and not os.path.isfile(os.path.join(a.compare, "results.jsonl")):
         raise OptionError(f"--compare: {a.compare} has no results.jsonl (a dsv4-sweep output directory)")
     for item in _price_items(a):
