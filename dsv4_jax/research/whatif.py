@@ -363,16 +363,16 @@ def _emit(y: np.ndarray, i: int, a: int, out: int, max_new_tokens: int, eos: int
 def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens: int, eos: int = -1,
              tables: dict | None = None, progress=print, precisions: Sequence[str] = (AS_LOADED,)
              ) -> tuple[list[dict], dict]:
-    """Every greedy setting (`research.runner.Setting`, spec != "none") on the prompts ({"id", "category",
+    """Every greedy setting (`research.runner.Setting`, spec != "none", temperature 0) on the prompts ({"id", "category",
     "tokens"}): one continuation per prompt, one target pass, one proposal pass per drafter and drafter precision
     (`drafters.precision.drafter_at_precision`: the drafter's weights stored so, the target as loaded) at its
     widest width and every value of its stop knob, then a walk per setting, precision and prompt (auto:
     `replay_auto` at batch 1 with tables[(spec, batch, True)]). -> (records, one per prompt × setting ×
     precision, like dsv4-sweep's results.jsonl lines, "drafter_precision" and the label's " prec=…" naming
     the precision; {"continuation_s", "target_pass_s", "proposals_s" {drafter[@precision]: s}, "walk_s"})."""
-    settings = [s for s in settings if s.drafter is not None]
-    if any(s.temperature != 0 for s in settings):
-        raise ValueError("what-if computes greedy settings (temperature 0) only")
+    settings = [s for s in settings if s.drafter is not None and s.temperature == 0]
+    if not settings:
+        return [], {"continuation_s": 0.0, "target_pass_s": 0.0, "proposals_s": {}, "walk_s": 0.0}
     widest = {}
     for s in settings:
         widest[s.spec] = max(widest.get(s.spec, 0), s.draft_n_max)
@@ -439,3 +439,54 @@ def record(setting, prompt: dict, path: Path, trace: list, out: int, widths: lis
     if widths is not None:
         rec["widths"] = widths
     return rec
+
+
+# ---- sampling (T > 0): the estimate of docs/whatif.md §5 ------------------------------------------------
+
+APPROXIMATION = "Σ min(p, q) chain along a sampled path (docs/whatif.md §5)"
+
+
+def evaluate_sampled(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens: int, *, seed: int = 0,
+                     top_p: float = 1.0, progress=print) -> list[dict]:
+    """The fixed-width settings with temperature > 0 (stop knobs 0): per prompt the estimate of docs/whatif.md §5
+    on one path sampled by plain decoding (seed) -> records with expected counts (floats) and "approximation"."""
+    out = []
+    for T in sorted({s.temperature for s in settings}):
+        group = [s for s in settings if s.temperature == T]
+        widest = {}
+        for s in group:
+            widest[s.spec] = max(widest.get(s.spec, 0), s.draft_n_max)
+        n = max_new_tokens + max(widest.values()) + 1
+        tokens = [list(p["tokens"]) for p in prompts]
+        size = min(8, len(tokens))
+        paths = []
+        for lo in range(0, len(tokens), size):
+            part = tokens[lo:lo + size]
+            got, _ = generate(model.params, model.bundle, part + [part[0]] * (size - len(part)), n, eos_token_id=-1,
+                              temperature=T, top_p=top_p, seed=seed, pad_to=max(map(len, tokens)),
+                              max_len=max(map(len, tokens)) + n + 1)
+            paths += [Path(np.asarray(p, np.int32), np.asarray(t, np.int32)) for p, t in zip(part, got)]
+        taps = sorted({t for spec in widest for t in model.draft_setup(spec, widest[spec]).taps})
+        target = target_pass(model.params, model.config, paths, tuple(taps), tempered=(T, top_p))
+        for spec, k in widest.items():
+            alpha = sampled_acceptance(model.params, model.bundle, paths, spec, k, max_new_tokens, target)
+            progress(f"what-if: {spec} at T={T:g}: the sampled estimate on {len(paths)} paths")
+            for s in (s for s in group if s.spec == spec):
+                out += [sampled_record(s, prompt, alpha[b], max_new_tokens) for b, prompt in enumerate(prompts)]
+    return out
+
+
+def sampled_record(setting, prompt: dict, alpha: np.ndarray, max_new_tokens: int) -> dict:
+    """A prompt's expected counts at a fixed width from its α [A,K]: tokens per round 1 + mean Σ Π α, the rounds
+    that emit max_new_tokens − 1 tokens at that rate, drafts and accepted drafts per position in proportion."""
+    w = min(setting.draft_n_max, alpha.shape[-1])
+    reach = np.cumprod(alpha[:, :w], axis=-1)
+    per_round = 1.0 + float(reach.sum(-1).mean())
+    rounds = (max_new_tokens - 1) / per_round
+    return {**setting.as_dict(), "label": label(setting), "drafter_precision": AS_LOADED, "id": prompt["id"],
+            "category": prompt["category"], "prompt_tokens": len(prompt["tokens"]), "pred": max_new_tokens,
+            "draft": rounds * w, "acc": rounds * (per_round - 1), "rounds": rounds,
+            "rate": (per_round - 1) / w, "mean_accepted_length": per_round,
+            "per_position_accepted": [rounds * float(reach[:, j].mean()) for j in range(w)],
+            "per_position_proposed": [rounds] * w, "approximation": APPROXIMATION}
+

@@ -30,7 +30,7 @@ from ..speculative.cost_table import CostTable, CostTableError, from_aot_report
 from . import common, report
 from .common import OptionError
 from .runner import BASELINE, batches
-from .whatif import evaluate, label
+from .whatif import evaluate, evaluate_sampled, label
 
 TITLE = "What-if"
 
@@ -67,9 +67,11 @@ def check(a) -> None:
                           f"{', '.join(PRECISIONS)}")
     if not [t for t in common.spec_list(a.spec) if t != BASELINE]:
         raise OptionError("--what-if needs a drafter in --spec (the rounds of 'none' need no what-if)")
-    if any(t != 0 for t in common.float_list(a.temperature, "--temperature", 0.0)):
-        raise OptionError("--what-if computes greedy settings only (--temperature 0); for sampling see "
-                          "docs/whatif.md §5 (the library's approximation)")
+    if any(t != 0 for t in common.float_list(a.temperature, "--temperature", 0.0)) and (
+            any(v != 0 for v in common.float_list(a.p_min, "--p-min", 0.0, 1.0) +
+                common.float_list(a.confidence, "--confidence", 0.0, 1.0))):
+        raise OptionError("--what-if at --temperature > 0 (the sampled estimate, docs/whatif.md §5) takes stop "
+                          "thresholds 0 only (--p-min 0 --confidence 0)")
     if a.compare and not os.path.isfile(os.path.join(a.compare, "results.jsonl")):
         raise OptionError(f"--compare: {a.compare} has no results.jsonl (a dsv4-sweep output directory)")
     for item in _price_items(a):
@@ -189,7 +191,9 @@ def rows_of(settings, records: list[dict], tables: dict[str, dict], bucket: int 
                     key = "plain" if w < 0 else str(w)
                     hist[key] = hist.get(key, 0) + 1
             row["width_histogram"] = hist
-        if bucket:
+        if "approximation" in rs[0]:
+            row["approximation"] = rs[0]["approximation"]
+        elif bucket:
             row["by_output_position"] = report.by_output_position((r["round_trace"] for r in rs), bucket)
         rows.append(row)
     return rows
@@ -248,7 +252,7 @@ def compare(sweep_dir: str, records: list[dict], evaluation: dict) -> dict:
     compared, equal, diffs, per_setting = 0, 0, [], {}
     for r in real:
         w = mine.get((r["label"], r["id"]))
-        if w is None or r["spec_type"] == BASELINE:
+        if w is None or r["spec_type"] == BASELINE or "approximation" in w:
             continue
         compared += 1
         same = all(r[k] == w[k] for k in ("pred", "draft", "acc", "rounds"))
@@ -289,20 +293,24 @@ def markdown(summary: dict) -> str:
     meta, rows = summary["meta"], summary["settings"]
     names = list(meta["tables"])
     lines = [f"# {TITLE} — {meta['model']['name']}", "",
-             f"- prompts: {meta['n_prompts']} from `{meta['suite']}`, max_new_tokens {meta['max_new_tokens']}, greedy",
+             f"- prompts: {meta['n_prompts']} from `{meta['suite']}`, max_new_tokens {meta['max_new_tokens']}",
              f"- {report.machine_line(meta['env'])}",
              f"- command: `{meta['env']['command']}`",
              f"- what-if wall {meta['wall_s']:.1f} s: continuations {meta['timing']['continuation_s']:.1f} s, target "
              f"pass {meta['timing']['target_pass_s']:.1f} s, proposals "
              + ", ".join(f"{k} {v:.1f} s" for k, v in meta['timing']['proposals_s'].items())
-             + f", walks {meta['timing']['walk_s']:.2f} s; cost tables {meta['tables_s']:.1f} s",
-             "", "Every setting's accepted drafts are computed exactly from one teacher-forced pass (docs/whatif.md); "
+             + f", walks {meta['timing']['walk_s']:.2f} s, sampled estimates {meta['timing']['sampled_s']:.1f} s; "
+             f"cost tables {meta['tables_s']:.1f} s",
+             "", "Every greedy setting's accepted drafts are computed exactly from one teacher-forced pass "
+             "(docs/whatif.md); settings with T > 0 are estimated (≈: a Σ min(p, q) chain along one sampled path, §5); "
              "speed-ups are predicted from the cost tables (rounds × seconds per round vs plain decoding).", ""]
     header = ["spec", "k", "knob", "drafter", "B", "n", "drafted", "accepted", "accept_rate", "mean_acc_len", "rounds",
               "per-position accept"] + [f"predicted ({n})" for n in names]
+    num = lambda v: f"≈{v:.1f}" if isinstance(v, float) else v
     body = [[r["spec_type"], r["draft_n_max"] if r["draft_n_max"] != "auto" else f"auto≤{r['draft_n_max_bound']}",
-             report.knob_text(r), r["drafter_precision"], r["batch_size"], r["n_requests"], r["total_draft"], r["total_draft_accepted"],
-             f"{r['aggregate_accept_rate']:.3f}", f"{r['mean_accepted_length']:.3f}", r["rounds"],
+             report.knob_text(r) + (f" T={r['temperature']:g}" if r["temperature"] else ""), r["drafter_precision"],
+             r["batch_size"], r["n_requests"], num(r["total_draft"]), num(r["total_draft_accepted"]),
+             f"{r['aggregate_accept_rate']:.3f}", f"{r['mean_accepted_length']:.3f}", num(r["rounds"]),
              " ".join(f"{x:.2f}" for x in r["per_position_accept_rate"])]
             + [("–" if r["predicted_speedup"].get(n) is None else f"{r['predicted_speedup'][n]:.2f}×") for n in names]
             for r in rows]
@@ -322,6 +330,11 @@ def markdown(summary: dict) -> str:
                      f"drafter margins {[round(m, 5) for m in d['drafter_margin']]}, target margins "
                      f"{[round(m, 5) for m in d['target_margin']]}" if "round" in d else "")
                   for d in cmp_["differences"][:20]]
+        if cmp_.get("sampled_acceptance"):
+            lines += ["", "Sampled settings (the estimate, docs/whatif.md §5): mean accepted length", "",
+                      report.markdown_table(["setting", "estimated", "measured (sweep)"],
+                                            [[s["label"], f"{s['predicted']:.3f}", f"{s['measured']:.3f}"]
+                                             for s in cmp_["sampled_acceptance"]])]
         if cmp_.get("speed"):
             lines += ["", report.markdown_table(["setting", "predicted", "measured (sweep)"],
                                                 [[s["label"], f"{s['predicted']:.2f}×", f"{s['measured']:.2f}×"]
@@ -363,6 +376,10 @@ def run(a, argv, model, suite: str, prompts: list[dict], settings, plan) -> int:
     records, timing = evaluate(model, prompts, settings, plan.max_new_tokens,
                                plan.eos_token_id if plan.eos_token_id is not None else model.config.eos_token_id,
                                tables[name], log, a.precisions)
+    t_sampled = time.perf_counter()
+    records += evaluate_sampled(model, prompts, [s for s in settings if s.temperature > 0 and s.drafter and not s.auto],
+                                plan.max_new_tokens, seed=plan.seed, top_p=plan.top_p, progress=log)
+    timing["sampled_s"] = time.perf_counter() - t_sampled
     rows = rows_of(settings, records, tables, a.by_output_position)
     summary = {"meta": {"tool": "dsv4-whatif", "env": report.environment("dsv4-sweep", argv),
                         "model": model.describe(), "suite": suite, "n_prompts": len(prompts),
@@ -373,6 +390,7 @@ def run(a, argv, model, suite: str, prompts: list[dict], settings, plan) -> int:
     if a.compare:
         summary["compare"] = compare(a.compare, records, timing)
         summary["compare"]["speed"] = _speed(a.compare, rows, name)
+        summary["compare"]["sampled_acceptance"] = _acceptance(a.compare, rows)
     summary["meta"]["wall_s"] = time.perf_counter() - t0
     with report.atomic_dir(a.out) as tmp:
         if not a.no_plots:
@@ -398,3 +416,11 @@ def _speed(sweep_dir: str, rows: list[dict], name: str) -> list[dict]:
         measured = {r["label"]: r.get("decode_speedup") for r in json.load(f)["settings"]}
     return [{"label": r["label"], "predicted": r["predicted_speedup"][name], "measured": measured[r["label"]]}
             for r in rows if measured.get(r["label"]) is not None and r["predicted_speedup"].get(name) is not None]
+
+
+def _acceptance(sweep_dir: str, rows: list[dict]) -> list[dict]:
+    """The sampled estimate's mean accepted length beside the sweep's measured one (same setting label)."""
+    with open(os.path.join(sweep_dir, "summary.json"), encoding="utf-8") as f:
+        measured = {r["label"]: r.get("mean_accepted_length") for r in json.load(f)["settings"]}
+    return [{"label": r["label"], "predicted": r["mean_accepted_length"], "measured": measured[r["label"]]}
+            for r in rows if "approximation" in r and measured.get(r["label"])]
