@@ -1,6 +1,7 @@
 """What-if (docs/whatif.md): every greedy setting's rounds from one teacher-forced pass equal the decode loop's,
 round by round — fixed widths with stop thresholds, the width scheduler's auto — and the walk itself on
 hand-made cases; the sampled estimate's pieces (the forced chain, the Σ min(p, q) chain)."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -164,7 +165,7 @@ def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
     table = tmp_path / "costs.json"
     CostTable(seconds=(1.5, 2.0, 2.5), plain_seconds=1.0).save(str(table))
     subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(out), "--compare",
-                    str(sweep), "--cost-table", str(table), "--price", "h100", "--drafter-precision", "as-loaded,bf16",
+                    str(sweep), "--cost-table", str(table), "--price", "h100", "--drafter-precision", "as-loaded,bf16", "--confidence-rule", "cumulative",
                     *common, "--temperature", "0,0.8", "--p-min", "0"], check=True,
                    capture_output=True, timeout=900)
     summary = json.loads((out / "summary.json").read_text())
@@ -180,6 +181,7 @@ def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
     assert r["predicted_speedup"]["h100"] > 0
     assert any(b["spec_type"] == "best" for b in summary["best"])
     assert rows["dspark k=1 conf=0 T=0 B=1 prec=bf16"]["n_requests"] == 3
+    assert rows["dspark k=2 conf=0 T=0 B=1 rule=cumulative"]["n_requests"] == 3
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if "round_trace" in x]
     assert lines and all(sum(a + 1 for _, a in x["round_trace"]) + 1 >= x["pred"] for x in lines)
     bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(tmp_path / "x"),
@@ -219,3 +221,19 @@ def test_expected_accepted_length_by_hand():
     alpha = np.array([[[0.5, 0.4, 0.9], [1.0, 1.0, 1.0]]])
     assert W.expected_accepted_length(alpha, 1) == pytest.approx((1.5 + 2.0) / 2)
     assert W.expected_accepted_length(alpha, 3) == pytest.approx((1 + 0.5 + 0.2 + 0.18 + 4.0) / 2)
+
+
+def test_the_cumulative_confidence_rule_walks_to_the_loops_rounds(run):
+    """DSpark's confidence rule as an axis: the proposals under "cumulative" (a proposal pass with that rule) at a
+    threshold give the rounds the loop runs with that rule."""
+    model, prompts, paths, _ = run
+    config, bundle = W.unbundle(model.bundle)
+    meta = dataclasses.replace(dict(bundle)["dspark"], confidence_rule="cumulative")
+    p = W.proposals(model.params, model.bundle, paths, "dspark", K, N, (0.6,),
+                    options=registry.get("dspark").options(dspark_meta=meta))
+    want, _ = _loop_rounds(model, prompts, "dspark", draft_n_max=K, eos_token_id=-1, dynamic_draft_n=True,
+                           confidence_threshold=0.6, dspark_meta=meta)
+    assert any(d < K for rounds in want for d, _ in rounds)        # the rule cut some rounds short
+    for b, path in enumerate(paths):
+        assert W.walk(path, p.drafts[b], p.n_draft[0, b], K, N)[0] == want[b]
+

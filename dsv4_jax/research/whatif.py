@@ -361,15 +361,17 @@ def _emit(y: np.ndarray, i: int, a: int, out: int, max_new_tokens: int, eos: int
 # ---- a grid of settings ---------------------------------------------------------------------------------
 
 def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens: int, eos: int = -1,
-             tables: dict | None = None, progress=print, precisions: Sequence[str] = (AS_LOADED,)
-             ) -> tuple[list[dict], dict]:
+             tables: dict | None = None, progress=print, precisions: Sequence[str] = (AS_LOADED,),
+             rules: Sequence[str] = ()) -> tuple[list[dict], dict]:
     """Every greedy setting (`research.runner.Setting`, spec != "none", temperature 0) on the prompts ({"id", "category",
     "tokens"}): one continuation per prompt, one target pass, one proposal pass per drafter and drafter precision
     (`drafters.precision.drafter_at_precision`: the drafter's weights stored so, the target as loaded) at its
     widest width and every value of its stop knob, then a walk per setting, precision and prompt (auto:
     `replay_auto` at batch 1 with tables[(spec, batch, True)]). -> (records, one per prompt × setting ×
     precision, like dsv4-sweep's results.jsonl lines, "drafter_precision" and the label's " prec=…" naming
-    the precision; {"continuation_s", "target_pass_s", "proposals_s" {drafter[@precision]: s}, "walk_s"})."""
+    the precision; rules: DSpark confidence rules (`drafters.dspark.RULES`) besides the model's own, each its own
+    proposal pass, labelled " rule=…"; {"continuation_s", "target_pass_s", "proposals_s" {drafter[@precision]
+    [/rule]: s}, "walk_s"})."""
     settings = [s for s in settings if s.drafter is not None and s.temperature == 0]
     if not settings:
         return [], {"continuation_s": 0.0, "target_pass_s": 0.0, "proposals_s": {}, "walk_s": 0.0}
@@ -385,21 +387,31 @@ def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens:
     target = target_pass(model.params, model.config, paths, tuple(taps))
     t2 = time.perf_counter()
     progress(f"what-if: target pass in {t2 - t1:.1f} s")
+    own_rule = model.draft_setup("dspark", 1).settings.confidence_rule if "dspark" in widest else None
+    variants = [(prec, None) for prec in precisions] + [(prec, r) for prec in precisions for r in rules
+                                                        if "dspark" in widest and r != own_rule]
     props, prop_s = {}, {}
     for spec, k in widest.items():
-        for prec in precisions:
+        for prec, rule in variants:
+            if rule is not None and spec != "dspark":
+                continue
             t = time.perf_counter()
             knob = registry.get(spec).stop_knob
             values = sorted({getattr(s, knob) for s in settings if s.spec == spec}) if knob else [0.0]
             params = model.params if prec == AS_LOADED else drafter_at_precision(model.params, spec, prec)
-            props[spec, prec] = proposals(params, model.bundle, paths, spec, k, max_new_tokens, values, target=target)
-            name = spec if prec == AS_LOADED else f"{spec}@{prec}"
+            options = None if rule is None else registry.get(spec).options(dspark_meta=dataclasses.replace(
+                model.draft_setup(spec, k).settings, confidence_rule=rule))
+            props[spec, prec, rule] = proposals(params, model.bundle, paths, spec, k, max_new_tokens, values, options,
+                                                target=target)
+            name = (spec if prec == AS_LOADED else f"{spec}@{prec}") + ("" if rule is None else f"/{rule}")
             prop_s[name] = time.perf_counter() - t
             progress(f"what-if: {name} proposals (k={k}, {len(values)} threshold(s)) in {prop_s[name]:.1f} s")
     t3 = time.perf_counter()
     records = []
-    for s, prec in ((s, prec) for prec in precisions for s in settings):
-        p = props[s.spec, prec]
+    for s, (prec, rule) in ((s, v) for v in variants for s in settings):
+        if (s.spec, prec, rule) not in props:
+            continue
+        p = props[s.spec, prec, rule]
         knob = registry.get(s.spec).stop_knob
         t_index = p.thresholds.index(getattr(s, knob)) if knob else 0
         for b, (prompt, path) in enumerate(zip(prompts, paths)):
@@ -412,23 +424,26 @@ def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens:
                                                  registry.get(s.spec).sequential)
             else:
                 trace, out = walk(path, p.drafts[b], p.n_draft[t_index, b], s.draft_n_max, max_new_tokens, eos)
-            records.append(record(s, prompt, path, trace, out, widths, prec))
+            records.append(record(s, prompt, path, trace, out, widths, prec, rule))
     walk_s = time.perf_counter() - t3
     return records, {"continuation_s": t1 - t0, "target_pass_s": t2 - t1, "proposals_s": prop_s, "walk_s": walk_s,
                      "paths": paths, "target": target, "proposals": props}
 
 
-def label(setting, precision: str = AS_LOADED) -> str:
-    """A what-if setting's label: the sweep's, and the drafter's precision unless as loaded."""
-    return setting.label + ("" if precision == AS_LOADED else f" prec={precision}")
+def label(setting, precision: str = AS_LOADED, rule: str | None = None) -> str:
+    """A what-if setting's label: the sweep's, the drafter's precision unless as loaded, DSpark's confidence rule
+    unless the model's own."""
+    return setting.label + ("" if precision == AS_LOADED else f" prec={precision}") + \
+        ("" if rule is None else f" rule={rule}")
 
 
 def record(setting, prompt: dict, path: Path, trace: list, out: int, widths: list | None,
-           precision: str = AS_LOADED) -> dict:
+           precision: str = AS_LOADED, rule: str | None = None) -> dict:
     """One results.jsonl line of a what-if setting and prompt (dsv4-sweep's fields where they apply)."""
     draft, acc, rounds = sum(d for d, _ in trace), sum(a for _, a in trace), len(trace)
     K = max(setting.draft_n_max, 1)
-    rec = {**setting.as_dict(), "label": label(setting, precision), "drafter_precision": precision,
+    rec = {**setting.as_dict(), "label": label(setting, precision, rule), "drafter_precision": precision,
+           "confidence_rule": rule,
            "id": prompt["id"], "category": prompt["category"],
            "prompt_tokens": len(prompt["tokens"]), "pred": out, "draft": draft, "acc": acc, "rounds": rounds,
            "rate": acc / draft if draft else 0.0,
@@ -483,7 +498,8 @@ def sampled_record(setting, prompt: dict, alpha: np.ndarray, max_new_tokens: int
     reach = np.cumprod(alpha[:, :w], axis=-1)
     per_round = 1.0 + float(reach.sum(-1).mean())
     rounds = (max_new_tokens - 1) / per_round
-    return {**setting.as_dict(), "label": label(setting), "drafter_precision": AS_LOADED, "id": prompt["id"],
+    return {**setting.as_dict(), "label": label(setting), "drafter_precision": AS_LOADED, "confidence_rule": None,
+            "id": prompt["id"],
             "category": prompt["category"], "prompt_tokens": len(prompt["tokens"]), "pred": max_new_tokens,
             "draft": rounds * w, "acc": rounds * (per_round - 1), "rounds": rounds,
             "rate": (per_round - 1) / w, "mean_accepted_length": per_round,

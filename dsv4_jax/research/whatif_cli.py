@@ -25,6 +25,7 @@ import time
 from typing import Sequence
 
 from ..analysis.roofline import machine as parse_machine
+from ..drafters.dspark import RULES
 from ..drafters.precision import AS_LOADED, PRECISIONS
 from ..speculative.cost_table import CostTable, CostTableError, from_aot_report
 from . import common, report
@@ -49,6 +50,9 @@ def add_args(p) -> None:
                         f"(comma-separated of {', '.join(PRECISIONS)}; `drafters.precision`): acceptance per "
                         f"precision from the same target pass (default {AS_LOADED}); predictions use the run's cost "
                         "tables")
+    g.add_argument("--confidence-rule", metavar="RULES",
+                   help="--what-if: DSpark's confidence rules to compute besides the model's own, comma-separated "
+                        f"({', '.join(RULES)}; each a proposal pass, its rows labelled rule=…)")
     g.add_argument("--compare", metavar="SWEEP_DIR",
                    help="--what-if: compare with a dsv4-sweep output directory of the same grid (its "
                         "results.jsonl; run it with --by-output-position to compare every round)")
@@ -57,10 +61,14 @@ def add_args(p) -> None:
 def check(a) -> None:
     """What-if option checks before any model work (raises OptionError)."""
     a.precisions = [t.strip().lower() for t in a.drafter_precision.split(",") if t.strip()]
+    a.rules = [t.strip().lower() for t in (a.confidence_rule or "").split(",") if t.strip()]
     if not a.what_if:
-        if a.price or a.compare or a.precisions != [AS_LOADED]:
-            raise OptionError("--price, --compare and --drafter-precision need --what-if")
+        if a.price or a.compare or a.precisions != [AS_LOADED] or a.rules:
+            raise OptionError("--price, --compare, --drafter-precision and --confidence-rule need --what-if")
         return
+    if any(r not in RULES for r in a.rules):
+        raise OptionError(f"--confidence-rule: unknown {[r for r in a.rules if r not in RULES]}; choose from "
+                          f"{', '.join(RULES)}")
     bad = [p for p in a.precisions if p not in PRECISIONS]
     if bad or not a.precisions:
         raise OptionError(f"--drafter-precision: unknown {bad or [a.drafter_precision]}; choose from "
@@ -165,15 +173,17 @@ def predicted_speedup(setting, records: Sequence[dict], table: CostTable) -> flo
 def rows_of(settings, records: list[dict], tables: dict[str, dict], bucket: int | None) -> list[dict]:
     """One summary row per setting: dsv4-sweep's acceptance fields, predicted speed-up per cost table."""
     rows = []
-    for s, prec in ((s, prec) for prec in dict.fromkeys(r["drafter_precision"] for r in records) for s in settings):
-        rs = [r for r in records if r["label"] == label(s, prec)]
+    variants = dict.fromkeys((r["drafter_precision"], r["confidence_rule"]) for r in records)
+    for s, (prec, rule) in ((s, v) for v in variants for s in settings):
+        rs = [r for r in records if r["label"] == label(s, prec, rule)]
         if not rs:
             continue
         K = max(len(r["per_position_accepted"]) for r in rs)
         acc = [sum(r["per_position_accepted"][j] for r in rs if j < len(r["per_position_accepted"])) for j in range(K)]
         prop = [sum(r["per_position_proposed"][j] for r in rs if j < len(r["per_position_proposed"])) for j in range(K)]
         draft, accepted, rounds = (sum(r[k] for r in rs) for k in ("draft", "acc", "rounds"))
-        row = {**s.as_dict(), "label": label(s, prec), "drafter_precision": prec, "n_requests": len(rs), "total_predicted": sum(r["pred"] for r in rs),
+        row = {**s.as_dict(), "label": label(s, prec, rule), "drafter_precision": prec, "confidence_rule": rule,
+               "n_requests": len(rs), "total_predicted": sum(r["pred"] for r in rs),
                "total_draft": draft, "total_draft_accepted": accepted, "rounds": rounds,
                "aggregate_accept_rate": accepted / draft if draft else 0.0,
                "mean_accepted_length": (accepted + rounds) / rounds if rounds else 0.0,
@@ -227,15 +237,16 @@ def why_lines(rows: list[dict], tables: dict[str, dict]) -> list[str]:
         groups: dict[tuple, list] = {}
         for r in rows:
             if not r["draft_n_max"] == "auto" and r["predicted_speedup"].get(name) is not None:
-                groups.setdefault((r["spec_type"], report.knob_text(r), r["batch_size"], r["drafter_precision"]),
-                                  []).append(r)
-        for (spec, knob, b, prec), rs in groups.items():
+                groups.setdefault((r["spec_type"], report.knob_text(r), r["batch_size"], r["drafter_precision"],
+                                   r.get("confidence_rule")), []).append(r)
+        for (spec, knob, b, prec, rule), rs in groups.items():
             t = ts[(spec, b, True)]
             parts = [f"k={r['draft_n_max']} needs {t.break_even(r['draft_n_max']):.2f} tokens/round, emits "
                      f"{r['emitted_per_round']:.2f} ({'pays' if r['predicted_speedup'][name] > 1 else 'loses'})"
                      for r in sorted(rs, key=lambda r: r["draft_n_max"])]
             out.append(f"- {name}: **{spec}**{'' if prec == AS_LOADED else ' (' + prec + ')'}"
-                       f"{'' if knob == '–' else ' ' + knob} B={b}: " + "; ".join(parts))
+                       f"{'' if knob == '–' else ' ' + knob}{'' if rule is None else ' ' + rule} B={b}: "
+                       + "; ".join(parts))
     return out
 
 
@@ -277,7 +288,7 @@ def _difference(real: dict, mine: dict, ev: dict, b: int) -> dict:
     i = 0
     for r, (x, y) in enumerate(zip(trace, mine["round_trace"])):
         if list(x) != y:
-            p, path = ev["proposals"][real["spec_type"], AS_LOADED], ev["paths"][b]
+            p, path = ev["proposals"][real["spec_type"], AS_LOADED, None], ev["paths"][b]
             P = len(path.prompt)
             out.update(round=r, anchor=i, sweep_round=list(x), what_if_round=y,
                        drafter_margin=[float(m) for m in p.margin[b, i]],
@@ -308,7 +319,8 @@ def markdown(summary: dict) -> str:
               "per-position accept"] + [f"predicted ({n})" for n in names]
     num = lambda v: f"≈{v:.1f}" if isinstance(v, float) else v
     body = [[r["spec_type"], r["draft_n_max"] if r["draft_n_max"] != "auto" else f"auto≤{r['draft_n_max_bound']}",
-             report.knob_text(r) + (f" T={r['temperature']:g}" if r["temperature"] else ""), r["drafter_precision"],
+             report.knob_text(r) + (f" T={r['temperature']:g}" if r["temperature"] else "")
+             + (f" {r['confidence_rule']}" if r.get("confidence_rule") else ""), r["drafter_precision"],
              r["batch_size"], r["n_requests"], num(r["total_draft"]), num(r["total_draft_accepted"]),
              f"{r['aggregate_accept_rate']:.3f}", f"{r['mean_accepted_length']:.3f}", num(r["rounds"]),
              " ".join(f"{x:.2f}" for x in r["per_position_accept_rate"])]
@@ -375,7 +387,7 @@ def run(a, argv, model, suite: str, prompts: list[dict], settings, plan) -> int:
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr))
     records, timing = evaluate(model, prompts, settings, plan.max_new_tokens,
                                plan.eos_token_id if plan.eos_token_id is not None else model.config.eos_token_id,
-                               tables[name], log, a.precisions)
+                               tables[name], log, a.precisions, a.rules)
     t_sampled = time.perf_counter()
     records += evaluate_sampled(model, prompts, [s for s in settings if s.temperature > 0 and s.drafter and not s.auto],
                                 plan.max_new_tokens, seed=plan.seed, top_p=plan.top_p, progress=log)
