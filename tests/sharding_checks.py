@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import dsv4_jax  # noqa: E402
 from dsv4_jax.model import decode as D, params as P
 from dsv4_jax import parallel as S  # noqa: E402
+from dsv4_jax.parallel import expert_words  # noqa: E402
 from dsv4_jax.config import tiny_flash_like  # noqa: E402
 
 DEFAULT_MESHES = ((1, 8, 1), (1, 1, 8), (2, 2, 2))
@@ -310,12 +311,20 @@ def check_expert_words(presets=("latency", "throughput")) -> dict:
                     if not (same and v.codes.sharding.spec == codes[k].codes.sharding.spec
                             and v.fmt.name.startswith("e2m1x8") and "experts.w" in k):
                         bad.append(k)
+            # TPU's layout rule (`expert_words.for_run`: words, codes / scales contraction-dim major), forced here
+            cfg0 = loaded[False][0]
+            loaded["held"] = (cfg0, expert_words.for_run(loaded[False][1], cfg0.target.backends, "tpu", words=True))
+            held = [v for k, v in _flat(loaded["held"][1]).items() if isinstance(v, quant.QArray)
+                    and expert_words.ROUTED_EXPERTS.search(k)]
+            k_major = all(a.format.layout.major_to_minor[-2:] == (a.ndim - 1, a.ndim - 2)
+                          for q in held for a in (q.codes, q.scale))
             logits = {ew: np.asarray(dsv4_jax.forward({k: v for k, v in p.items() if k != "mtp"}, cfg.target,
                                                       S.shard_batch(tokens, mesh)))
                       for ew, (cfg, p) in loaded.items()}
             out[name] = {"converted": len(converted), "converted_mtp": sum(k.startswith("mtp") for k in converted),
                          "bad": bad[:10], "words_vs_codes": _maxdiff(logits[True], logits[False]),
-                         "words_vs_single": _maxdiff(logits[True], want), "logit_scale": float(np.max(np.abs(want)))}
+                         "words_vs_single": _maxdiff(logits[True], want), "logit_scale": float(np.max(np.abs(want))),
+                         "held_k_major": k_major and len(held) >= 3, "held_vs_words": _maxdiff(logits["held"], logits[True])}
     return out
 
 

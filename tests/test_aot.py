@@ -14,7 +14,9 @@ from dsv4_jax import config as C, parallel
 from dsv4_jax.analysis import libtpu, traffic
 from dsv4_jax.model import params as P
 from dsv4_jax.ops import quant
+from dsv4_jax.parallel import expert_words
 from dsv4_jax.parallel.expert_words import shard_group
+from jax.experimental.layout import Format
 from dsv4_jax.analysis.aot import bounds as AB, chips, cli, compile as AC, ep as EP, extrapolate as X, hlo, inputs as I, programs as PR, report as R, runner
 from dsv4_jax.analysis.aot import fit_summary as FS, placement_table as PT
 
@@ -723,14 +725,18 @@ def test_sharding_setup_picks_the_preset_and_ep_backends():
     assert EP.setup("throughput", kcfg, devs, 8)[1].backends.ep.local == "pallas_tpu"
 
 
-def test_routed_expert_codes_placed_contraction_major():
-    """`inputs.experts_k_major`: only the routed experts' QArray codes and scales get the swapped-minor-dims
-    layout (sharding kept), the FP4 ones in the uint32 word layout (the shapes `quant.to_words` gives);
-    shared experts and dense leaves are untouched."""
+def test_routed_expert_codes_placed_as_a_run_holds_them():
+    """The programs' routed experts go through the loader's rule (`expert_words.for_run`): on TPU under EP with
+    the XLA local matmul only the routed experts' QArray codes and scales get the swapped-minor-dims layout
+    (sharding kept), the FP4 ones in the uint32 word layout (the shapes `quant.to_words` gives); shared experts
+    and dense leaves are untouched; on CPU the words keep the default layout; the Pallas local matmul keeps the
+    uint8 codes as placed."""
     cfg = runner.model_config("flash", pairs=0, small=True, platform="cpu")
-    mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
+    devs = jax.devices()[:1]
+    _, ep_cfg, mesh, _ = EP.setup("latency", cfg, devs, 8)
+    on_tpu = ep_cfg.backends.replace(ep=dataclasses.replace(ep_cfg.backends.ep, local="dense"))   # TPU's auto
     params = I.target_params(cfg, mesh, "release")
-    moved = I.experts_k_major(params)
+    moved = expert_words.for_run(params, on_tpu, "tpu")
     flat = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]
     n_moved = 0
     words = lambda q: jax.eval_shape(quant.to_words, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), q))
@@ -751,16 +757,19 @@ def test_routed_expert_codes_placed_contraction_major():
     assert n_moved > 0 and n_moved % 6 == 0           # codes + scale of w1, w2, w3 per routed layer stack
     sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     big = {"ffn": {"experts": {"w2": quant.abstract(quant.FP4, (4, 32, 512), jnp.bfloat16, sh, sh)}}}
-    q = I.experts_k_major(big)["ffn"]["experts"]["w2"]
+    q = expert_words.for_run(big, on_tpu, "tpu")["ffn"]["experts"]["w2"]
     assert q.fmt == quant.FP4_WORDS and q.shape == (4, 32, 512)         # K not split: one group
     sd = lambda t: [(a.shape, a.dtype) for a in jax.tree.leaves(t)]
     assert sd(q) == sd(words(big["ffn"]["experts"]["w2"])) == [((4, 32, 64), jnp.uint32), ((4, 32, 4), jnp.uint32)]
     assert q.codes.sharding == sh
-    kept = I.experts_k_major(big, words=False)["ffn"]["experts"]["w2"]             # for the Pallas kernels
-    assert kept.fmt == quant.FP4 and sd(kept) == sd(big["ffn"]["experts"]["w2"])
     for a in (q.codes, q.scale):
         nd = len(a.shape)
         assert a.format.layout.major_to_minor == (*range(nd - 2), nd - 1, nd - 2)
+    on_cpu = expert_words.for_run(big, on_tpu, "cpu")["ffn"]["experts"]["w2"]
+    assert on_cpu.fmt == quant.FP4_WORDS and not isinstance(on_cpu.codes.sharding, Format)
+    assert getattr(on_cpu.codes, "format", None) is None or on_cpu.codes.format.layout is None
+    pallas = on_tpu.replace(ep=dataclasses.replace(on_tpu.ep, local="pallas_tpu"))
+    assert expert_words.for_run(big, pallas, "tpu") is big
 
 
 def test_pallas_in_the_ep_program_lowers_for_the_chip_and_keeps_the_kernels_layout():
@@ -775,9 +784,8 @@ def test_pallas_in_the_ep_program_lowers_for_the_chip_and_keeps_the_kernels_layo
     kcfg = runner.model_config("flash", pairs=0, small=True, platform="cpu", backends="pallas_tpu")
     _, c, mesh, _ = EP.setup("latency", kcfg, devs, 8)
     assert c.backends.ep.local == "pallas_tpu" and c.backends.indexer == "pallas_tpu"     # one chip: kept
-    assert PR.k_major_experts(c, "tpu") is False and PR.k_major_experts(c, "cpu") is False
+    assert not expert_words.wants_words(c.backends)                    # the kernels read the uint8 codes
     ref = EP.setup("latency", runner.model_config("flash", pairs=0, small=True, platform="cpu"), devs, 8)[1]
-    assert PR.k_major_experts(ref, "tpu") is True and PR.k_major_experts(ref, "cpu") is False
     assert PR.uses_mosaic(c, mesh) is False                                   # CPU devices: interpret mode
     fake_tpu = type("M", (), {"devices": np.array([type("D", (), {"platform": "tpu"})()])})()
     assert PR.uses_mosaic(c, fake_tpu) is True and PR.uses_mosaic(ref, fake_tpu) is False

@@ -174,3 +174,39 @@ def test_report_without_bounds_per_k_is_named(tmp_path, capsys):
     assert cli.main(["--render", str(path), "--out", str(tmp_path / "r.json"), "--no-plot"]) == 0
     assert "no bound per k" in capsys.readouterr().err
     assert "forecast" not in json.loads((tmp_path / "r.json").read_text())
+
+
+def test_vllm_dspark_profile_reads_cumulative_rates():
+    """vllm#46995's .82/.67/.55/.45/.37 read as cumulative P(draft j accepted): E[accepted](5) is their sum and
+    the conditional rates are ≈ 0.82 each."""
+    p = F.profile("dspark-vllm-46995")
+    assert F.expected_accepted(p, 5) == pytest.approx(0.82 + 0.67 + 0.55 + 0.45 + 0.37, abs=2e-3)
+    assert all(r == pytest.approx(0.82, abs=0.01) for r in p.rates) and len(p.rates) == 5
+
+
+def test_latency_bases_add_fixed_terms_that_do_not_scale_with_k():
+    """With the report's latency terms (collectives × latency + ops × overhead): the latency basis is the roofline
+    plus them, the bytes part scaled to k's bound and the latency part not; bound+latency the same on the bound."""
+    rep = _fake_report()
+    lat = {"decode": 0.001, "verify": 0.002, "spec-mtp": 0.004, "spec-dspark": 0.003}
+    for r in rep["runs"][0]["programs"]:
+        e = r["estimate"]
+        e.update(collective_latency_s=lat[r["program"]] / 2, op_overhead_s=lat[r["program"]] / 2,
+                 latency_roofline_s=e["roofline_s"] + lat[r["program"]])
+    rows = {r["program"]: r for r in rep["runs"][0]["programs"]}
+    decode, verify, drafters = F.round_times(rows, "latency")
+    assert decode == pytest.approx(0.011)
+    # verify: 0.020 s roofline at bound 200 (1e-4 s per byte); k = 1: 1e-4 · 100 + 2 ms
+    assert verify(1) == pytest.approx(0.012) and verify(3) == pytest.approx(0.022)
+    # MTP round: 0.025 / 250 per byte; k = 2: 1e-4 · 170 + 4 ms − verify(2) (0.015 + 0.002)
+    assert drafters["mtp"][1](2) == pytest.approx(0.017 + 0.004 - 0.017)
+    d, v, _ = F.round_times(rows, "bound+latency")
+    # bound: decode 4 ms + 1 ms; verify at its bound 0.010 / 200 per byte, k = 2: 7.5 ms + 2 ms
+    assert d == pytest.approx(0.005) and v(2) == pytest.approx(0.0095)
+    fc = F.report_forecast(rep, "0.8,0.5")
+    assert [r["basis"] for r in fc["runs"]] == ["roofline", "bound", "latency", "bound+latency"]
+    assert "latency roofline" in "\n".join(F.section(fc))
+    del rows["verify"]["estimate"]["latency_roofline_s"]
+    assert "latency" not in F.default_bases(rows)
+    with pytest.raises(ValueError, match="no latency roofline"):
+        F.round_times(rows, "latency")

@@ -200,18 +200,47 @@ def test_expert_words_follow_the_ep_local_matmul():
     assert shard_group(q) == 0
 
 
+def test_k_major_experts_keep_their_layout_into_jit_and_compute_the_same():
+    """`expert_words.for_run` on TPU's rule (forced here on the CPU, which also takes custom layouts): the routed
+    FP4 stack becomes words with codes and scales stored contraction-dim major, the same values; a jitted
+    matmul compiles for that input layout (jit takes a committed array's layout) and equals the default-layout
+    words' and the uint8 codes' results."""
+    import numpy as np
+    from dsv4_jax.ops import quant
+    from dsv4_jax.parallel import expert_words
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 16, 512), jnp.float32)
+    codes = {"ffn": {"experts": {"w1": jax.device_put(quant.quantize(w, quant.FP4))}},
+             "shared": jax.device_put(quant.quantize(w[0], quant.FP4))}
+    held = expert_words.for_run(codes, None, "tpu", words=True)
+    plain = expert_words.for_run(codes, None, "cpu", words=True)
+    q, p = held["ffn"]["experts"]["w1"], plain["ffn"]["experts"]["w1"]
+    assert q.fmt == p.fmt == quant.FP4_WORDS and held["shared"] is codes["shared"]
+    for a in (q.codes, q.scale):
+        assert a.format.layout.major_to_minor == (0, 2, 1)
+    assert p.codes.format.layout.major_to_minor == (0, 1, 2)                     # row-major
+    np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(p.codes))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 512), jnp.float32)
+    f = jax.jit(lambda t, x: quant.matmul_codes(x, quant.take(t, 1)))
+    assert f.lower(q, x).compile().input_formats[0][0].codes.layout.major_to_minor == (0, 2, 1)
+    got, want = np.asarray(f(q, x)), np.asarray(f(p, x))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, np.asarray(f(codes["ffn"]["experts"]["w1"], x)), rtol=1e-5, atol=1e-5)
+
+
 def test_release_experts_load_as_words_on_the_presets(fast_checks):
     """load_checkpoint(keep_quantized=True, sharding=preset, expert_words=True) on 8 devices: routed FP4 experts
     (target and MTP) whose contraction dim holds whole 256-column groups per shard come back in the uint32 word
     layout with the uint8 codes' partition specs and the same values (exact), and the forward logits equal the
     codes' (≤ 1e-6; measured 0) and the single-device dense model's (≤ 5e-5 relative to the largest logit: the
     latency preset's tensor-parallel f32 sums run in another order at hidden 256, measured 1.8e-5 relative with
-    words and codes alike; the throughput preset's 0)."""
+    words and codes alike; the throughput preset's 0); placed by TPU's rule (`expert_words.for_run`, forced on
+    the CPU: words stored contraction-dim major) the logits equal the default-layout words' (≤ 1e-6)."""
     res = fast_checks["expert_words"]
     assert set(res) == {"latency", "throughput"}
     for name, r in res.items():
         assert r["bad"] == [] and r["converted"] >= 3 and r["converted_mtp"] >= 1, (name, r)
         assert r["words_vs_codes"] <= 1e-6, (name, r)
+        assert r["held_k_major"] and r["held_vs_words"] <= 1e-6, (name, r)    # TPU's layout: same logits
         assert r["words_vs_single"] <= 5e-5 * r["logit_scale"], (name, r)
 
 

@@ -159,6 +159,20 @@ def test_cost_table_from_an_aot_report(tmp_path):
     bad.write_text(json.dumps({"runs": [], "shapes": {"batch": 1}}))
     with pytest.raises(CostTableError, match="report.json.*no run"):
         cost_table.from_aot_report(str(bad), "mtp")
+    # the latency basis: each program's latency roofline (the roofline + 1 ms here)
+    with open(path) as f:
+        rep = json.load(f)
+    for p in rep["runs"][0]["programs"]:
+        p["estimate"]["latency_roofline_s"] = p["estimate"]["roofline_s"] + 1e-3
+    lat = tmp_path / "lat.json"
+    lat.write_text(json.dumps(rep))
+    t2 = cost_table.from_aot_report(str(lat), "mtp", weights="bf16", basis="latency")
+    assert t2.plain_seconds == pytest.approx(est["decode"] + 1e-3) and t2.source.endswith(":latency")
+    assert t2.seconds[3] == pytest.approx(est["verify"] + 1e-3)
+    with pytest.raises(CostTableError, match="report.json.*latency estimate"):
+        cost_table.from_aot_report(str(bad), "mtp", basis="latency")
+    with pytest.raises(CostTableError, match="unknown basis"):
+        cost_table.from_aot_report(str(lat), "mtp", basis="bytes")
 
 
 def test_bad_auto_options():

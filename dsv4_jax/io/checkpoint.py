@@ -31,7 +31,8 @@ from ..bundle import CheckpointConfig, DSparkMeta
 from ..config import ConfigError, ModelConfig
 from ..ops import quant
 from ..model.schedule import segments
-from ..parallel import preset as sharding_preset, routed_experts_as_words, spec_sharding, wants_words
+from ..parallel import preset as sharding_preset, spec_sharding
+from ..parallel.expert_words import for_run as expert_words_for_run
 from .integrity import ChecksumError, checksums
 
 META_FILE = "dsv4.json"
@@ -373,10 +374,10 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
     sharding: a preset name ("latency", "throughput": `dsv4_jax.parallel.PRESETS`) or `ShardingPreset`:
     its rules and, unless `mesh` is given, its mesh over all devices; the returned config carries the
     preset's backends (the expert-parallel MoE on that mesh).
-    expert_words (keep_quantized only): routed FP4 experts in the uint32 word layout per shard
-    (`parallel.routed_experts_as_words`; the same values). None (default): when the run's expert-parallel
-    local matmul reads words (`parallel.wants_words`: the XLA one a TPU preset resolves to); True / False: always /
-    never.
+    expert_words (keep_quantized only): routed FP4 experts in the uint32 word layout per shard and, on TPU,
+    routed codes and scales stored contraction-dim major (`parallel.expert_words.for_run`, the rule `dsv4-aot`
+    compiles; the same values). None (default): when the run's expert-parallel local matmul reads words
+    (`parallel.wants_words`: the XLA one a TPU preset resolves to); True / False: always / never.
 
     verify (default): dsv4.json is cross-checked against the stored leaves (names, shapes, dtypes, the
     layer count of the config) and every restored array against the checksum recorded when it was written
@@ -411,8 +412,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
         mtp_layers = len(params["mtp"])
     if "dspark" in items:
         params["dspark"], dspark = _load_dspark(path, config, items["dspark"], dtype, sharding, version, keep)
-    if keep and (expert_words if expert_words is not None else wants_words(config.backends)):
-        params = routed_experts_as_words(params)
+    if keep:
+        params = expert_words_for_run(params, config.backends, words=expert_words)
     if mtp_layers or dspark is not None:
         return CheckpointConfig(config, mtp_layers, dspark), params
     return config, params

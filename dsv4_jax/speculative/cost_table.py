@@ -139,13 +139,21 @@ class CostTable:
         return cls.from_json(d, f"cost table {path}")
 
 
-def from_aot_report(path: str, drafter: str, weights: str | None = None) -> CostTable:
+AOT_SECONDS = {"roofline": "roofline_s", "latency": "latency_roofline_s"}   # `from_aot_report`'s bases
+
+
+def from_aot_report(path: str, drafter: str, weights: str | None = None, basis: str = "roofline") -> CostTable:
     """A table of roofline seconds from a `dsv4-aot` JSON report (docs/width_scheduler.md §4): per run (one
     weight format; `weights` picks it, default the first run with the programs) the `decode` program's
     estimate is the plain round, the `verify` program's (T tokens) prices width T − 1, widths in between are
     interpolated linearly in the verified tokens (a memory-bound step's bytes grow affinely with them), and the
     drafter's round program `spec-<drafter>` (drafting + verify of T tokens), where present, adds its excess
-    over that verify to every width. CostTableError naming the report and what it lacks."""
+    over that verify to every width. basis: "roofline" (bytes / bandwidth as compiled) or "latency" (the
+    report's latency roofline: + collectives × latency + launched ops × overhead). CostTableError naming the
+    report and what it lacks."""
+    if basis not in AOT_SECONDS:
+        raise CostTableError(f"dsv4-aot report {path}: unknown basis {basis!r}; choose from {tuple(AOT_SECONDS)}")
+    field = AOT_SECONDS[basis]
     try:
         with open(path) as f:
             report = json.load(f)
@@ -154,8 +162,8 @@ def from_aot_report(path: str, drafter: str, weights: str | None = None) -> Cost
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise CostTableError(f"dsv4-aot report {path}: not a dsv4-aot report ({e})") from None
     for run in runs:
-        est = {(p["program"], p.get("tokens_per_sequence")): p["estimate"]["roofline_s"]
-               for p in run.get("programs", []) if isinstance(p.get("estimate"), dict)}
+        est = {(p["program"], p.get("tokens_per_sequence")): p["estimate"][field]
+               for p in run.get("programs", []) if isinstance(p.get("estimate"), dict) and field in p["estimate"]}
         plain = est.get(("decode", 1))
         verify = sorted((t, s) for (name, t), s in est.items() if name == "verify")
         if plain is None or not verify:
@@ -165,8 +173,10 @@ def from_aot_report(path: str, drafter: str, weights: str | None = None) -> Cost
         extra = max(spec - s_verify, 0.0) if spec is not None else 0.0
         seconds = tuple(plain + (s_verify - plain) * w / (T - 1) + extra for w in range(T))
         return CostTable(seconds=physical(seconds, plain), plain_seconds=plain, drafter=drafter, batch=batch,
-                         source=f"aot:{os.path.basename(path)}:{run.get('topology')}:{run.get('weights')}")
+                         source=f"aot:{os.path.basename(path)}:{run.get('topology')}:{run.get('weights')}"
+                                + ("" if basis == "roofline" else f":{basis}"))
     raise CostTableError(f"dsv4-aot report {path}: no run with compiled decode and verify programs"
+                         + ("" if basis == "roofline" else f" with a {basis} estimate")
                          + (f" for weights {weights!r}" if weights else ""))
 
 

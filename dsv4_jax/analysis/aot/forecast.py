@@ -51,6 +51,15 @@ PUBLISHED = {
                                   "llama.cpp PR #25784: MTP, 0.65 aggregate acceptance, taken as a_i = 0.65 "
                                   "for every position"),
 }
+# vllm-project/vllm#46995 (DSpark on DeepSeek-V4-Flash, k = 5) publishes per-position acceptance .82 / .67 / .55 /
+# .45 / .37. Read as vLLM's spec-decode metric does: drafts at position j accepted over rounds, i.e. the cumulative
+# P(draft j accepted) (a conditional reading could not fall this smoothly: .82^j is .82 / .67 / .55 / .45 / .37),
+# converted to conditional rates (`conditional`: ≈ 0.82 at every position).
+PUBLISHED["dspark-vllm-46995"] = Profile(
+    "dspark-vllm-46995", tuple(round(r, 4) for r in (lambda c: [c[0]] + [b / a for a, b in zip(c, c[1:])])(
+        (0.82, 0.67, 0.55, 0.45, 0.37))),
+    "vllm-project/vllm#46995: DSpark on Flash, per-position acceptance .82/.67/.55/.45/.37 at k = 5, read as "
+    "cumulative P(draft j accepted), converted to conditional rates")
 DEFAULT_PROFILE = "mtp-llamacpp-25784"
 
 
@@ -152,8 +161,22 @@ def forecast(p: Profile, decode_s: float, verify_s: Callable[[int], float], draf
 # Step-time bases: "roofline" = the report's estimate per program (max(HLO-op HBM bytes, or XLA's bytes
 # accessed where the HLO could not be read, at the HBM bandwidth; flops at the peak rate)); "xla" = XLA's
 # bytes accessed (on-chip traffic included) for every program, one measure throughout; "bound" = the
-# program's bytes bound at the HBM bandwidth (every program at its bound: the ideal payoff).
-BASES = ("roofline", "xla", "bound")
+# program's bytes bound at the HBM bandwidth (every program at its bound: the ideal payoff); "latency" and
+# "bound+latency" = roofline and bound plus the program's latency terms (collectives × the per-collective
+# latency + launched ops × the per-op overhead, `compile.latency_roofline`), which do not grow with k.
+BASES = ("roofline", "xla", "bound", "latency", "bound+latency")
+LATENCY_BASES = ("latency", "bound+latency")
+
+
+def _fixed(row: dict, basis: str) -> float:
+    """The part of a program's time that does not scale with its bytes: its latency terms (latency bases)."""
+    if basis not in LATENCY_BASES:
+        return 0.0
+    e = row["estimate"]
+    if "latency_roofline_s" not in e:
+        raise ValueError(f"program {row['program']}: no latency roofline in the report (its HLO could not be "
+                         "read); use a bytes-only basis")
+    return e["collective_latency_s"] + e["op_overhead_s"]
 
 
 def _seconds(row: dict, basis: str = "roofline") -> float:
@@ -162,14 +185,19 @@ def _seconds(row: dict, basis: str = "roofline") -> float:
         raise ValueError(f"unknown forecast basis {basis!r}; choose from {BASES}")
     if basis == "xla":
         return max(e["xla_bytes_s"], e.get("flops_s", 0.0))
-    return e["roofline_s"] if basis == "roofline" else e["bound_s"]
+    bytes_s = e["roofline_s"] if basis in ("roofline", "latency") else e["bound_s"]
+    return bytes_s + _fixed(row, basis)
 
 
 def default_bases(rows: dict) -> tuple[str, ...]:
-    """roofline and bound; and "xla" when the roofline times rest on different measures (a program whose
-    HLO could not be read next to one whose could), which would bias the comparison."""
+    """roofline and bound; "xla" when the roofline times rest on different measures (a program whose HLO could
+    not be read next to one whose could), which would bias the comparison; the latency bases when every
+    program has its latency terms."""
     sources = {step_source(r) for r in rows.values()} - {"flops"}
-    return ("roofline", "xla", "bound") if len(sources) > 1 else ("roofline", "bound")
+    out = ("roofline", "xla", "bound") if len(sources) > 1 else ("roofline", "bound")
+    if all("latency_roofline_s" in r["estimate"] for r in rows.values()):
+        out += LATENCY_BASES
+    return out
 
 
 def step_source(row: dict) -> str:
@@ -181,8 +209,9 @@ def step_source(row: dict) -> str:
 
 
 def _ratio(row: dict, basis: str = "roofline") -> float:
-    """The compiled program's time per byte of its bound (its time / bound at the same k)."""
-    return _seconds(row, basis) / row["bound"]["total"]
+    """The compiled program's bytes-scaled time per byte of its bound (its time less the latency terms / bound
+    at the same k)."""
+    return (_seconds(row, basis) - _fixed(row, basis)) / row["bound"]["total"]
 
 
 def _by_k(row: dict) -> dict[int, float]:
@@ -197,11 +226,13 @@ def round_times(programs: dict, basis: str = "roofline") -> tuple[float, Callabl
                                                                   dict[str, tuple[list[int], Callable]]]:
     """(decode_s, verify_s(k), {drafter: (ks, drafter_s(k))}) from a report run's compiled rows by program
     name ("decode", "verify", "spec-mtp", "spec-dspark"): each compiled row's seconds per bound byte scaled
-    to k's bound (`bound["by_k"]`); a drafter's own time is its round minus the verify step at the same k;
-    ks = the k its bound covers (DSpark: at most its block size); basis: one of BASES."""
+    to k's bound (`bound["by_k"]`), plus its latency terms unscaled (latency bases); a drafter's own time is its
+    round minus the verify step at the same k; ks = the k its bound covers (DSpark: at most its block size);
+    basis: one of BASES."""
     decode = _seconds(programs["decode"], basis)
-    v_ratio, v_bound = _ratio(programs["verify"], basis), _by_k(programs["verify"])
-    verify = lambda k: v_ratio * v_bound[k]
+    v = programs["verify"]
+    v_ratio, v_bound, v_fixed = _ratio(v, basis), _by_k(v), _fixed(v, basis)
+    verify = lambda k: v_ratio * v_bound[k] + v_fixed
     drafters = {}
     for name in ("spec-mtp", "spec-dspark"):
         row = programs.get(name)
@@ -209,8 +240,8 @@ def round_times(programs: dict, basis: str = "roofline") -> tuple[float, Callabl
             continue
         r_bound = _by_k(row)
         ks = [k for k in sorted(r_bound) if k in v_bound]
-        drafters[name.split("-")[1]] = (ks, (lambda rr, rb: lambda k: max(0.0, rr * rb[k] - verify(k)))(
-            _ratio(row, basis), r_bound))
+        drafters[name.split("-")[1]] = (ks, (lambda rr, rb, rf: lambda k: max(0.0, rr * rb[k] + rf - verify(k)))(
+            _ratio(row, basis), r_bound, _fixed(row, basis)))
     return decode, verify, drafters
 
 
@@ -254,7 +285,11 @@ def _rate_text(p: dict) -> str:
 
 _BASIS_TEXT = {"roofline": "step times = the report's roofline estimates (as compiled)",
                "xla": "step times = XLA's bytes accessed at HBM bandwidth (one measure for every program)",
-               "bound": "step times = each program's bytes bound at HBM bandwidth (the ideal payoff)"}
+               "bound": "step times = each program's bytes bound at HBM bandwidth (the ideal payoff)",
+               "latency": "step times = the roofline estimates as compiled + collectives × latency + launched ops "
+                          "× overhead (the report's latency roofline)",
+               "bound+latency": "step times = each program's bytes bound + its latency terms (the payoff once "
+                                "the bytes are at their bound, launches and collectives as compiled)"}
 
 
 def section(fc: dict | None) -> list[str]:
@@ -299,7 +334,7 @@ def plot_report(fc: dict, path: str) -> None:
             rows = v["rows"]
             basis = run.get("basis", "roofline")
             ax.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="o",
-                    ls={"roofline": "-", "xla": "--"}.get(basis, ":"),
+                    ls={"roofline": "-", "xla": "--", "latency": "-."}.get(basis, ":"),
                     label=f"{run['topology']} {run['weights']} {d} ({v['profile']['name']}; {basis})")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="draft_n_max k", ylabel="speed-up over plain decoding",
@@ -315,5 +350,5 @@ def best(rows: list[dict]) -> dict:
 
 
 __all__ = ["Profile", "PUBLISHED", "DEFAULT_PROFILE", "K_RANGE", "given", "conditional", "from_sweep", "profile",
-           "expected_accepted", "forecast_row", "forecast", "BASES", "default_bases", "step_source", "round_times",
+           "expected_accepted", "forecast_row", "forecast", "BASES", "LATENCY_BASES", "default_bases", "step_source", "round_times",
            "report_forecast", "section", "plot_report", "best"]

@@ -20,12 +20,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ...model import params as P
 from ... import parallel
-from ...parallel.expert_words import ROUTED_EXPERTS, shard_group
 from ...model.state import state_shapes
 from ...config import ModelConfig
 from ...ops import quant
@@ -86,41 +84,6 @@ def target_params(config: ModelConfig, mesh, weights: str, rules=None) -> dict:
     rule = lambda path, spec: leaf_format(weights, path, spec)
     return abstract_tree(quantized_specs(P.param_specs(config), weights),
                          parallel.param_shardings(config, mesh, rules, formats=rule))
-
-
-def k_major(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    """The same array laid out with its last two dims swapped in memory (major_to_minor ..., −1, −2), the
-    tiling left to XLA. (Asking for the uint8 tiling T(8,128)(4,1) that XLA:TPU converts uint8 in removes
-    the in-fusion re-tile on one chip (experiments/results/aot_release_ep_2026-12-04.md), but the sharded programs
-    reject it: "Unexpected XLA layout override" to T(32,128)(4,1).)"""
-    nd = len(x.shape)
-    order = (*range(nd - 2), nd - 1, nd - 2)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=Format(Layout(major_to_minor=order), x.sharding))
-
-
-def as_words(q: quant.QArray) -> quant.QArray:
-    """An abstract FP4 QArray as the abstract word-layout QArray `quant.to_words(q, shard_group(q))` makes of
-    it (same logical shape and shardings; the loader's column-group rule, `parallel.expert_words.shard_group`)."""
-    fmt = quant.words_format(shard_group(q))
-    c, s = quant.stored_shapes(fmt, q.shape)
-    return quant.QArray(sds(c, jnp.uint32, q.codes.sharding), sds(s, jnp.uint32, q.scale.sharding), fmt, q.dtype)
-
-
-def experts_k_major(params: dict, words: bool = True) -> dict:
-    """Routed-expert QArrays with codes and scales stored contraction-dim major (`k_major`); FP4 ones, when
-    `words` (not for the Pallas kernels, which read uint8 codes) and `quant.words_fit` (not in small test
-    models), in the uint32 word layout (`as_words`). In that layout XLA:TPU fuses the per-expert slice +
-    decode into the decode matmul (`quant.matmul_codes`) without re-tiling the uint8 stack
-    (experiments/results/aot_release_ep_2026-12-04.md). A run's loader converts them the same way
-    (`parallel.routed_experts_as_words`, called by `load_checkpoint` on a TPU preset); the k-major `Format` is
-    not applied at run time (XLA picks the layout of arguments it is handed)."""
-    def one(path, x):
-        flat = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-        if isinstance(x, quant.QArray) and ROUTED_EXPERTS.search(flat):
-            x = as_words(x) if words and quant.words_fit(x, shard_group(x)) else x
-            return quant.QArray(k_major(x.codes), k_major(x.scale), x.fmt, x.dtype)
-        return x
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, quant.QArray))
 
 
 def mtp_params(config: ModelConfig, mesh, weights: str, rules=None) -> list:

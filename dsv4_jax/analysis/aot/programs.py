@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from ...config import ModelConfig
 from ...model.decode import process_block
+from ...parallel import expert_words
 from ...drafters import registry
 from ...drafters.base import Bound, Knobs
 from ...speculative import loop
@@ -33,7 +34,6 @@ from . import forecast as F
 from . import inputs as I
 
 PROGRAMS = ("prefill", "decode", "verify", "spec-mtp", "spec-dspark")
-PALLAS_LOCAL = ("pallas", "pallas_tpu")   # EP local matmuls that are Pallas kernels (uint8 codes, default layout)
 MAX_NEW_TOKENS = 256        # the loop's output buffer per sequence (a static size of the carry)
 
 
@@ -67,13 +67,12 @@ def _is_abstract(x) -> bool:
     return all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(x)) and bool(jax.tree.leaves(x))
 
 
-def _target(config: ModelConfig, mesh, weights: str, rules) -> dict:
-    """Target parameters; on TPU under expert parallelism (`moe="ep"`) the routed experts' codes stored
-    contraction-dim major (`inputs.experts_k_major`), FP4 ones as uint32 words. A Pallas local matmul keeps
-    them as placed: its custom call reads uint8 codes in the default row-major layout, so a k-major stack
-    would be transposed whole before every call."""
-    params = I.target_params(config, mesh, weights, rules)
-    return I.experts_k_major(params) if k_major_experts(config, platform(mesh)) else params
+def _for_run(params: dict, config: ModelConfig, mesh) -> dict:
+    """The parameters as a run on `mesh` holds them: the routed experts through `parallel.expert_words.for_run`,
+    the rule `load_checkpoint` applies (on TPU under expert parallelism with an XLA local matmul: FP4 as uint32
+    words, codes and scales contraction-dim major; with a Pallas one as placed), so no program declares an input
+    layout a run does not hold."""
+    return expert_words.for_run(params, config.backends, platform(mesh))
 
 
 def platform(mesh) -> str | None:
@@ -83,15 +82,8 @@ def platform(mesh) -> str | None:
     return mesh.devices.flat[0].platform
 
 
-def k_major_experts(config: ModelConfig, platform: str) -> bool:
-    """Whether the routed experts are placed k-major (`_target`): on TPU under expert parallelism with an XLA
-    local matmul; not for a Pallas one (`PALLAS_LOCAL`)."""
-    b = config.backends
-    return b.moe == "ep" and platform == "tpu" and b.ep.local not in PALLAS_LOCAL
-
-
 def _block(name: str, config: ModelConfig, mesh, weights: str, sh: I.Shapes, S: int, rules) -> Program:
-    params = _target(config, mesh, weights, rules)
+    params = _for_run(I.target_params(config, mesh, weights, rules), config, mesh)
     state = I.decode_state(config, mesh, sh.batch, sh.max_len, sh.max_block, rules)
     tokens = I.batch_array(mesh, (sh.batch, S), jnp.int32, rules=rules)
     n_valid = I.replicated(mesh, (sh.batch,), jnp.int32)
@@ -107,11 +99,12 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
     (configured, initialised and run through the `drafters.registry` interface): the only place that builds
     the loop's Program and Carry."""
     B, dt = sh.batch, I.COMPUTE_DTYPE
-    params = _target(config, mesh, weights, rules)
+    params = I.target_params(config, mesh, weights, rules)
     if drafter_name == "mtp":
         params["mtp"] = I.mtp_params(config, mesh, weights, rules)
     else:
         params["dspark"] = I.dspark_params(config, mesh, weights, rules)
+    params = _for_run(params, config, mesh)
     drafter = registry.get(drafter_name)
     setup = drafter.configure(params, config, sh.draft_n_max)
     k = setup.k
