@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ...model import params as P
 from ... import parallel
 from ...model.state import state_shapes
+from ...parallel.expert_words import ROUTED_EXPERTS
 from ...config import ModelConfig
 from ...ops import quant
 
