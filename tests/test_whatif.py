@@ -320,7 +320,8 @@ def test_expected_walk_equals_the_backward_recursion():
 def test_the_sampled_estimate_on_the_loops_own_paths_gives_its_rounds(run, rule):
     """The loop at T = 0.8 (DSpark, k = 3, 48 rows: the 3 prompts 16 times): its paths fed to `along_path`,
     Σ rows of the expected rounds given each path (`round_survival` under the loop's verify rule, `expected_walk`)
-    against the rounds the loop ran, within 4 % (≈ 2 standard deviations of the verify draws given the paths)."""
+    against the rounds the loop ran, within 4 % (≈ 4 standard deviations of the verify draws given the paths: on the
+    bundled model their sd is ≈ 1 % of ~800 rounds; experiments/results/whatif_2026-12-07.md §5.2)."""
     model, prompts, _, _ = run
     rows, k, T = [p for p in prompts for _ in range(16)], 3, 0.8
     g = d.generate(model.params, model.bundle, rows, N, drafter="dspark", draft_n_max=k, verify=rule,

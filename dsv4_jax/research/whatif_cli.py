@@ -313,8 +313,8 @@ def markdown(summary: dict) -> str:
              + f", walks {meta['timing']['walk_s']:.2f} s, sampled estimates {meta['timing']['sampled_s']:.1f} s; "
              f"cost tables {meta['tables_s']:.1f} s",
              "", "Every greedy setting's accepted drafts are computed exactly from one teacher-forced pass "
-             "(docs/whatif.md); settings with T > 0 are estimated (≈: the expected rounds given one sampled path per prompt under "
-             f"the run's verify rule ({meta.get('verify', 'token')}), §5); "
+             "(docs/whatif.md); settings with T > 0 are estimated (≈: the expected rounds given one sampled path per "
+             f"prompt under the run's verify rule ({meta.get('verify', 'token')}), §5); "
              "speed-ups are predicted from the cost tables (rounds × seconds per round vs plain decoding).", ""]
     header = ["spec", "k", "knob", "drafter", "B", "n", "drafted", "accepted", "accept_rate", "mean_acc_len", "rounds",
               "per-position accept"] + [f"predicted ({n})" for n in names]
