@@ -237,3 +237,101 @@ def test_the_cumulative_confidence_rule_walks_to_the_loops_rounds(run):
     for b, path in enumerate(paths):
         assert W.walk(path, p.drafts[b], p.n_draft[0, b], K, N)[0] == want[b]
 
+
+
+# ---- the sampled estimate (docs/whatif.md §5): the rounds' law given a path --------------------------------
+
+def _enumerate_round(P, Q, n, V, rule):
+    """A round of n drafts from a state whose target / drafter distributions depend on the prefix (P(prefix) [V],
+    Q(prefix) [V]), every draft block and verify outcome enumerated -> {(a, y_1..y_{a+1}): P(τ = a and the round
+    emits y_1..y_{a+1})}. Block: `ops.verification.block_weights` (the loop's rule); token-wise: accept draft j
+    with probability min(1, P/Q), else emit from (P − Q)+ normalized."""
+    import itertools
+    from dsv4_jax.ops import verification as vf
+    out = {}
+    for x in itertools.product(range(V), repeat=n):
+        pq = np.prod([Q(x[:j])[x[j]] for j in range(n)])
+        p_rows = np.stack([P(x[:j]) for j in range(n + 1)])
+        q_rows = np.stack([Q(x[:j]) for j in range(n)])
+        if rule == "block":
+            keep, h = (np.asarray(x)[0] for x in vf.block_weights(jnp.asarray(p_rows[None]), jnp.asarray(q_rows[None]),
+                                                                  jnp.asarray(np.array(x)[None]), jnp.asarray([n])))
+            hh = np.concatenate([[1.0], h[:n]])                           # h_0 = 1: τ = 0 when no η_i <= h_i
+            tau = [hh[a] * np.prod(1 - hh[a + 1:]) for a in range(n + 1)]
+            resid = lambda a: np.maximum(keep[a] * p_rows[a] - q_rows[a], 0.0)
+        else:
+            beta = np.minimum(1.0, [p_rows[j][x[j]] / q_rows[j][x[j]] for j in range(n)])
+            tau = [np.prod(beta[:a]) * (1 - beta[a] if a < n else 1.0) for a in range(n + 1)]
+            resid = lambda a: np.maximum(p_rows[a] - q_rows[a], 0.0)
+        for a in range(n + 1):
+            nxt = p_rows[n] if a == n else resid(a) / resid(a).sum() if resid(a).sum() > 0 else 0 * p_rows[a]
+            for y in range(V):
+                key = (a,) + tuple(x[:a]) + (y,)
+                out[key] = out.get(key, 0.0) + pq * tau[a] * nxt[y]
+    return out
+
+
+@pytest.mark.parametrize("rule", ["token", "block"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_round_survival_is_the_rounds_law_given_the_path(rule, n):
+    """Enumerated over every draft block and verify draw (V = 3, prefix-dependent P and Q): given the tokens the
+    round emits, P(τ = a | path) = S_a − S_{a+1} of `round_survival` (token: Π min(1, q/p); block: the running
+    minimum of Π q/p), and the emitted tokens are distributed as the target's (lossless)."""
+    import itertools
+    V = 3
+    rng = np.random.default_rng(n)
+    table = {}
+    dist = lambda key: table.setdefault(key, rng.dirichlet(np.full(V, 0.7)))
+    P, Q = (lambda x: dist(("p",) + tuple(x))), (lambda x: dist(("q",) + tuple(x)))
+    joint = _enumerate_round(P, Q, n, V, rule)
+    for y in itertools.product(range(V), repeat=n + 1):
+        py = [P(y[:m])[y[m]] for m in range(n + 1)]
+        log_ratio = np.log([Q(y[:m])[y[m]] / py[m] for m in range(n)])
+        S = W.round_survival(log_ratio[None], n, rule)[0]
+        want = S - np.append(S[1:], 0.0)                                           # P(τ = a | y), a = 0..n
+        got = [joint[(a,) + y[:a + 1]] / np.prod(py[:a + 1]) for a in range(n + 1)]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # block verification never accepts less than token-wise along the same path
+    lr = np.log(rng.uniform(0.05, 3.0, size=(200, n)))
+    assert (W.round_survival(lr, n, "block") >= W.round_survival(lr, n, "token") - 1e-12).all()
+
+
+def test_expected_walk_equals_the_backward_recursion():
+    """Visit weights forward (v(i + a + 1) += v(i)·P(τ = a | i)) against E[rounds], E[accepted] by recursion from
+    each anchor backwards, on a hand-made survival; the budget stops the walk."""
+    rng = np.random.default_rng(1)
+    A, w, stop = 9, 2, 7
+    S = np.concatenate([np.ones((A, 1)), np.cumprod(rng.uniform(0.2, 1.0, (A, w)), axis=1)], axis=1)
+    dist = S - np.concatenate([S[:, 1:], np.zeros((A, 1))], axis=1)
+    rounds, acc = np.zeros(A + w + 2), np.zeros(A + w + 2)
+    for i in reversed(range(stop)):
+        rounds[i] = 1 + sum(dist[i, a] * rounds[i + a + 1] for a in range(w + 1))
+        acc[i] = S[i, 1:].sum() + sum(dist[i, a] * acc[i + a + 1] for a in range(w + 1))
+    e = W.expected_walk(S, stop)
+    assert e["rounds"] == pytest.approx(rounds[0]) and e["accepted"] == pytest.approx(acc[0])
+    assert sum(e["per_position_accepted"]) == pytest.approx(acc[0])
+    assert e["visits"][0] == 1.0 and not e["visits"][stop:].any()
+    # every anchor accepts everything (S = 1): rounds of w + 1 tokens from anchor 0 — anchors 0, 3, 6
+    e = W.expected_walk(np.ones((A, w + 1)), stop)
+    assert e["rounds"] == 3 and e["accepted"] == 6 and list(np.flatnonzero(e["visits"])) == [0, 3, 6]
+
+
+@pytest.mark.parametrize("rule", ["token", "block"])
+def test_the_sampled_estimate_on_the_loops_own_paths_gives_its_rounds(run, rule):
+    """The loop at T = 0.8 (DSpark, k = 3, 48 rows: the 3 prompts 16 times): its paths fed to `along_path`,
+    Σ rows of the expected rounds given each path (`round_survival` under the loop's verify rule, `expected_walk`)
+    against the rounds the loop ran, within 4 % (≈ 4 standard deviations of the verify draws given the paths: on the
+    bundled model their sd is ≈ 1 % of ~800 rounds; experiments/results/whatif_2026-12-07.md §5.2)."""
+    model, prompts, _, _ = run
+    rows, k, T = [p for p in prompts for _ in range(16)], 3, 0.8
+    g = d.generate(model.params, model.bundle, rows, N, drafter="dspark", draft_n_max=k, verify=rule,
+                   temperature=T, seed=0, eos_token_id=-1, pad_to=48, max_len=48 + N + k + 1)
+    paths = [W.Path(np.asarray(p, np.int32), np.asarray(t, np.int32)) for p, t in zip(rows, g.tokens)]
+    assert len({tuple(p.tokens) for p in paths}) > 40                # the rows sampled different paths
+    target = W.target_pass(model.params, model.config, paths, tuple(model.draft_setup("dspark", k).taps),
+                           tempered=(T, 1.0))
+    along = W.along_path(model.params, model.bundle, paths, "dspark", k, N - 1, target)
+    expected = sum(W.expected_walk(W.round_survival(along.log_ratio[b], k, rule), N - 1)["rounds"]
+                   for b in range(len(paths)))
+    ran = g.stats["rounds"]
+    assert expected == pytest.approx(ran, rel=0.04), (expected, ran)

@@ -131,15 +131,19 @@ def _anchored(params: dict, config: ModelConfig, aux: dict, seq: jax.Array, row:
 @functools.partial(jax.jit, static_argnames=("config", "program", "rows_needed", "max_len"))
 def _alpha_along(params: dict, config: ModelConfig, aux: dict, seq: jax.Array, probs: jax.Array, row: jax.Array,
                  anchor: jax.Array, knobs: Knobs, key, *, program: Program, rows_needed: int, max_len: int):
-    """α_j = Σ_v min(p_j(v), q_j(v)) at each anchor [A] -> [A,K]: q_j the drafter's distribution of draft j with its
-    chain fed the sequence's own next tokens (`Drafter.propose_along`), p_j the target's (probs [B,S,V], tempered
-    as q) at the position before that token."""
+    """At each anchor [A] -> (α [A,K], log ratio [A,K]): α_j = Σ_v min(p_j(v), q_j(v)) and log q_j(y_j) − log p_j(y_j)
+    at the sequence's own next token y_j, q_j the drafter's distribution of draft j with its chain fed the sequence's
+    own next tokens (`Drafter.propose_along`), p_j the target's (probs [B,S,V], tempered as q) at the position
+    before that token."""
     run, st = _state_at(params, config, aux, seq, row, anchor, knobs, program, rows_needed, max_len)
     K, S = program.k, seq.shape[1]
     at = jnp.minimum(anchor[:, None] + jnp.arange(K)[None, :], S - 1)                      # [A,K]
-    q = program.drafter.propose_along(run, st, anchor, seq[row, anchor], seq[row[:, None], jnp.minimum(at + 1, S - 1)],
-                                      key, knobs)
-    return jnp.sum(jnp.minimum(probs[row[:, None], at], q), axis=-1)
+    nxt = seq[row[:, None], jnp.minimum(at + 1, S - 1)]                                    # [A,K] y_{i+1..i+K}
+    q = program.drafter.propose_along(run, st, anchor, seq[row, anchor], nxt, key, knobs)
+    p = probs[row[:, None], at]
+    at_y = lambda x: jnp.take_along_axis(x, nxt[..., None], axis=-1)[..., 0]
+    log_ratio = jnp.log(at_y(q)) - jnp.log(jnp.maximum(at_y(p), 1e-30))                  # −inf where q(y) = 0
+    return jnp.sum(jnp.minimum(p, q), axis=-1), log_ratio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,18 +232,27 @@ def proposals(params: dict, config, paths: Sequence[Path], drafter: str, k: int,
                      probability=cat(0, 2), margin=cat(0, 3), conf=cat(0, 4))
 
 
-def sampled_acceptance(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
-                       target: TargetPass, options=None) -> np.ndarray:
-    """T > 0 (an approximation, docs/whatif.md §4): α_j(i) = Σ_v min(p, q) of draft j at every anchor i of sampled
-    paths (each a plain sampling run's continuation), q from the drafter's chain fed the path's own tokens
-    (`Drafter.propose_along`), p the target's distribution there; target: `target_pass(tempered=(T, top_p))`.
-    -> α [n_paths, n_anchors, k]."""
+@dataclasses.dataclass(frozen=True)
+class Along:
+    """A drafter along sampled paths (`along_path`), per path, anchor i and draft position j (drafts teacher-forced
+    to the path's tokens y_{i+1..}): alpha [n_paths, A, K] Σ_v min(p_j, q_j); log_ratio [n_paths, A, K]
+    log q_j(y_{i+j}) − log p_j(y_{i+j}) (−inf where the drafter gives the path's token probability 0)."""
+
+    alpha: np.ndarray
+    log_ratio: np.ndarray
+
+
+def along_path(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
+               target: TargetPass, options=None) -> Along:
+    """T > 0 (docs/whatif.md §5): the drafter's chain at every anchor i of sampled paths (each a plain sampling run's
+    continuation) fed the path's own tokens (`Drafter.propose_along`), against the target's distribution there;
+    target: `target_pass(tempered=(T, top_p))`."""
     config, bundle = unbundle(config)
     d = registry.get(drafter)
     setup = d.configure(params, config, k, d.options(options), dict(bundle))
     program = Program(drafter=d, setup=setup, greedy=False)
     if target.tempered is None:
-        raise ValueError("sampled_acceptance needs target_pass(..., tempered=(T, top_p))")
+        raise ValueError("along_path needs target_pass(..., tempered=(T, top_p))")
     T, top_p = target.tempered
     full = {"hidden": jnp.asarray(target.aux["hidden"]),
             "taps": jnp.asarray(target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]])}
@@ -253,10 +266,54 @@ def sampled_acceptance(params: dict, config, paths: Sequence[Path], drafter: str
     for lo in range(0, len(pairs), chunk):
         part = pairs[lo:lo + chunk] + [pairs[-1]] * (chunk - len(pairs[lo:lo + chunk]))
         row, anchor = (jnp.asarray(np.array(x, np.int32)) for x in zip(*part))
-        out.append(np.asarray(_alpha_along(params, config, full, seq, probs, row, anchor, knobs, jax.random.PRNGKey(0),
-                                           program=program, rows_needed=S if need is None else min(need, S),
-                                           max_len=S + setup.k + 2)))
-    return np.concatenate(out)[:len(pairs)].reshape(len(paths), n_anchors, setup.k)
+        out.append(jax.device_get(_alpha_along(params, config, full, seq, probs, row, anchor, knobs,
+                                               jax.random.PRNGKey(0), program=program,
+                                               rows_needed=S if need is None else min(need, S),
+                                               max_len=S + setup.k + 2)))
+    shape = (len(paths), n_anchors, setup.k)
+    return Along(*(np.concatenate([o[j] for o in out])[:len(pairs)].reshape(shape) for j in range(2)))
+
+
+def sampled_acceptance(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
+                       target: TargetPass, options=None) -> np.ndarray:
+    """α_j(i) = Σ_v min(p, q) of draft j at every anchor i of sampled paths (`along_path`'s alpha):
+    -> α [n_paths, n_anchors, k]."""
+    return along_path(params, config, paths, drafter, k, n_anchors, target, options).alpha
+
+
+def round_survival(log_ratio: np.ndarray, w: int, rule: str = "token") -> np.ndarray:
+    """P(a round from anchor i accepts at least a drafts | the path) for a = 0..w (docs/whatif.md §5): with
+    g_m = Π_{j≤m} q_j(y_{i+j}) / p_j(y_{i+j}) (the drafts teacher-forced to the path's tokens),
+    token-wise rejection sampling Π_{j≤a} min(1, q_j/p_j), block verification min(1, min_{m≤a} g_m) (Sun et al.
+    2024, Algorithm 2). log_ratio [..., K] (`Along.log_ratio`) -> [..., w+1] (column 0: 1)."""
+    if rule not in ("token", "block"):
+        raise ValueError(f"rule must be 'token' or 'block', got {rule!r}")
+    lr = np.asarray(log_ratio, np.float64)[..., :w]
+    if rule == "token":
+        log_s = np.cumsum(np.minimum(lr, 0.0), axis=-1)
+    else:
+        log_s = np.minimum(np.minimum.accumulate(np.cumsum(lr, axis=-1), axis=-1), 0.0)
+    ones = np.ones(lr.shape[:-1] + (1,))
+    return np.concatenate([ones, np.exp(log_s)], axis=-1)
+
+
+def expected_walk(survival: np.ndarray, stop: np.ndarray | int) -> dict:
+    """The rounds of a run along one path in expectation over the verify draws given the path: survival [A, w+1]
+    (`round_survival`) at anchors i = 0..A−1, rounds at anchors i < stop (stop = max_new_tokens − 1, or the
+    first EOS's index if earlier). Visit weights v(0) = 1, v(i + a + 1) += v(i)·P(τ = a | i).
+    -> {"visits" [A] v(i) (0 from stop on), "rounds", "accepted", "per_position_accepted" [w]} (floats)."""
+    A, w = survival.shape[0], survival.shape[1] - 1
+    stop = min(int(stop), A)
+    dist = survival - np.concatenate([survival[:, 1:], np.zeros((A, 1))], axis=1)        # P(τ = a | i), a = 0..w
+    v = np.zeros(A + w + 2)
+    v[0] = 1.0
+    for i in range(stop):
+        v[i + 1:i + w + 2] += v[i] * dist[i]
+    visits = v[:A].copy()
+    visits[stop:] = 0.0
+    reach = visits @ survival[:, 1:]
+    return {"visits": visits, "rounds": float(visits.sum()), "accepted": float(reach.sum()),
+            "per_position_accepted": reach.tolist()}
 
 
 def expected_accepted_length(alpha: np.ndarray, w: int) -> float:
@@ -458,13 +515,14 @@ def record(setting, prompt: dict, path: Path, trace: list, out: int, widths: lis
 
 # ---- sampling (T > 0): the estimate of docs/whatif.md §5 ------------------------------------------------
 
-APPROXIMATION = "Σ min(p, q) chain along a sampled path (docs/whatif.md §5)"
+APPROXIMATION = "expected rounds given one sampled path per prompt (docs/whatif.md §5)"
 
 
 def evaluate_sampled(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens: int, *, seed: int = 0,
-                     top_p: float = 1.0, progress=print) -> list[dict]:
-    """The fixed-width settings with temperature > 0 (stop knobs 0): per prompt the estimate of docs/whatif.md §5
-    on one path sampled by plain decoding (seed) -> records with expected counts (floats) and "approximation"."""
+                     top_p: float = 1.0, verify: str = "token", eos: int = -1, progress=print) -> list[dict]:
+    """The fixed-width settings with temperature > 0 (stop knobs 0) under the verify rule ("token" | "block"): per
+    prompt the estimate of docs/whatif.md §5 on one path sampled by plain decoding (seed) -> records with expected
+    counts (floats) and "approximation"."""
     out = []
     for T in sorted({s.temperature for s in settings}):
         group = [s for s in settings if s.temperature == T]
@@ -484,25 +542,29 @@ def evaluate_sampled(model, prompts: Sequence[dict], settings: Sequence, max_new
         taps = sorted({t for spec in widest for t in model.draft_setup(spec, widest[spec]).taps})
         target = target_pass(model.params, model.config, paths, tuple(taps), tempered=(T, top_p))
         for spec, k in widest.items():
-            alpha = sampled_acceptance(model.params, model.bundle, paths, spec, k, max_new_tokens, target)
-            progress(f"what-if: {spec} at T={T:g}: the sampled estimate on {len(paths)} paths")
+            along = along_path(model.params, model.bundle, paths, spec, k, max_new_tokens, target)
+            progress(f"what-if: {spec} at T={T:g}: the sampled estimate ({verify} verification) on {len(paths)} paths")
             for s in (s for s in group if s.spec == spec):
-                out += [sampled_record(s, prompt, alpha[b], max_new_tokens) for b, prompt in enumerate(prompts)]
+                out += [sampled_record(s, prompt, along.log_ratio[b], max_new_tokens, paths[b], verify, eos)
+                        for b, prompt in enumerate(prompts)]
     return out
 
 
-def sampled_record(setting, prompt: dict, alpha: np.ndarray, max_new_tokens: int) -> dict:
-    """A prompt's expected counts at a fixed width from its α [A,K]: tokens per round 1 + mean Σ Π α, the rounds
-    that emit max_new_tokens − 1 tokens at that rate, drafts and accepted drafts per position in proportion."""
-    w = min(setting.draft_n_max, alpha.shape[-1])
-    reach = np.cumprod(alpha[:, :w], axis=-1)
-    per_round = 1.0 + float(reach.sum(-1).mean())
-    rounds = (max_new_tokens - 1) / per_round
+def sampled_record(setting, prompt: dict, log_ratio: np.ndarray, max_new_tokens: int, path: Path,
+                   verify: str = "token", eos: int = -1) -> dict:
+    """A prompt's expected counts at a fixed width along its sampled path: log_ratio [A,K] (`Along.log_ratio`),
+    `round_survival` under the verify rule, `expected_walk` from anchor 0 to the budget (or the path's first EOS)."""
+    w = min(setting.draft_n_max, log_ratio.shape[-1])
+    hit = np.flatnonzero(path.tokens == eos) if eos >= 0 else []
+    end = min(max_new_tokens, int(hit[0]) + 1) if len(hit) else max_new_tokens      # the run's output length
+    e = expected_walk(round_survival(log_ratio, w, verify), end - 1)
+    rounds, acc = e["rounds"], e["accepted"]
     return {**setting.as_dict(), "label": label(setting), "drafter_precision": AS_LOADED, "confidence_rule": None,
             "id": prompt["id"],
-            "category": prompt["category"], "prompt_tokens": len(prompt["tokens"]), "pred": max_new_tokens,
-            "draft": rounds * w, "acc": rounds * (per_round - 1), "rounds": rounds,
-            "rate": (per_round - 1) / w, "mean_accepted_length": per_round,
-            "per_position_accepted": [rounds * float(reach[:, j].mean()) for j in range(w)],
-            "per_position_proposed": [rounds] * w, "approximation": APPROXIMATION}
-
+            "category": prompt["category"], "prompt_tokens": len(prompt["tokens"]), "pred": end,
+            "draft": rounds * w, "acc": acc, "rounds": rounds, "verify": verify,
+            "rate": acc / (rounds * w) if rounds else 0.0,
+            "mean_accepted_length": (acc + rounds) / rounds if rounds else 0.0,
+            "per_position_accepted": e["per_position_accepted"],
+            "per_position_proposed": [rounds] * w, "approximation": APPROXIMATION,
+            "output_tokens": path.tokens[:end].tolist()}

@@ -313,7 +313,8 @@ def markdown(summary: dict) -> str:
              + f", walks {meta['timing']['walk_s']:.2f} s, sampled estimates {meta['timing']['sampled_s']:.1f} s; "
              f"cost tables {meta['tables_s']:.1f} s",
              "", "Every greedy setting's accepted drafts are computed exactly from one teacher-forced pass "
-             "(docs/whatif.md); settings with T > 0 are estimated (≈: a Σ min(p, q) chain along one sampled path, §5); "
+             "(docs/whatif.md); settings with T > 0 are estimated (≈: the expected rounds given one sampled path per "
+             f"prompt under the run's verify rule ({meta.get('verify', 'token')}), §5); "
              "speed-ups are predicted from the cost tables (rounds × seconds per round vs plain decoding).", ""]
     header = ["spec", "k", "knob", "drafter", "B", "n", "drafted", "accepted", "accept_rate", "mean_acc_len", "rounds",
               "per-position accept"] + [f"predicted ({n})" for n in names]
@@ -385,17 +386,19 @@ def run(a, argv, model, suite: str, prompts: list[dict], settings, plan) -> int:
     tables = {name: own, **price_tables(a, model, prompts, settings, plan)}
     tables_s = time.perf_counter() - t_tables
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr))
-    records, timing = evaluate(model, prompts, settings, plan.max_new_tokens,
-                               plan.eos_token_id if plan.eos_token_id is not None else model.config.eos_token_id,
-                               tables[name], log, a.precisions, a.rules)
+    eos = plan.eos_token_id if plan.eos_token_id is not None else model.config.eos_token_id
+    records, timing = evaluate(model, prompts, settings, plan.max_new_tokens, eos, tables[name], log, a.precisions,
+                               a.rules)
     t_sampled = time.perf_counter()
     records += evaluate_sampled(model, prompts, [s for s in settings if s.temperature > 0 and s.drafter and not s.auto],
-                                plan.max_new_tokens, seed=plan.seed, top_p=plan.top_p, progress=log)
+                                plan.max_new_tokens, seed=plan.seed, top_p=plan.top_p, verify=plan.verify, eos=eos,
+                                progress=log)
     timing["sampled_s"] = time.perf_counter() - t_sampled
     rows = rows_of(settings, records, tables, a.by_output_position)
     summary = {"meta": {"tool": "dsv4-whatif", "env": report.environment("dsv4-sweep", argv),
                         "model": model.describe(), "suite": suite, "n_prompts": len(prompts),
                         "prompt_ids": [p["id"] for p in prompts], "max_new_tokens": plan.max_new_tokens,
+                        "verify": plan.verify,
                         "tables": {n: [report.cost_table_meta(k, t, n) for k, t in ts.items()] for n, ts in tables.items()},
                         "timing": {k: v for k, v in timing.items() if k.endswith("_s")}, "tables_s": tables_s},
                "settings": rows, "best": best(rows, tables), "why": why_lines(rows, tables)}
