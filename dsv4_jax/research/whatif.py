@@ -191,39 +191,74 @@ def target_pass(params: dict, config: ModelConfig, paths: Sequence[Path], taps: 
                       None if tempered is None else np.concatenate([p[3] for p in parts], axis=1), tempered)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Anchors:
+    """A drafter configured on the model and the target pass's inputs on the device: what `_anchored` and
+    `_alpha_along` take besides the anchors."""
+
+    config: ModelConfig
+    program: Program
+    aux: dict                 # {"hidden" [B,S,n,D], "taps" [B,S,len(program.setup.taps),D]}
+    seq: jax.Array            # [B,S] the paths' sequences (`TargetPass.tokens`)
+    rows_needed: int          # committed rows fed before each anchor (`Drafter.context_rows`, at most S)
+    pairs: list               # (path, anchor position) of anchors 0..n_anchors−1 of every path, path-major
+
+    @property
+    def max_len(self) -> int:
+        return self.seq.shape[1] + self.program.k + 2
+
+
+def _anchors(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int, options,
+             target: TargetPass | None, greedy: bool) -> _Anchors:
+    """Configure drafter (k drafts, options) and bind the target pass (None: run one with its taps) for passes
+    over anchors 0..n_anchors−1 of every path."""
+    config, bundle = unbundle(config)
+    d = registry.get(drafter)
+    setup = d.configure(params, config, k, d.options(options), dict(bundle))
+    program = Program(drafter=d, setup=setup, greedy=greedy)
+    if target is None:
+        target = target_pass(params, config, paths, setup.taps)
+    aux = {"hidden": jnp.asarray(target.aux["hidden"]),
+           "taps": jnp.asarray(target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]])}
+    seq = jnp.asarray(target.tokens)
+    S = seq.shape[1]
+    need = d.context_rows(program.bind(params, config))
+    pairs = [(b, len(p.prompt) + i) for b, p in enumerate(paths) for i in range(n_anchors)]
+    return _Anchors(config, program, aux, seq, S if need is None else min(need, S), pairs)
+
+
+def _chunks(pairs: list):
+    """Yield (row [C], anchor [C]) int32 of each run of C = min(ANCHOR_CHUNK, len(pairs)) pairs, the last padded
+    with copies of the last pair (one compiled program for every chunk)."""
+    chunk = min(ANCHOR_CHUNK, len(pairs))
+    for lo in range(0, len(pairs), chunk):
+        part = pairs[lo:lo + chunk] + [pairs[-1]] * (chunk - len(pairs[lo:lo + chunk]))
+        yield tuple(jnp.asarray(np.array(x, np.int32)) for x in zip(*part))
+
+
+def _per_anchor(parts: list, n_paths: int, n_anchors: int) -> np.ndarray:
+    """The chunks' outputs [C, ...] (`_chunks`) -> [n_paths, n_anchors, ...], the padding dropped."""
+    return np.concatenate(parts)[:n_paths * n_anchors].reshape((n_paths, n_anchors) + parts[0].shape[1:])
+
+
 def proposals(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
               thresholds: Sequence[float] = (0.0,), options=None, target: TargetPass | None = None) -> Proposals:
     """The drafter's proposals (k drafts, greedy) at anchors 0..n_anchors−1 of every path, at each value of its
     stop knob. target: a `target_pass` to reuse (its taps must contain the drafter's)."""
-    config, bundle = unbundle(config)
-    d = registry.get(drafter)
-    setup = d.configure(params, config, k, d.options(options), dict(bundle))
-    program = Program(drafter=d, setup=setup, greedy=True)
-    if target is None:
-        target = target_pass(params, config, paths, setup.taps)
-    full = {"hidden": jnp.asarray(target.aux["hidden"]),
-            "taps": jnp.asarray(target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]])}
-    seq = jnp.asarray(target.tokens)
-    S = seq.shape[1]
-    need = d.context_rows(program.bind(params, config))
-    rows_needed = S if need is None else min(need, S)
-    pairs = [(b, len(p.prompt) + i) for b, p in enumerate(paths) for i in range(n_anchors)]
+    an = _anchors(params, config, paths, drafter, k, n_anchors, options, target, greedy=True)
+    d = an.program.drafter
     knob = d.stop_knob
     values = tuple(thresholds) if knob else (0.0,)
-    chunk = min(ANCHOR_CHUNK, len(pairs))
     outs: list[list] = [[] for _ in values]
     key = jax.random.PRNGKey(0)
-    for lo in range(0, len(pairs), chunk):
-        part = pairs[lo:lo + chunk] + [pairs[-1]] * (chunk - len(pairs[lo:lo + chunk]))
-        row, anchor = (jnp.asarray(np.array(x, np.int32)) for x in zip(*part))
+    for row, anchor in _chunks(an.pairs):
         for t, v in enumerate(values):
             opts = d.options(options, **({knob: v} if knob else {}))
             knobs = Knobs(temperature=jnp.float32(1e-6), top_p=jnp.float32(1.0), drafter=d.knobs(opts))
             outs[t].append([np.asarray(x) for x in _anchored(
-                params, config, full, seq, row, anchor, knobs, key, program=program,
-                rows_needed=rows_needed, max_len=S + setup.k + 2)])
-    n = len(pairs)
-    cat = lambda t, j: np.concatenate([o[j] for o in outs[t]])[:n].reshape((len(paths), n_anchors) + outs[t][0][j].shape[1:])
+                params, an.config, an.aux, an.seq, row, anchor, knobs, key, program=an.program,
+                rows_needed=an.rows_needed, max_len=an.max_len)])
+    cat = lambda t, j: _per_anchor([o[j] for o in outs[t]], len(paths), n_anchors)
     return Proposals(drafts=cat(0, 0), n_draft=np.stack([cat(t, 1) for t in range(len(values))]), thresholds=values,
                      probability=cat(0, 2), margin=cat(0, 3), conf=cat(0, 4))
 
@@ -234,29 +269,18 @@ def sampled_acceptance(params: dict, config, paths: Sequence[Path], drafter: str
     paths (each a plain sampling run's continuation), q from the drafter's chain fed the path's own tokens
     (`Drafter.propose_along`), p the target's distribution there; target: `target_pass(tempered=(T, top_p))`.
     -> α [n_paths, n_anchors, k]."""
-    config, bundle = unbundle(config)
-    d = registry.get(drafter)
-    setup = d.configure(params, config, k, d.options(options), dict(bundle))
-    program = Program(drafter=d, setup=setup, greedy=False)
     if target.tempered is None:
         raise ValueError("sampled_acceptance needs target_pass(..., tempered=(T, top_p))")
+    an = _anchors(params, config, paths, drafter, k, n_anchors, options, target, greedy=False)
+    d = an.program.drafter
     T, top_p = target.tempered
-    full = {"hidden": jnp.asarray(target.aux["hidden"]),
-            "taps": jnp.asarray(target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]])}
-    seq, probs = jnp.asarray(target.tokens), jnp.asarray(target.probs)
-    S = seq.shape[1]
-    need = d.context_rows(program.bind(params, config))
-    pairs = [(b, len(p.prompt) + i) for b, p in enumerate(paths) for i in range(n_anchors)]
-    chunk = min(ANCHOR_CHUNK, len(pairs))
+    probs = jnp.asarray(target.probs)
     knobs = Knobs(temperature=jnp.float32(T), top_p=jnp.float32(top_p), drafter=d.knobs(d.options(options)))
-    out = []
-    for lo in range(0, len(pairs), chunk):
-        part = pairs[lo:lo + chunk] + [pairs[-1]] * (chunk - len(pairs[lo:lo + chunk]))
-        row, anchor = (jnp.asarray(np.array(x, np.int32)) for x in zip(*part))
-        out.append(np.asarray(_alpha_along(params, config, full, seq, probs, row, anchor, knobs, jax.random.PRNGKey(0),
-                                           program=program, rows_needed=S if need is None else min(need, S),
-                                           max_len=S + setup.k + 2)))
-    return np.concatenate(out)[:len(pairs)].reshape(len(paths), n_anchors, setup.k)
+    out = [np.asarray(_alpha_along(params, an.config, an.aux, an.seq, probs, row, anchor, knobs,
+                                   jax.random.PRNGKey(0), program=an.program, rows_needed=an.rows_needed,
+                                   max_len=an.max_len))
+           for row, anchor in _chunks(an.pairs)]
+    return _per_anchor(out, len(paths), n_anchors)
 
 
 def expected_accepted_length(alpha: np.ndarray, w: int) -> float:
