@@ -313,36 +313,28 @@ def replay_auto(path: Path, p: Proposals, b: int, t: int, bound: int, table, max
     early stop (`ops.width.keep_drafting`), in the order `speculative.round.speculative_round` runs them.
     -> (trace [[drafted, accepted] per round; plain rounds [0, 0]], tokens emitted, widths chosen [w or −1: plain])."""
     k = min(bound, p.drafts.shape[2])
-    cost, plain = (jnp.asarray(x) for x in table.costs(k))
+    cost_np, plain = table.costs(k)
+    cost = jnp.asarray(cost_np)
     y, drafts, n_rule = path.tokens, p.drafts[b, :, :k], p.n_draft[t, b]
     raw_all = np.where(p.conf[b, :, :k] >= 0, p.conf[b, :, :k], p.probability[b, :, :k]).astype(np.float32)
     per_pos, raw_sum = np.zeros(k, np.int32), np.zeros(k, np.float32)
     rounds = accepted = offered = 0
     predicted = cost_sum = np.float32(0)
-    never = bool(width_policy.no_width_can_pay(_knobs(cost, plain, k)))
+    never = bool(width_policy.no_width_can_pay(_knobs(cost, jnp.asarray(plain), k)))
     out, i, trace, widths = 1, 0, [], []
     done = out >= max_new_tokens or y[0] == eos
     while not done and not _switched(never, rounds, accepted, offered, predicted, cost_sum, plain):
-        factors = width.scale(jnp.asarray(per_pos)[None], jnp.asarray(raw_sum)[None])
-        raw = jnp.asarray(raw_all[i])[None]
-        est = width.calibrated(raw, factors)
-        steps = k
-        if sequential:       # the chain stops before a draft no width could pay for (drafts beyond: probability 0)
-            steps = 1
-            while steps < k and bool(width.keep_drafting(jnp.where(jnp.arange(k) < steps, est, 0.0), steps, cost, k)):
-                steps += 1
-            raw = jnp.where(jnp.arange(k) < steps, raw, 0.0)
-            est = width.calibrated(raw, factors)
-        proposed = min(int(n_rule[i]), steps, k)
-        w = int(width.choose(est, jnp.asarray([proposed]), jnp.asarray([True]), cost, jnp.int32(k)))
+        w, est, raw, proposed = (np.asarray(x) for x in _auto_round(per_pos[None], raw_sum[None], raw_all[i][None],
+                                                                     n_rule[i], cost, sequential=sequential))
+        w, proposed = int(w), int(proposed)
         n = min(proposed, w)
         a = _accepted(drafts[i, :n], y[i + 1:i + 1 + n])
         trace.append([n, a])
         widths.append(w)
         rounds, accepted, offered = rounds + 1, accepted + a, offered + (proposed > 0)
         per_pos[:a] += 1
-        cost_sum = np.float32(cost_sum + np.float32(cost[w]))
-        est_w, raw_w = np.asarray(est)[0, :w], np.asarray(raw)[0, :w]
+        cost_sum = np.float32(cost_sum + np.float32(cost_np[w]))
+        est_w, raw_w = est[0, :w], raw[0, :w]
         on = np.arange(w) < n
         predicted = np.float32(predicted + np.float32(1.0 + np.sum(np.cumprod(np.where(on, est_w, 0.0)))))
         raw_sum[:w] += np.where(on & (np.arange(w) <= a), raw_w, 0.0).astype(np.float32)
@@ -352,6 +344,28 @@ def replay_auto(path: Path, p: Proposals, b: int, t: int, bound: int, table, max
         widths.append(-1)
         out, done, i = _emit(y, i, 0, out, max_new_tokens, eos)
     return trace, out, widths
+
+
+@functools.partial(jax.jit, static_argnames=("sequential",))
+def _auto_round(per_pos: jax.Array, raw_sum: jax.Array, raw: jax.Array, n_rule: jax.Array, cost: jax.Array, *,
+                sequential: bool):
+    """A replayed round's width, as `speculative.round.speculative_round` chooses it: the calibration factors of
+    the counts so far (per_pos, raw_sum [1,k]), the anchor's calibrated estimates (raw [1,k]), for a sequential
+    drafter the chain's early stop (`ops.width.keep_drafting`), then `ops.width.choose` over at most n_rule []
+    drafts at costs cost [k+1]. -> (w [], est [1,k], raw [1,k] (0 past the chain's stop), drafts proposed [])."""
+    k = raw.shape[1]
+    factors = width.scale(per_pos, raw_sum)
+    est = width.calibrated(raw, factors)
+    steps = jnp.int32(k)
+    if sequential:       # the chain stops before a draft no width could pay for (drafts beyond: probability 0)
+        steps, going = jnp.int32(1), jnp.bool_(True)
+        for j in range(1, k):
+            going = going & width.keep_drafting(jnp.where(jnp.arange(k) < j, est, 0.0), j, cost, k)
+            steps = steps + going
+        raw = jnp.where(jnp.arange(k) < steps, raw, 0.0)
+        est = width.calibrated(raw, factors)
+    proposed = jnp.minimum(n_rule, steps)
+    return width.choose(est, proposed[None], jnp.asarray([True]), cost, jnp.int32(k)), est, raw, proposed
 
 
 def _knobs(cost, plain, k):
