@@ -3,9 +3,6 @@ round by round — fixed widths with stop thresholds, the width scheduler's auto
 hand-made cases; the sampled estimate's pieces (the forced chain, the Σ min(p, q) chain)."""
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +12,7 @@ import pytest
 import dsv4_jax as d
 from dsv4_jax.drafters import registry
 from dsv4_jax.drafters.precision import drafter_at_precision
-from dsv4_jax.research import whatif as W
+from dsv4_jax.research import sweep, whatif as W
 from dsv4_jax.research.models import bundled
 from dsv4_jax.speculative.cost_table import CostTable
 from dsv4_jax.training.evaluate import heldout_prompts
@@ -27,14 +24,15 @@ KNOB = {"mtp": "p_min", "dspark": "confidence_threshold"}
 
 @pytest.fixture(scope="module")
 def run():
-    """The bundled model, three held-out prompts, their continuations and both drafters' proposals."""
+    """The bundled model, three held-out prompts, their continuations, the target pass along them and both
+    drafters' proposals."""
     model = bundled()
     prompts = heldout_prompts(3, prompt_len=48, seed=7)
     paths = W.continuations(model.params, model.bundle, prompts, N + K + 1)
     target = W.target_pass(model.params, model.config, paths, (4, 5, 6))
     props = {name: W.proposals(model.params, model.bundle, paths, name, K, N, (0.0, 0.6), target=target)
              for name in ("mtp", "dspark")}
-    return model, prompts, paths, props
+    return model, prompts, paths, props, target
 
 
 def _loop_rounds(model, prompts, drafter, **options):
@@ -46,7 +44,7 @@ def _loop_rounds(model, prompts, drafter, **options):
 
 
 def test_continuation_is_the_plain_greedy_output(run):
-    model, prompts, paths, _ = run
+    model, prompts, paths, *_ = run
     plain, _ = d.generate(model.params, model.bundle, prompts, N, eos_token_id=-1)
     assert [list(p.tokens[:N]) for p in paths] == plain
 
@@ -54,7 +52,7 @@ def test_continuation_is_the_plain_greedy_output(run):
 @pytest.mark.parametrize("drafter", ["mtp", "dspark"])
 @pytest.mark.parametrize("k,threshold", [(1, 0.0), (3, 0.0), (3, 0.6)])
 def test_fixed_width_rounds_equal_the_loops_round_by_round(run, drafter, k, threshold):
-    model, prompts, paths, props = run
+    model, prompts, paths, props, _ = run
     p = props[drafter]
     t = p.thresholds.index(threshold)
     want, tokens = _loop_rounds(model, prompts, drafter, draft_n_max=k, eos_token_id=-1, dynamic_draft_n=True,
@@ -67,7 +65,7 @@ def test_fixed_width_rounds_equal_the_loops_round_by_round(run, drafter, k, thre
 
 def test_an_ngram_drafter_that_reads_every_committed_token_walks_to_the_loops_rounds(run):
     """The n-gram drafter needs the whole history (`Drafter.context_rows` None): each anchor is fed all of it."""
-    model, prompts, paths, _ = run
+    model, prompts, paths, *_ = run
     p = W.proposals(model.params, model.bundle, paths, "ngram", K, N, (0.0,))
     want, _ = _loop_rounds(model, prompts, "ngram", draft_n_max=K, eos_token_id=-1, dynamic_draft_n=True)
     assert any(d for rounds in want for d, _ in rounds)          # it found matches to draft from
@@ -79,7 +77,7 @@ def test_an_ngram_drafter_that_reads_every_committed_token_walks_to_the_loops_ro
 def test_auto_replay_equals_the_schedulers_rounds(run, drafter):
     """draft_n_max="auto" at batch 1 with a given cost table: the chosen widths, the chain's early stop (MTP) and
     the switch to plain decoding replayed from the proposals give the loop's rounds."""
-    model, prompts, paths, props = run
+    model, prompts, paths, props, _ = run
     table = CostTable(seconds=(1.2, 1.5, 1.7, 1.9), plain_seconds=1.0, drafter=drafter)
     for b, (prompt, path) in enumerate(zip(prompts, paths)):
         want, _ = _loop_rounds(model, [prompt], drafter, draft_n_max="auto", draft_n_max_bound=K, cost_table=table,
@@ -93,9 +91,8 @@ def test_auto_replay_equals_the_schedulers_rounds(run, drafter):
 def test_a_quantized_drafters_rounds_equal_the_loops_with_that_drafter(run):
     """The drafter precision axis: proposals of the MTP drafter stored as fp8 (`drafters.precision`), the target
     pass reused, walk to the rounds the loop runs with those weights."""
-    model, prompts, paths, _ = run
+    model, prompts, paths, _, target = run
     fp8 = drafter_at_precision(model.params, "mtp", "fp8")
-    target = W.target_pass(model.params, model.config, paths, ())
     p = W.proposals(fp8, model.bundle, paths, "mtp", K, N, (0.0,), target=target)
     g = d.generate(fp8, model.bundle, prompts, N, drafter="mtp", draft_n_max=K, round_trace=True, eos_token_id=-1,
                    pad_to=48, max_len=48 + N + K + 1, max_block=K + 1, dynamic_draft_n=True)
@@ -107,7 +104,7 @@ def test_a_quantized_drafters_rounds_equal_the_loops_with_that_drafter(run):
 def test_a_window_of_committed_rows_gives_the_same_proposals_as_all_of_them(run):
     """`Drafter.context_rows`: MTP and DSpark fed only the last sliding_window committed positions propose what
     they propose after observing the whole sequence."""
-    model, _, paths, props = run
+    model, _, paths, props, _ = run
     config, bundle = W.unbundle(model.bundle)
     for name in ("mtp", "dspark"):
         drafter = registry.get(name)
@@ -153,21 +150,22 @@ def test_walk_by_hand():
     assert trace == [[1, 1], [1, 0]]       # 11 accepted (emit 11, 12), then 13 from anchor 2: 4 tokens
 
 
-def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
+def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path, capsys):
     """dsv4-whatif --compare on a dsv4-sweep of the same grid (random tiny model): every prompt × setting equal,
-    every round; a predicted speed-up per setting; the best setting named; bad options exit 2."""
+    every round; a predicted speed-up per setting; the best setting named; bad options exit 2. In process, as
+    tests/test_research_cli.py runs dsv4-sweep."""
     common = ["--random-tiny", "--limit", "3", "--max-new-tokens", "12", "--spec", "none,mtp,dspark",
-              "--draft-n-max", "1,2", "--p-min", "0,0.5", "--quiet", "--no-plots", "--no-compile-cache"]
-    sweep = tmp_path / "sweep"
-    subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--out", str(sweep), "--repeats", "1",
-                    "--by-output-position", *common], check=True, capture_output=True, timeout=900)
+              "--draft-n-max", "1,2", "--quiet", "--no-plots", "--no-compile-cache"]
+    swept = tmp_path / "sweep"
+    # the what-if compares the drafters' settings: the sweep leaves out the baseline
+    assert sweep.main(["--out", str(swept), "--repeats", "1", "--by-output-position", *common,
+                       "--spec", "mtp,dspark"]) == 0
     out = tmp_path / "whatif"
     table = tmp_path / "costs.json"
     CostTable(seconds=(1.5, 2.0, 2.5), plain_seconds=1.0).save(str(table))
-    subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(out), "--compare",
-                    str(sweep), "--cost-table", str(table), "--price", "h100", "--drafter-precision", "as-loaded,bf16", "--confidence-rule", "cumulative",
-                    *common, "--temperature", "0,0.8", "--p-min", "0"], check=True,
-                   capture_output=True, timeout=900)
+    assert sweep.main(["--what-if", "--out", str(out), "--compare", str(swept), "--cost-table", str(table),
+                       "--price", "h100", "--drafter-precision", "as-loaded,bf16", "--confidence-rule", "cumulative",
+                       *common, "--temperature", "0,0.8"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     cmp_ = summary["compare"]
     assert cmp_["compared"] == 3 * (2 + 2) and cmp_["equal"] == cmp_["compared"], cmp_["differences"]
@@ -184,34 +182,42 @@ def test_whatif_cli_matches_a_sweep_and_predicts_from_its_cost_table(tmp_path):
     assert rows["dspark k=2 conf=0 T=0 B=1 rule=cumulative"]["n_requests"] == 3
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if "round_trace" in x]
     assert lines and all(sum(a + 1 for _, a in x["round_trace"]) + 1 >= x["pred"] for x in lines)
-    bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(tmp_path / "x"),
-                          *common, "--temperature", "0.8"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "thresholds 0" in bad.stderr and not (tmp_path / "x").exists()
-    bad = subprocess.run([sys.executable, "-m", "dsv4_jax.research.sweep", "--what-if", "--out", str(tmp_path / "x"),
-                          *common, "--spec", "none"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "needs a drafter" in bad.stderr and not (tmp_path / "x").exists()
+    capsys.readouterr()
+    for args, message in ((["--temperature", "0.8", "--p-min", "0,0.5"], "thresholds 0"),
+                          (["--spec", "none"], "needs a drafter")):
+        with pytest.raises(SystemExit) as e:
+            sweep.main(["--what-if", "--out", str(tmp_path / "x"), *common, *args])
+        assert e.value.code == 2 and message in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("drafter", ["mtp", "dspark"])
 def test_teacher_forcing_a_chain_with_its_own_drafts_changes_nothing(run, drafter):
     """`Drafter.propose_along` fed the drafter's own sampled drafts gives the distributions `propose` drew them
-    from (the forced chain is the chain)."""
-    model, _, paths, _ = run
+    from (the forced chain is the chain). One jitted program (as `whatif._alpha_along` runs them): op by op it
+    took 3× longer."""
+    model, _, paths, *_ = run
     config, bundle = W.unbundle(model.bundle)
     dr = registry.get(drafter)
     setup = dr.configure(model.params, config, K, None, dict(bundle))
-    run_ = W.Program(dr, setup, greedy=False).bind(model.params, config)
-    st = dr.begin(run_, 2, 128, jnp.float32, None)
+    program = W.Program(dr, setup, greedy=False)
+
+    @jax.jit
+    def chains(params, hidden, tokens):
+        """-> (q [2,K,V] the chain's draft distributions, propose_along's fed its drafts, fed its drafts + 1)."""
+        run_ = program.bind(params, config)
+        st = dr.begin(run_, 2, 128, jnp.float32, None)
+        aux = {"hidden": hidden, "taps": jnp.repeat(hidden[:, :, :1], len(setup.taps), axis=2)}
+        st = dr.observe(run_, st, aux, tokens, jnp.zeros(2, jnp.int32), jnp.full(2, 8, jnp.int32))
+        knobs = dr.default_knobs(temperature=0.8)
+        pos, last, key = jnp.full(2, 8, jnp.int32), jnp.asarray([5, 9]), jax.random.PRNGKey(3)
+        drafts, q = dr.propose_scored(run_, st, pos, last, key, knobs, False)[:2]
+        return (q, dr.propose_along(run_, st, pos, last, drafts, key, knobs),
+                dr.propose_along(run_, st, pos, last, (drafts + 1) % config.vocab_size, key, knobs))
+
     hidden = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, config.hc_mult, config.hidden_size)), jnp.float32)
-    aux = {"hidden": hidden, "taps": jnp.repeat(hidden[:, :, :1], len(setup.taps), axis=2)}
-    st = dr.observe(run_, st, aux, jnp.asarray(paths[0].prompt[:16].reshape(2, 8)), jnp.zeros(2, jnp.int32),
-                    jnp.full(2, 8, jnp.int32))
-    knobs = dr.default_knobs(temperature=0.8)
-    pos, last, key = jnp.full(2, 8, jnp.int32), jnp.asarray([5, 9]), jax.random.PRNGKey(3)
-    drafts, q = dr.propose_scored(run_, st, pos, last, key, knobs, False)[:2]
-    np.testing.assert_allclose(dr.propose_along(run_, st, pos, last, drafts, key, knobs), q, rtol=1e-6, atol=1e-7)
+    q, along, other = chains(model.params, hidden, jnp.asarray(paths[0].prompt[:16].reshape(2, 8)))
+    np.testing.assert_allclose(along, q, rtol=1e-6, atol=1e-7)
     # other tokens fed: the first draft's distribution (before any fed token) stays, the later ones move
-    other = dr.propose_along(run_, st, pos, last, (drafts + 1) % config.vocab_size, key, knobs)
     np.testing.assert_allclose(other[:, 0], q[:, 0], rtol=1e-6, atol=1e-7)
     assert np.abs(np.asarray(other[:, 1:]) - np.asarray(q[:, 1:])).max() > 1e-3
 
@@ -226,7 +232,7 @@ def test_expected_accepted_length_by_hand():
 def test_the_cumulative_confidence_rule_walks_to_the_loops_rounds(run):
     """DSpark's confidence rule as an axis: the proposals under "cumulative" (a proposal pass with that rule) at a
     threshold give the rounds the loop runs with that rule."""
-    model, prompts, paths, _ = run
+    model, prompts, paths, *_ = run
     config, bundle = W.unbundle(model.bundle)
     meta = dataclasses.replace(dict(bundle)["dspark"], confidence_rule="cumulative")
     p = W.proposals(model.params, model.bundle, paths, "dspark", K, N, (0.6,),

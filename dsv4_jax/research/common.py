@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -231,27 +230,31 @@ def roofline_table(model, setting, machine, context: int) -> CostTable:
                                drafter_specs=roofline.specs_of(model.config, setting.spec, model.params))
 
 
-def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: SweepPlan, a, bar) -> dict:
-    """The cost table of every auto setting's (drafter, batch size, greedy) (`Setting.table_key`): --cost-table's,
-    --roofline's (`common.roofline_table` at the prompts' mean length + half the new tokens), or the cached /
-    measured calibration of the setting's own program at its first batch shape; each printed when obtained.
+def cost_tables(model, prompts: list[dict], settings: Sequence[Setting], plan: SweepPlan, *,
+                given: CostTable | None = None, machine: roofline.Machine | None = None, recalibrate: bool = False,
+                log=None, progress=None) -> dict:
+    """The cost table of every auto setting's (drafter, batch size, greedy) (`Setting.table_key`): given
+    (--cost-table's), machine's roofline (--roofline: `common.roofline_table` at the prompts' mean length + half
+    the new tokens), or the cached / measured calibration of the setting's own program at its first batch shape
+    (recalibrate: measured again). log: where each table is printed when obtained (None: nowhere); progress: the
+    calibration's progress lines (None: none).
     -> {key: {"table": CostTable, "how": "given" | "roofline" | "cached" | "measured"}}."""
+    log = log or (lambda s: None)
     out = {}
     for s in settings:
         if not s.auto or s.table_key in out:
             continue
-        if a.cost_table_obj is not None:
-            out[s.table_key] = {"table": a.cost_table_obj, "how": "given"}
-        elif a.roofline is not None:
+        if given is not None:
+            out[s.table_key] = {"table": given, "how": "given"}
+        elif machine is not None:
             context = run_context([len(p["tokens"]) for p in prompts], [plan.max_new_tokens])
-            out[s.table_key] = {"table": roofline_table(model, s, a.roofline, context), "how": "roofline"}
+            out[s.table_key] = {"table": roofline_table(model, s, machine, context), "how": "roofline"}
         else:
-            bar.write(f"== cost table for {s.spec} B={s.batch_size} {'greedy' if s.temperature == 0 else 'sampled'}: "
-                      f"{'calibrating' if a.recalibrate else 'cached or calibrating'}", file=sys.stderr)
+            log(f"== cost table for {s.spec} B={s.batch_size} {'greedy' if s.temperature == 0 else 'sampled'}: "
+                f"{'calibrating' if recalibrate else 'cached or calibrating'}")
             table, how = calibrate_setting(model, shapes(prompts, s.batch_size, plan)[0], s, plan,
-                                           refresh=a.recalibrate, progress=None if a.quiet else bar.write)
+                                           refresh=recalibrate, progress=progress)
             out[s.table_key] = {"table": table, "how": how}
-        bar.write("\n".join([f"== cost table ({out[s.table_key]['how']}) for {s.spec} B={s.batch_size} "
-                             f"{'greedy' if s.temperature == 0 else 'sampled'}:", *out[s.table_key]["table"].lines()]),
-                  file=sys.stderr)
+        log("\n".join([f"== cost table ({out[s.table_key]['how']}) for {s.spec} B={s.batch_size} "
+                       f"{'greedy' if s.temperature == 0 else 'sampled'}:", *out[s.table_key]["table"].lines()]))
     return out

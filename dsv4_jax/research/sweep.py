@@ -379,7 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.compile_threads and model.sharding is None else None
         if pre:
             log(f"== compiled {pre['programs']} programs in {pre['wall_s']:.1f} s ({a.compile_threads} at a time)")
-        tables = common.cost_tables(model, prompts, settings, plan, a, bar)
+        tables = common.cost_tables(model, prompts, settings, plan, given=a.cost_table_obj, machine=a.roofline,
+                                    recalibrate=a.recalibrate, log=lambda s: bar.write(s, file=sys.stderr),
+                                    progress=None if a.quiet else bar.write)
         runs, warms = time_settings(model, prompts, settings, plan, a.repeats, bar, tables, a.order == "interleaved")
         all_records, rows, baselines = [], [], {}
         for setting, setting_runs, warm in zip(settings, runs, warms):

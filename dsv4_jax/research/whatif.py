@@ -195,39 +195,74 @@ def target_pass(params: dict, config: ModelConfig, paths: Sequence[Path], taps: 
                       None if tempered is None else np.concatenate([p[3] for p in parts], axis=1), tempered)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Anchors:
+    """A drafter configured on the model and the target pass's inputs on the device: what `_anchored` and
+    `_alpha_along` take besides the anchors."""
+
+    config: ModelConfig
+    program: Program
+    aux: dict                 # {"hidden" [B,S,n,D], "taps" [B,S,len(program.setup.taps),D]}
+    seq: jax.Array            # [B,S] the paths' sequences (`TargetPass.tokens`)
+    rows_needed: int          # committed rows fed before each anchor (`Drafter.context_rows`, at most S)
+    pairs: list               # (path, anchor position) of anchors 0..n_anchors−1 of every path, path-major
+
+    @property
+    def max_len(self) -> int:
+        return self.seq.shape[1] + self.program.k + 2
+
+
+def _anchors(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int, options,
+             target: TargetPass | None, greedy: bool) -> _Anchors:
+    """Configure drafter (k drafts, options) and bind the target pass (None: run one with its taps) for passes
+    over anchors 0..n_anchors−1 of every path."""
+    config, bundle = unbundle(config)
+    d = registry.get(drafter)
+    setup = d.configure(params, config, k, d.options(options), dict(bundle))
+    program = Program(drafter=d, setup=setup, greedy=greedy)
+    if target is None:
+        target = target_pass(params, config, paths, setup.taps)
+    aux = {"hidden": jnp.asarray(target.aux["hidden"]),
+           "taps": jnp.asarray(target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]])}
+    seq = jnp.asarray(target.tokens)
+    S = seq.shape[1]
+    need = d.context_rows(program.bind(params, config))
+    pairs = [(b, len(p.prompt) + i) for b, p in enumerate(paths) for i in range(n_anchors)]
+    return _Anchors(config, program, aux, seq, S if need is None else min(need, S), pairs)
+
+
+def _chunks(pairs: list):
+    """Yield (row [C], anchor [C]) int32 of each run of C = min(ANCHOR_CHUNK, len(pairs)) pairs, the last padded
+    with copies of the last pair (one compiled program for every chunk)."""
+    chunk = min(ANCHOR_CHUNK, len(pairs))
+    for lo in range(0, len(pairs), chunk):
+        part = pairs[lo:lo + chunk] + [pairs[-1]] * (chunk - len(pairs[lo:lo + chunk]))
+        yield tuple(jnp.asarray(np.array(x, np.int32)) for x in zip(*part))
+
+
+def _per_anchor(parts: list, n_paths: int, n_anchors: int) -> np.ndarray:
+    """The chunks' outputs [C, ...] (`_chunks`) -> [n_paths, n_anchors, ...], the padding dropped."""
+    return np.concatenate(parts)[:n_paths * n_anchors].reshape((n_paths, n_anchors) + parts[0].shape[1:])
+
+
 def proposals(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
               thresholds: Sequence[float] = (0.0,), options=None, target: TargetPass | None = None) -> Proposals:
     """The drafter's proposals (k drafts, greedy) at anchors 0..n_anchors−1 of every path, at each value of its
     stop knob. target: a `target_pass` to reuse (its taps must contain the drafter's)."""
-    config, bundle = unbundle(config)
-    d = registry.get(drafter)
-    setup = d.configure(params, config, k, d.options(options), dict(bundle))
-    program = Program(drafter=d, setup=setup, greedy=True)
-    if target is None:
-        target = target_pass(params, config, paths, setup.taps)
-    full = {"hidden": jnp.asarray(target.aux["hidden"]),
-            "taps": jnp.asarray(target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]])}
-    seq = jnp.asarray(target.tokens)
-    S = seq.shape[1]
-    need = d.context_rows(program.bind(params, config))
-    rows_needed = S if need is None else min(need, S)
-    pairs = [(b, len(p.prompt) + i) for b, p in enumerate(paths) for i in range(n_anchors)]
+    an = _anchors(params, config, paths, drafter, k, n_anchors, options, target, greedy=True)
+    d = an.program.drafter
     knob = d.stop_knob
     values = tuple(thresholds) if knob else (0.0,)
-    chunk = min(ANCHOR_CHUNK, len(pairs))
     outs: list[list] = [[] for _ in values]
     key = jax.random.PRNGKey(0)
-    for lo in range(0, len(pairs), chunk):
-        part = pairs[lo:lo + chunk] + [pairs[-1]] * (chunk - len(pairs[lo:lo + chunk]))
-        row, anchor = (jnp.asarray(np.array(x, np.int32)) for x in zip(*part))
+    for row, anchor in _chunks(an.pairs):
         for t, v in enumerate(values):
             opts = d.options(options, **({knob: v} if knob else {}))
             knobs = Knobs(temperature=jnp.float32(1e-6), top_p=jnp.float32(1.0), drafter=d.knobs(opts))
             outs[t].append([np.asarray(x) for x in _anchored(
-                params, config, full, seq, row, anchor, knobs, key, program=program,
-                rows_needed=rows_needed, max_len=S + setup.k + 2)])
-    n = len(pairs)
-    cat = lambda t, j: np.concatenate([o[j] for o in outs[t]])[:n].reshape((len(paths), n_anchors) + outs[t][0][j].shape[1:])
+                params, an.config, an.aux, an.seq, row, anchor, knobs, key, program=an.program,
+                rows_needed=an.rows_needed, max_len=an.max_len)])
+    cat = lambda t, j: _per_anchor([o[j] for o in outs[t]], len(paths), n_anchors)
     return Proposals(drafts=cat(0, 0), n_draft=np.stack([cat(t, 1) for t in range(len(values))]), thresholds=values,
                      probability=cat(0, 2), margin=cat(0, 3), conf=cat(0, 4))
 
@@ -247,31 +282,18 @@ def along_path(params: dict, config, paths: Sequence[Path], drafter: str, k: int
     """T > 0 (docs/whatif.md §5): the drafter's chain at every anchor i of sampled paths (each a plain sampling run's
     continuation) fed the path's own tokens (`Drafter.propose_along`), against the target's distribution there;
     target: `target_pass(tempered=(T, top_p))`."""
-    config, bundle = unbundle(config)
-    d = registry.get(drafter)
-    setup = d.configure(params, config, k, d.options(options), dict(bundle))
-    program = Program(drafter=d, setup=setup, greedy=False)
     if target.tempered is None:
         raise ValueError("along_path needs target_pass(..., tempered=(T, top_p))")
+    an = _anchors(params, config, paths, drafter, k, n_anchors, options, target, greedy=False)
+    d = an.program.drafter
     T, top_p = target.tempered
-    full = {"hidden": jnp.asarray(target.aux["hidden"]),
-            "taps": jnp.asarray(target.aux["taps"][:, :, [target.taps.index(t) for t in setup.taps]])}
-    seq, probs = jnp.asarray(target.tokens), jnp.asarray(target.probs)
-    S = seq.shape[1]
-    need = d.context_rows(program.bind(params, config))
-    pairs = [(b, len(p.prompt) + i) for b, p in enumerate(paths) for i in range(n_anchors)]
-    chunk = min(ANCHOR_CHUNK, len(pairs))
+    probs = jnp.asarray(target.probs)
     knobs = Knobs(temperature=jnp.float32(T), top_p=jnp.float32(top_p), drafter=d.knobs(d.options(options)))
-    out = []
-    for lo in range(0, len(pairs), chunk):
-        part = pairs[lo:lo + chunk] + [pairs[-1]] * (chunk - len(pairs[lo:lo + chunk]))
-        row, anchor = (jnp.asarray(np.array(x, np.int32)) for x in zip(*part))
-        out.append(jax.device_get(_alpha_along(params, config, full, seq, probs, row, anchor, knobs,
-                                               jax.random.PRNGKey(0), program=program,
-                                               rows_needed=S if need is None else min(need, S),
-                                               max_len=S + setup.k + 2)))
-    shape = (len(paths), n_anchors, setup.k)
-    return Along(*(np.concatenate([o[j] for o in out])[:len(pairs)].reshape(shape) for j in range(2)))
+    out = [jax.device_get(_alpha_along(params, an.config, an.aux, an.seq, probs, row, anchor, knobs,
+                                       jax.random.PRNGKey(0), program=an.program, rows_needed=an.rows_needed,
+                                       max_len=an.max_len))
+           for row, anchor in _chunks(an.pairs)]
+    return Along(*(_per_anchor([o[j] for o in out], len(paths), n_anchors) for j in range(2)))
 
 
 def sampled_acceptance(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
@@ -346,36 +368,28 @@ def replay_auto(path: Path, p: Proposals, b: int, t: int, bound: int, table, max
     early stop (`ops.width.keep_drafting`), in the order `speculative.round.speculative_round` runs them.
     -> (trace [[drafted, accepted] per round; plain rounds [0, 0]], tokens emitted, widths chosen [w or −1: plain])."""
     k = min(bound, p.drafts.shape[2])
-    cost, plain = (jnp.asarray(x) for x in table.costs(k))
+    cost_np, plain = table.costs(k)
+    cost = jnp.asarray(cost_np)
     y, drafts, n_rule = path.tokens, p.drafts[b, :, :k], p.n_draft[t, b]
     raw_all = np.where(p.conf[b, :, :k] >= 0, p.conf[b, :, :k], p.probability[b, :, :k]).astype(np.float32)
     per_pos, raw_sum = np.zeros(k, np.int32), np.zeros(k, np.float32)
     rounds = accepted = offered = 0
     predicted = cost_sum = np.float32(0)
-    never = bool(width_policy.no_width_can_pay(_knobs(cost, plain, k)))
+    never = bool(width_policy.no_width_can_pay(_knobs(cost, jnp.asarray(plain), k)))
     out, i, trace, widths = 1, 0, [], []
     done = out >= max_new_tokens or y[0] == eos
     while not done and not _switched(never, rounds, accepted, offered, predicted, cost_sum, plain):
-        factors = width.scale(jnp.asarray(per_pos)[None], jnp.asarray(raw_sum)[None])
-        raw = jnp.asarray(raw_all[i])[None]
-        est = width.calibrated(raw, factors)
-        steps = k
-        if sequential:       # the chain stops before a draft no width could pay for (drafts beyond: probability 0)
-            steps = 1
-            while steps < k and bool(width.keep_drafting(jnp.where(jnp.arange(k) < steps, est, 0.0), steps, cost, k)):
-                steps += 1
-            raw = jnp.where(jnp.arange(k) < steps, raw, 0.0)
-            est = width.calibrated(raw, factors)
-        proposed = min(int(n_rule[i]), steps, k)
-        w = int(width.choose(est, jnp.asarray([proposed]), jnp.asarray([True]), cost, jnp.int32(k)))
+        w, est, raw, proposed = (np.asarray(x) for x in _auto_round(per_pos[None], raw_sum[None], raw_all[i][None],
+                                                                     n_rule[i], cost, sequential=sequential))
+        w, proposed = int(w), int(proposed)
         n = min(proposed, w)
         a = _accepted(drafts[i, :n], y[i + 1:i + 1 + n])
         trace.append([n, a])
         widths.append(w)
         rounds, accepted, offered = rounds + 1, accepted + a, offered + (proposed > 0)
         per_pos[:a] += 1
-        cost_sum = np.float32(cost_sum + np.float32(cost[w]))
-        est_w, raw_w = np.asarray(est)[0, :w], np.asarray(raw)[0, :w]
+        cost_sum = np.float32(cost_sum + np.float32(cost_np[w]))
+        est_w, raw_w = est[0, :w], raw[0, :w]
         on = np.arange(w) < n
         predicted = np.float32(predicted + np.float32(1.0 + np.sum(np.cumprod(np.where(on, est_w, 0.0)))))
         raw_sum[:w] += np.where(on & (np.arange(w) <= a), raw_w, 0.0).astype(np.float32)
@@ -385,6 +399,28 @@ def replay_auto(path: Path, p: Proposals, b: int, t: int, bound: int, table, max
         widths.append(-1)
         out, done, i = _emit(y, i, 0, out, max_new_tokens, eos)
     return trace, out, widths
+
+
+@functools.partial(jax.jit, static_argnames=("sequential",))
+def _auto_round(per_pos: jax.Array, raw_sum: jax.Array, raw: jax.Array, n_rule: jax.Array, cost: jax.Array, *,
+                sequential: bool):
+    """A replayed round's width, as `speculative.round.speculative_round` chooses it: the calibration factors of
+    the counts so far (per_pos, raw_sum [1,k]), the anchor's calibrated estimates (raw [1,k]), for a sequential
+    drafter the chain's early stop (`ops.width.keep_drafting`), then `ops.width.choose` over at most n_rule []
+    drafts at costs cost [k+1]. -> (w [], est [1,k], raw [1,k] (0 past the chain's stop), drafts proposed [])."""
+    k = raw.shape[1]
+    factors = width.scale(per_pos, raw_sum)
+    est = width.calibrated(raw, factors)
+    steps = jnp.int32(k)
+    if sequential:       # the chain stops before a draft no width could pay for (drafts beyond: probability 0)
+        steps, going = jnp.int32(1), jnp.bool_(True)
+        for j in range(1, k):
+            going = going & width.keep_drafting(jnp.where(jnp.arange(k) < j, est, 0.0), j, cost, k)
+            steps = steps + going
+        raw = jnp.where(jnp.arange(k) < steps, raw, 0.0)
+        est = width.calibrated(raw, factors)
+    proposed = jnp.minimum(n_rule, steps)
+    return width.choose(est, proposed[None], jnp.asarray([True]), cost, jnp.int32(k)), est, raw, proposed
 
 
 def _knobs(cost, plain, k):

@@ -103,8 +103,7 @@ def price_tables(a, model, prompts, settings, plan) -> dict[str, dict]:
         if os.path.isfile(item):
             out[os.path.basename(item)] = {key: _file_table(item, key[0]) for key in _keys(settings)}
         else:
-            tables = common.cost_tables(model, prompts, _auto(settings), plan,
-                                       dataclasses.replace(_Opts(a), roofline=parse_machine(item)), _Quiet())
+            tables = common.cost_tables(model, prompts, _auto(settings), plan, machine=parse_machine(item))
             out[item] = {key: v["table"] for key, v in tables.items()}
     return out
 
@@ -118,22 +117,6 @@ def _file_table(path: str, drafter: str) -> CostTable:
             return from_aot_report(path, drafter)
         except CostTableError as e2:
             raise OptionError(f"--price {path}: neither a cost table ({e}) nor a dsv4-aot report ({e2})") from None
-
-
-@dataclasses.dataclass
-class _Opts:
-    """The options `common.cost_tables` reads, for a --price machine."""
-
-    a: object
-    roofline: object = None
-    cost_table_obj: object = None
-    recalibrate: bool = False
-    quiet: bool = True
-
-
-class _Quiet:
-    def write(self, *args, **kw):
-        pass
 
 
 def _keys(settings) -> set:
@@ -376,9 +359,10 @@ def plot(rows: list[dict], names: list[str], out_dir: str, title: str) -> list[s
 def run(a, argv, model, suite: str, prompts: list[dict], settings, plan) -> int:
     """dsv4-sweep --what-if's body (sweep.main hands over after its checks and shared shapes)."""
     t0 = time.perf_counter()
-    bar = common.progress(0, True, "what-if")
     t_tables = time.perf_counter()
-    own = {key: v["table"] for key, v in common.cost_tables(model, prompts, _auto(settings), plan, a, bar).items()}
+    own = {key: v["table"] for key, v in common.cost_tables(
+        model, prompts, _auto(settings), plan, given=a.cost_table_obj, machine=a.roofline, recalibrate=a.recalibrate,
+        log=lambda s: print(s, file=sys.stderr), progress=None if a.quiet else print).items()}
     name = "given" if a.cost_table_obj is not None else (f"roofline {a.roofline.name}" if a.roofline is not None
                                                          else "this machine")
     if a.compare:      # replay the sweep's auto settings with the tables its runs used
