@@ -9,7 +9,6 @@ from tqdm.auto import tqdm
 from .. import cli
 from ..cli import OptionError, enable_compile_cache, float_list, int_list  # noqa: F401 - the research CLIs' names
 from ..analysis import roofline
-from ..speculative import cost_table
 from ..speculative.cost_table import CostTable, CostTableError
 from . import prompts as P
 from .runner import SPEC_TYPES, SweepPlan, Setting, calibrate_setting, shapes
