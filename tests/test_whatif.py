@@ -328,7 +328,7 @@ def test_the_sampled_estimate_on_the_loops_own_paths_gives_its_rounds(run, rule)
     Σ rows of the expected rounds given each path (`round_survival` under the loop's verify rule, `expected_walk`)
     against the rounds the loop ran, within 4 % (≈ 4 standard deviations of the verify draws given the paths: on the
     bundled model their sd is ≈ 1 % of ~800 rounds; experiments/results/whatif_2026-12-07.md §5.2)."""
-    model, prompts, _, _ = run
+    model, prompts, *_ = run
     rows, k, T = [p for p in prompts for _ in range(16)], 3, 0.8
     g = d.generate(model.params, model.bundle, rows, N, drafter="dspark", draft_n_max=k, verify=rule,
                    temperature=T, seed=0, eos_token_id=-1, pad_to=48, max_len=48 + N + k + 1)
