@@ -222,13 +222,6 @@ def test_teacher_forcing_a_chain_with_its_own_drafts_changes_nothing(run, drafte
     assert np.abs(np.asarray(other[:, 1:]) - np.asarray(q[:, 1:])).max() > 1e-3
 
 
-def test_expected_accepted_length_by_hand():
-    """1 + Σ_{m<=w} Π_{j<=m} α_j, averaged over anchors."""
-    alpha = np.array([[[0.5, 0.4, 0.9], [1.0, 1.0, 1.0]]])
-    assert W.expected_accepted_length(alpha, 1) == pytest.approx((1.5 + 2.0) / 2)
-    assert W.expected_accepted_length(alpha, 3) == pytest.approx((1 + 0.5 + 0.2 + 0.18 + 4.0) / 2)
-
-
 def test_the_cumulative_confidence_rule_walks_to_the_loops_rounds(run):
     """DSpark's confidence rule as an axis: the proposals under "cumulative" (a proposal pass with that rule) at a
     threshold give the rounds the loop runs with that rule."""

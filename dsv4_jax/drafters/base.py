@@ -187,7 +187,7 @@ class Drafter:
         return self.propose(run, state, pos, last, key, knobs, greedy) + (None,)
 
     def propose_along(self, run: Bound, state, pos: jax.Array, last: jax.Array, path: jax.Array, key, knobs: Knobs):
-        """Teacher forcing (what-if's sampled estimate, `dsv4_jax.research.whatif.sampled_acceptance`): the draft
+        """Teacher forcing (what-if's sampled estimate, `dsv4_jax.research.whatif.along_path`): the draft
         distributions q [B,k,V] at temperature knobs.temperature when the chain after `last` is fed path [B,k]
         (the tokens that followed) instead of its own drafts. None: not supported by this drafter."""
         return None

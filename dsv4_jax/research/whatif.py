@@ -296,13 +296,6 @@ def along_path(params: dict, config, paths: Sequence[Path], drafter: str, k: int
     return Along(*(_per_anchor([o[j] for o in out], len(paths), n_anchors) for j in range(2)))
 
 
-def sampled_acceptance(params: dict, config, paths: Sequence[Path], drafter: str, k: int, n_anchors: int,
-                       target: TargetPass, options=None) -> np.ndarray:
-    """α_j(i) = Σ_v min(p, q) of draft j at every anchor i of sampled paths (`along_path`'s alpha):
-    -> α [n_paths, n_anchors, k]."""
-    return along_path(params, config, paths, drafter, k, n_anchors, target, options).alpha
-
-
 def round_survival(log_ratio: np.ndarray, w: int, rule: str = "token") -> np.ndarray:
     """P(a round from anchor i accepts at least a drafts | the path) for a = 0..w (docs/whatif.md §5): with
     g_m = Π_{j≤m} q_j(y_{i+j}) / p_j(y_{i+j}) (the drafts teacher-forced to the path's tokens),
@@ -336,13 +329,6 @@ def expected_walk(survival: np.ndarray, stop: np.ndarray | int) -> dict:
     reach = visits @ survival[:, 1:]
     return {"visits": visits, "rounds": float(visits.sum()), "accepted": float(reach.sum()),
             "per_position_accepted": reach.tolist()}
-
-
-def expected_accepted_length(alpha: np.ndarray, w: int) -> float:
-    """Mean over anchors of 1 + Σ_{m<=w} Π_{j<=m} α_j (token-wise verification's expected tokens per round when
-    acceptances are independent given the path): alpha [..., A, K] -> float."""
-    reach = np.cumprod(alpha[..., :w], axis=-1)
-    return float(np.mean(1.0 + reach.sum(-1)))
 
 
 def walk(path: Path, drafts: np.ndarray, n_rule: np.ndarray, w: int, max_new_tokens: int, eos: int = -1):
