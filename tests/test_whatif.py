@@ -14,6 +14,7 @@ from dsv4_jax.drafters import registry
 from dsv4_jax.drafters.precision import drafter_at_precision
 from dsv4_jax.research import sweep, whatif as W
 from dsv4_jax.research.models import bundled
+from dsv4_jax.research.runner import Setting
 from dsv4_jax.speculative.cost_table import CostTable
 from dsv4_jax.training.evaluate import heldout_prompts
 
@@ -30,7 +31,7 @@ def run():
     prompts = heldout_prompts(3, prompt_len=48, seed=7)
     paths = W.continuations(model.params, model.bundle, prompts, N + K + 1)
     target = W.target_pass(model.params, model.config, paths, (4, 5, 6))
-    props = {name: W.proposals(model.params, model.bundle, paths, name, K, N, (0.0, 0.6), target=target)
+    props = {name: W.proposals(model.params, model.bundle, paths, name, K, N + K, (0.0, 0.6), target=target)
              for name in ("mtp", "dspark")}
     return model, prompts, paths, props, target
 
@@ -73,19 +74,30 @@ def test_an_ngram_drafter_that_reads_every_committed_token_walks_to_the_loops_ro
         assert W.walk(path, p.drafts[b], p.n_draft[0, b], K, N)[0] == want[b]
 
 
-@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
-def test_auto_replay_equals_the_schedulers_rounds(run, drafter):
-    """draft_n_max="auto" at batch 1 with a given cost table: the chosen widths, the chain's early stop (MTP) and
-    the switch to plain decoding replayed from the proposals give the loop's rounds."""
+@pytest.mark.parametrize("drafter,batch", [("mtp", 3), ("dspark", 1)])
+def test_auto_replay_equals_the_schedulers_rounds(run, drafter, batch):
+    """draft_n_max="auto" with a given cost table, with the three prompts in one batch (one width per round for the
+    batch, the calibration over it, MTP's chain stop over every sequence, finished sequences still drafting from
+    their last anchor) and at batch 1: the chosen widths, the chain's early stop (MTP) and the switch to plain
+    decoding replayed from the proposals give the loop's rounds for every sequence."""
     model, prompts, paths, props, _ = run
     table = CostTable(seconds=(1.2, 1.5, 1.7, 1.9), plain_seconds=1.0, drafter=drafter)
-    for b, (prompt, path) in enumerate(zip(prompts, paths)):
-        want, _ = _loop_rounds(model, [prompt], drafter, draft_n_max="auto", draft_n_max_bound=K, cost_table=table,
-                               eos_token_id=-1)
-        trace, out, widths = W.replay_auto(path, props[drafter], b, 0, K, table, N, -1,
-                                           registry.get(drafter).sequential)
-        assert trace == want[0]
-        assert len(widths) == len(trace) and out == N
+    rows = range(batch)
+    want, _ = _loop_rounds(model, [prompts[b] for b in rows], drafter, draft_n_max="auto", draft_n_max_bound=K,
+                           cost_table=table, eos_token_id=-1)
+    traces, outs, widths = W.replay_auto([paths[b] for b in rows], props[drafter], rows, 0, K, table, N, -1,
+                                         registry.get(drafter).sequential)
+    assert traces == want
+    assert outs == [N] * batch
+    assert len(widths) == max(len(t) for t in traces)
+    assert len(set(widths)) > 1                            # the scheduler chose between widths (or switched)
+
+
+def test_an_auto_setting_without_a_cost_table_is_named_not_dropped_silently():
+    said = []
+    records, _ = W.evaluate(None, [], [Setting("mtp", 3, batch_size=4, auto=True)], N, tables={}, progress=said.append)
+    assert records == [] and said == ["what-if: no cost table for mtp k=auto p_min=0 T=0 B=4: not replayed "
+                                      "(auto needs one)"]
 
 
 def test_a_quantized_drafters_rounds_equal_the_loops_with_that_drafter(run):
@@ -124,8 +136,8 @@ def test_a_window_of_committed_rows_gives_the_same_proposals_as_all_of_them(run)
                                options=everything.options(**meta))
         finally:
             registry.unregister("whatif-all-" + name)
-        np.testing.assert_array_equal(full.drafts, props[name].drafts)
-        np.testing.assert_array_equal(full.n_draft[0], props[name].n_draft[0])
+        np.testing.assert_array_equal(full.drafts, props[name].drafts[:, :N])
+        np.testing.assert_array_equal(full.n_draft[0], props[name].n_draft[0, :, :N])
 
 
 def test_walk_by_hand():

@@ -344,56 +344,71 @@ def walk(path: Path, drafts: np.ndarray, n_rule: np.ndarray, w: int, max_new_tok
     return trace, out
 
 
-# ---- the width scheduler's auto, replayed (batch 1) -------------------------------------------------------
+# ---- the width scheduler's auto, replayed -------------------------------------------------------------
 
-def replay_auto(path: Path, p: Proposals, b: int, t: int, bound: int, table, max_new_tokens: int, eos: int = -1,
-                sequential: bool = False):
-    """The rounds of a draft_n_max="auto" run at batch 1 along path b of p (threshold index t), priced by table (a
-    `speculative.cost_table.CostTable`): the round's calibration, `ops.width.choose`, the switch to plain decoding
-    (`speculative.width_policy`) and, for a sequential drafter (`Drafter.sequential`: MTP's chain), the chain's
-    early stop (`ops.width.keep_drafting`), in the order `speculative.round.speculative_round` runs them.
-    -> (trace [[drafted, accepted] per round; plain rounds [0, 0]], tokens emitted, widths chosen [w or −1: plain])."""
+def replay_auto(paths: Sequence[Path], p: Proposals, rows: Sequence[int], t: int, bound: int, table,
+                max_new_tokens: int, eos: int = -1, sequential: bool = False):
+    """The rounds of a draft_n_max="auto" run of one batch: the sequences along paths[b] = path rows[b] of p
+    (threshold index t), priced by table (a `speculative.cost_table.CostTable`): per round the batch's calibration
+    factors, for a sequential drafter (`Drafter.sequential`: MTP's chain) the chain's early stop
+    (`ops.width.keep_drafting`, over every sequence of the batch, finished ones included), one width for the batch
+    (`ops.width.choose` over the live sequences) and the switch to plain decoding (`speculative.width_policy`), in
+    the order `speculative.round.speculative_round` runs them. A finished sequence proposes from its last anchor,
+    as in the loop: exact when p covers max_new_tokens + k anchors (`evaluate`'s), else its last one.
+    -> (traces [[drafted, accepted] per round of sequence b; plain rounds [0, 0]], tokens emitted [B],
+    the batch's widths per round [w or −1: plain])."""
+    B, A = len(rows), p.drafts.shape[1]
     k = min(bound, p.drafts.shape[2])
     cost_np, plain = table.costs(k)
     cost = jnp.asarray(cost_np)
-    y, drafts, n_rule = path.tokens, p.drafts[b, :, :k], p.n_draft[t, b]
-    raw_all = np.where(p.conf[b, :, :k] >= 0, p.conf[b, :, :k], p.probability[b, :, :k]).astype(np.float32)
-    per_pos, raw_sum = np.zeros(k, np.int32), np.zeros(k, np.float32)
-    rounds = accepted = offered = 0
-    predicted = cost_sum = np.float32(0)
+    ys = [path.tokens for path in paths]
+    drafts, n_rule = p.drafts[list(rows), :, :k], p.n_draft[t, list(rows)]
+    conf, prob = p.conf[list(rows), :, :k], p.probability[list(rows), :, :k]
+    raw_all = np.where(conf >= 0, conf, prob).astype(np.float32)                    # [B,A,k]
+    per_pos, raw_sum = np.zeros((B, k), np.int32), np.zeros((B, k), np.float32)
+    rounds, accepted, offered = np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64)
+    predicted, cost_sum = np.zeros(B, np.float32), np.zeros(B, np.float32)
     never = bool(width_policy.no_width_can_pay(_knobs(cost, jnp.asarray(plain), k)))
-    out, i, trace, widths = 1, 0, [], []
-    done = out >= max_new_tokens or y[0] == eos
-    while not done and not _switched(never, rounds, accepted, offered, predicted, cost_sum, plain):
-        w, est, raw, proposed = (np.asarray(x) for x in _auto_round(per_pos[None], raw_sum[None], raw_all[i][None],
-                                                                     n_rule[i], cost, sequential=sequential))
-        w, proposed = int(w), int(proposed)
-        n = min(proposed, w)
-        a = _accepted(drafts[i, :n], y[i + 1:i + 1 + n])
-        trace.append([n, a])
+    out, at = np.ones(B, np.int64), np.zeros(B, np.int64)
+    done = np.array([out[b] >= max_new_tokens or ys[b][0] == eos for b in range(B)])
+    traces, widths, loop_round = [[] for _ in range(B)], [], 0
+    while not done.all() and not _switched(never, loop_round, rounds, accepted, offered, predicted, cost_sum,
+                                           plain):
+        anchor = np.minimum(at, A - 1)
+        w, est, raw, proposed = (np.asarray(x) for x in _auto_round(
+            per_pos, raw_sum, raw_all[np.arange(B), anchor], n_rule[np.arange(B), anchor], jnp.asarray(~done), cost,
+            sequential=sequential))
+        w = int(w)
         widths.append(w)
-        rounds, accepted, offered = rounds + 1, accepted + a, offered + (proposed > 0)
-        per_pos[:a] += 1
-        cost_sum = np.float32(cost_sum + np.float32(cost_np[w]))
-        est_w, raw_w = est[0, :w], raw[0, :w]
-        on = np.arange(w) < n
-        predicted = np.float32(predicted + np.float32(1.0 + np.sum(np.cumprod(np.where(on, est_w, 0.0)))))
-        raw_sum[:w] += np.where(on & (np.arange(w) <= a), raw_w, 0.0).astype(np.float32)
-        out, done, i = _emit(y, i, a, out, max_new_tokens, eos)
-    while not done:                                        # plain decoding for the rest of the run
-        trace.append([0, 0])
+        loop_round += 1
+        for b in np.flatnonzero(~done):
+            i, n = int(at[b]), int(min(proposed[b], w))
+            a = _accepted(drafts[b, i, :n], ys[b][i + 1:i + 1 + n])
+            traces[b].append([n, a])
+            rounds[b], accepted[b], offered[b] = rounds[b] + 1, accepted[b] + a, offered[b] + (proposed[b] > 0)
+            per_pos[b, :a] += 1
+            cost_sum[b] = np.float32(cost_sum[b] + np.float32(cost_np[w]))
+            on = np.arange(w) < n
+            predicted[b] = np.float32(predicted[b] + np.float32(1.0 + np.sum(np.cumprod(np.where(on, est[b, :w],
+                                                                                                 0.0)))))
+            raw_sum[b, :w] += np.where(on & (np.arange(w) <= a), raw[b, :w], 0.0).astype(np.float32)
+            out[b], done[b], at[b] = _emit(ys[b], i, a, int(out[b]), max_new_tokens, eos)
+    while not done.all():                                  # plain decoding for the rest of the run
         widths.append(-1)
-        out, done, i = _emit(y, i, 0, out, max_new_tokens, eos)
-    return trace, out, widths
+        for b in np.flatnonzero(~done):
+            traces[b].append([0, 0])
+            out[b], done[b], at[b] = _emit(ys[b], int(at[b]), 0, int(out[b]), max_new_tokens, eos)
+    return traces, out.tolist(), widths
 
 
 @functools.partial(jax.jit, static_argnames=("sequential",))
-def _auto_round(per_pos: jax.Array, raw_sum: jax.Array, raw: jax.Array, n_rule: jax.Array, cost: jax.Array, *,
-                sequential: bool):
+def _auto_round(per_pos: jax.Array, raw_sum: jax.Array, raw: jax.Array, n_rule: jax.Array, live: jax.Array,
+                cost: jax.Array, *, sequential: bool):
     """A replayed round's width, as `speculative.round.speculative_round` chooses it: the calibration factors of
-    the counts so far (per_pos, raw_sum [1,k]), the anchor's calibrated estimates (raw [1,k]), for a sequential
-    drafter the chain's early stop (`ops.width.keep_drafting`), then `ops.width.choose` over at most n_rule []
-    drafts at costs cost [k+1]. -> (w [], est [1,k], raw [1,k] (0 past the chain's stop), drafts proposed [])."""
+    the batch's counts so far (per_pos, raw_sum [B,k]), each sequence's calibrated estimates at its anchor (raw
+    [B,k]), for a sequential drafter the chain's early stop (`ops.width.keep_drafting`), then `ops.width.choose`
+    over the live [B] sequences' at most n_rule [B] drafts at costs cost [k+1].
+    -> (w [], est [B,k], raw [B,k] (0 past the chain's stop), drafts proposed [B])."""
     k = raw.shape[1]
     factors = width.scale(per_pos, raw_sum)
     est = width.calibrated(raw, factors)
@@ -406,7 +421,7 @@ def _auto_round(per_pos: jax.Array, raw_sum: jax.Array, raw: jax.Array, n_rule: 
         raw = jnp.where(jnp.arange(k) < steps, raw, 0.0)
         est = width.calibrated(raw, factors)
     proposed = jnp.minimum(n_rule, steps)
-    return width.choose(est, proposed[None], jnp.asarray([True]), cost, jnp.int32(k)), est, raw, proposed
+    return width.choose(est, proposed, live, cost, jnp.int32(k)), est, raw, proposed
 
 
 def _knobs(cost, plain, k):
@@ -414,12 +429,14 @@ def _knobs(cost, plain, k):
                  plain_cost=plain)
 
 
-def _switched(never: bool, rounds: int, accepted: int, offered: int, predicted, cost_sum, plain) -> bool:
-    """`width_policy.realised_rate_below_plain` at batch 1, before a round (rounds so far, all drafting)."""
+def _switched(never: bool, loop_round: int, rounds, accepted, offered, predicted, cost_sum, plain) -> bool:
+    """`width_policy.realised_rate_below_plain` before a round: loop_round drafting rounds so far; per sequence
+    [B] its rounds, accepted drafts, rounds it was offered drafts, expected tokens and cost-table seconds."""
     plain = np.float32(plain)
-    realised_low = np.float32(rounds + accepted) * plain <= cost_sum
-    forecast_low = (predicted * plain <= cost_sum) and offered >= rounds
-    return never or (bool(realised_low) and rounds >= (1 if forecast_low else width_policy.WARMUP_ROUNDS))
+    cost = np.sum(cost_sum, dtype=np.float32)
+    realised_low = np.float32(np.sum(rounds + accepted)) * plain <= cost
+    forecast_low = (np.sum(predicted, dtype=np.float32) * plain <= cost) and np.sum(offered) >= np.sum(rounds)
+    return never or (bool(realised_low) and loop_round >= (1 if forecast_low else width_policy.WARMUP_ROUNDS))
 
 
 def _accepted(drafts: np.ndarray, target: np.ndarray) -> int:
@@ -445,13 +462,19 @@ def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens:
     """Every greedy setting (`research.runner.Setting`, spec != "none", temperature 0) on the prompts ({"id", "category",
     "tokens"}): one continuation per prompt, one target pass, one proposal pass per drafter and drafter precision
     (`drafters.precision.drafter_at_precision`: the drafter's weights stored so, the target as loaded) at its
-    widest width and every value of its stop knob, then a walk per setting, precision and prompt (auto:
-    `replay_auto` at batch 1 with tables[(spec, batch, True)]). -> (records, one per prompt × setting ×
+    widest width and every value of its stop knob (anchors 0..max_new_tokens + k − 1: a finished sequence of
+    an auto batch proposes from its last anchor), then a walk per setting, precision and prompt (auto: `replay_auto`
+    per batch of consecutive prompts, with tables[`Setting.table_key`]; without one the setting is named in a
+    progress line and left out). -> (records, one per prompt × setting ×
     precision, like dsv4-sweep's results.jsonl lines, "drafter_precision" and the label's " prec=…" naming
     the precision; rules: DSpark confidence rules (`drafters.dspark.RULES`) besides the model's own, each its own
     proposal pass, labelled " rule=…"; {"continuation_s", "target_pass_s", "proposals_s" {drafter[@precision]
     [/rule]: s}, "walk_s"})."""
     settings = [s for s in settings if s.drafter is not None and s.temperature == 0]
+    unpriced = [s for s in settings if s.auto and (tables or {}).get(s.table_key) is None]
+    if unpriced:
+        progress(f"what-if: no cost table for {', '.join(s.label for s in unpriced)}: not replayed (auto needs one)")
+        settings = [s for s in settings if s not in unpriced]
     if not settings:
         return [], {"continuation_s": 0.0, "target_pass_s": 0.0, "proposals_s": {}, "walk_s": 0.0}
     widest = {}
@@ -480,8 +503,8 @@ def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens:
             params = model.params if prec == AS_LOADED else drafter_at_precision(model.params, spec, prec)
             options = None if rule is None else registry.get(spec).options(dspark_meta=dataclasses.replace(
                 model.draft_setup(spec, k).settings, confidence_rule=rule))
-            props[spec, prec, rule] = proposals(params, model.bundle, paths, spec, k, max_new_tokens, values, options,
-                                                target=target)
+            props[spec, prec, rule] = proposals(params, model.bundle, paths, spec, k, max_new_tokens + k, values,
+                                                options, target=target)
             name = (spec if prec == AS_LOADED else f"{spec}@{prec}") + ("" if rule is None else f"/{rule}")
             prop_s[name] = time.perf_counter() - t
             progress(f"what-if: {name} proposals (k={k}, {len(values)} threshold(s)) in {prop_s[name]:.1f} s")
@@ -493,17 +516,18 @@ def evaluate(model, prompts: Sequence[dict], settings: Sequence, max_new_tokens:
         p = props[s.spec, prec, rule]
         knob = registry.get(s.spec).stop_knob
         t_index = p.thresholds.index(getattr(s, knob)) if knob else 0
+        if s.auto:
+            table = tables[s.table_key]
+            for lo in range(0, len(paths), s.batch_size):          # `runner.batches`: consecutive groups
+                rows = range(lo, min(lo + s.batch_size, len(paths)))
+                traces, outs, widths = replay_auto([paths[b] for b in rows], p, rows, t_index, s.draft_n_max, table,
+                                                   max_new_tokens, eos, registry.get(s.spec).sequential)
+                records += [record(s, prompts[b], paths[b], tr, out, widths, prec, rule)
+                            for b, tr, out in zip(rows, traces, outs)]
+            continue
         for b, (prompt, path) in enumerate(zip(prompts, paths)):
-            widths = None
-            if s.auto:
-                table = (tables or {}).get((s.spec, s.batch_size, True))
-                if table is None or s.batch_size != 1:
-                    continue           # replayed at batch 1 with a cost table only
-                trace, out, widths = replay_auto(path, p, b, t_index, s.draft_n_max, table, max_new_tokens, eos,
-                                                 registry.get(s.spec).sequential)
-            else:
-                trace, out = walk(path, p.drafts[b], p.n_draft[t_index, b], s.draft_n_max, max_new_tokens, eos)
-            records.append(record(s, prompt, path, trace, out, widths, prec, rule))
+            trace, out = walk(path, p.drafts[b], p.n_draft[t_index, b], s.draft_n_max, max_new_tokens, eos)
+            records.append(record(s, prompt, path, trace, out, None, prec, rule))
     walk_s = time.perf_counter() - t3
     return records, {"continuation_s": t1 - t0, "target_pass_s": t2 - t1, "proposals_s": prop_s, "walk_s": walk_s,
                      "paths": paths, "target": target, "proposals": props}

@@ -5,7 +5,7 @@ The grid, prompts, model and shared shapes are dsv4-sweep's (same options); inst
 computes every setting's rounds exactly (`research.whatif.evaluate`) and prices them:
 
     predicted decode time of a batch = its rounds × seconds[k]   (fixed k; the batch's longest sequence's rounds)
-                                       Σ chosen widths' seconds + plain rounds × plain_seconds   (auto, batch 1)
+                                       Σ chosen widths' seconds + plain rounds × plain_seconds   (auto: the batch's)
     predicted speed-up = the same tokens' plain decoding time (the longest sequence's tokens − 1 plain rounds per
                          batch) / that
 
