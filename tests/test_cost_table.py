@@ -1,6 +1,7 @@
 """Bandwidth-roofline cost tables (`analysis.roofline.table`, `analysis.roofline`; docs/width_scheduler.md §4):
 the prices' shape, a hand count of the bytes on the tiny config, the machines, --roofline on the CLIs.
 Abstract shapes only: nothing is compiled."""
+import json
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from dsv4_jax.research.runner import grid_settings
 from dsv4_jax.analysis import roofline
 from dsv4_jax.speculative import cost_table
 from dsv4_jax.speculative.cost_table import CostTable, CostTableError
+from dsv4_jax.speculative.generate import prepare
 
 CONFIG = d.tiny()
 FIXED = roofline.DEFAULT_FIXED_US * 1e-6
@@ -25,6 +27,18 @@ def test_roofline_seconds_increase_with_width(drafter):
     assert t.bound == 6 and t.drafter == drafter and t.batch == 2 and t.source == "roofline h100"
     assert all(a < b for a, b in zip(t.seconds, t.seconds[1:]))
     assert t.plain_seconds <= t.seconds[0] < t.seconds[1]
+
+
+def test_a_pooled_programs_cache_key_names_no_process_address():
+    """The key a measured table is cached under (`cost_table.cache_key`) holds the program's settings as text:
+    a drafter pool's members (dsv4-sweep's programs) must not print their drafter objects' addresses, or no
+    other process (the next sweep, dsv4-whatif) ever finds the table."""
+    model = random_tiny(seed=0)
+    r = prepare(model.params, model.bundle, [[1, 2, 3, 4]], 4, drafter="mtp", draft_n_max="auto",
+                  draft_n_max_bound=2, drafter_pool=("mtp", "dspark"))
+    key = json.dumps(cost_table.cache_key(r.config, r, "mtp"), sort_keys=True)
+    assert "Member(name='mtp'" in key and "Member(name='dspark'" in key
+    assert " at 0x" not in key, key
 
 
 def _hand_bytes(specs, n_tokens: int) -> float:

@@ -43,7 +43,7 @@ class Member:
     name: str
     taps: tuple[int, ...]
     settings: object = None
-    drafter: Drafter | None = None
+    drafter: Drafter | None = dataclasses.field(default=None, repr=False)   # named by `name`: keys stay stable
 
     def setup(self, k: int) -> DraftSetup:
         return DraftSetup(k=k, taps=self.taps, settings=self.settings)
