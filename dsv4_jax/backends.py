@@ -49,6 +49,10 @@ KERNEL_PLATFORMS = {"pallas": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
 #               Q8_0: the reference)
 EP_LOCAL = ("reference", "dense", "pallas", "pallas_tpu")
 EP_LOCAL_AUTO = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "dense"}
+# per chip (`Device.device_kind` of the EP mesh's devices) where the platform's choice reads more: on TPU v5p XLA
+# does not keep the FP4 word decode of "dense" fused into the dot (the decoded scale planes go through HBM), the
+# Mosaic kernels read the uint8 codes once (experiments/results/aot_layout_2026-12-07.md, docs/aot.md)
+EP_LOCAL_AUTO_BY_KIND = {"TPU v5": "pallas_tpu"}
 
 
 class BackendError(ValueError):
@@ -166,13 +170,20 @@ def resolve(backends: str | Backends | None, platform: str | None = None) -> Bac
     auto = AUTO.get(platform, "reference")
     b = dataclasses.replace(b, **{op: _available(op, auto) for op in OPS if getattr(b, op) == "auto"})
     if b.ep is not None and b.ep.local == "auto":
-        b = dataclasses.replace(b, ep=dataclasses.replace(b.ep, local=EP_LOCAL_AUTO.get(platform, "reference")))
+        b = dataclasses.replace(b, ep=dataclasses.replace(b.ep, local=ep_local_auto(platform, b.ep.mesh)))
     impls = [getattr(b, op) for op in OPS] + ([b.ep.local] if b.moe == "ep" else [])
     if any(platform not in KERNEL_PLATFORMS.get(impl, (platform,)) for impl in impls):
         b = dataclasses.replace(b, interpret=True)
     if platform in GPU_PLATFORMS:
         b = dataclasses.replace(b, unroll_sinkhorn=True)
     return b
+
+
+def ep_local_auto(platform: str, mesh: Mesh) -> str:
+    """What "auto" means for the EP local matmul on the mesh's devices: `EP_LOCAL_AUTO_BY_KIND` of their chip,
+    else `EP_LOCAL_AUTO` of the platform (the reference elsewhere)."""
+    kind = getattr(mesh.devices.flat[0], "device_kind", None) if platform == "tpu" else None
+    return EP_LOCAL_AUTO_BY_KIND.get(kind) or EP_LOCAL_AUTO.get(platform, "reference")
 
 
 def require(impl: str, op: str) -> str:

@@ -2,6 +2,8 @@
 formulation, the layer-unroll switch, sharding presets, and sharded runs on 8 forced host devices
 (a subprocess, `tests/ep_checks.py`, like tests/test_sharding.py)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -51,6 +53,16 @@ def test_resolve_ep_local_per_platform():
     assert B.resolve(pallas, "cpu").interpret                     # Pallas on CPU runs interpreted
     mosaic = auto.replace(ep=B.ExpertParallel(S.make_mesh(), local="pallas_tpu"))
     assert B.resolve(mosaic, "cpu").interpret and not B.resolve(mosaic, "tpu").interpret
+
+
+def test_resolve_ep_local_per_chip():
+    """On TPU, "auto" follows the chip of the EP mesh's devices (`backends.EP_LOCAL_AUTO_BY_KIND`): the Mosaic
+    kernels on v5p ("TPU v5": XLA there leaves the FP4 word decode unfused), XLA's dense matmul on v6e / v5e;
+    the chip is not read off TPU."""
+    chip = lambda kind: types.SimpleNamespace(devices=np.array([types.SimpleNamespace(device_kind=kind)]))
+    assert B.ep_local_auto("tpu", chip("TPU v5")) == "pallas_tpu"
+    assert B.ep_local_auto("tpu", chip("TPU v6 lite")) == "dense" == B.ep_local_auto("tpu", chip("TPU v5 lite"))
+    assert B.ep_local_auto("gpu", chip("TPU v5")) == "pallas" and B.ep_local_auto("cpu", chip("cpu")) == "reference"
 
 
 def test_presets():

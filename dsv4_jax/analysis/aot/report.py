@@ -361,7 +361,8 @@ def markdown(report: dict) -> str:
         L += [f"## {run['topology']}, {run['weights']} weights", "",
               f"{run['chips']} chips on {run['hosts']} host(s), {run['chip']['device_kind']}; mesh (data, expert, "
               f"model) = {run['mesh_text']}; HBM per chip {run['hbm_bytes'] / GIB:.2f} GiB ({run['hbm_source']}); "
-              f"{run['chip']['hbm_gbps']:g} GB/s, {run['chip']['bf16_tflops']:g} bf16 TFLOP/s.{_latency_line(run)}",
+              f"{run['chip']['hbm_gbps']:g} GB/s, {run['chip']['bf16_tflops']:g} bf16 TFLOP/s.{_latency_line(run)}"
+              + (f" Backends: {run['backends']}." if run.get("backends") else ""),
               "",
               table(PROGRAM_HEAD, program_rows(run)), ""]
         notes = [f"- {r['program']}: {r['reason'][:300]}" for r in run["programs"] if r.get("reason")]

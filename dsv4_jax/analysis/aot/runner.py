@@ -231,8 +231,8 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
                     "chip": dataclasses.asdict(topo.chip), "device_kind": devs[0].device_kind,
                     "hbm_bytes": hbm, "hbm_source": source, "mesh": dict(zip(parallel.MESH_AXES, shape)),
                     "mesh_text": "×".join(map(str, shape)), "weights": w, "programs": []}
-            if preset_name:
-                run_["sharding"] = preset_name
+            if preset_name:      # the backends per run: the EP local matmul follows the chip (`backends.ep_local_auto`)
+                run_["sharding"], run_["backends"] = preset_name, how_t.program.backends.describe()
             report["runs"].append(run_)
             for name in r.programs:
                 dump = os.path.join(r.hlo_dir, f"{topo.name.replace(':', '_')}_{w}_{name}.hlo.txt") if r.hlo_dir else None
