@@ -856,6 +856,36 @@ def test_ep_kernel_declared_bytes_next_to_xla():
     assert rows[0][6] == format(dec["declared_bytes"] / 1e9, ".3g")
 
 
+def test_a_rounds_declared_bytes_hold_its_drafters_moe_calls():
+    """Under the Mosaic local matmul a round's declared bytes are its target verify block's (k+1 tokens per
+    sequence, every routed layer) plus its drafter's MoE calls, the passes its bound counts: MTP k − 1 chain
+    steps of B tokens and one observe pass of B·(k+1); DSpark one block pass of B·γ per stage."""
+    from dsv4_jax.analysis.aot import kernel_hook as K
+    from dsv4_jax import backends as B
+    import types
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "expert", "model"))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    w1 = quant.abstract(quant.FP4, (2, 16, 128, 512), jnp.bfloat16, sh, sh)
+    cfg = runner.model_config("flash", pairs=0, small=True, platform="cpu").with_backends(
+        B.Backends(moe="ep", ep=B.ExpertParallel(mesh, local="pallas_tpu")))
+    shapes = types.SimpleNamespace(batch=2)
+    params = {"layers": {"ffn": {"experts": {"w1": w1}}}, "dspark": {"stages": [{}, {}, {}]}}
+    dec = lambda tokens, layers: K.ep_local_declared("release", tokens, (16, 128, 512), cfg.num_experts_per_tok,
+                                                     layers, cfg.swiglu_limit)["declared_bytes"]
+    verify = runner.ep_kernel_row(PR.Program("verify", None, (params,), {}, 4), cfg, "release", shapes, mesh)
+    assert verify["declared_bytes"] == dec(8, cfg.num_layers) and "calls" not in verify
+    mtp = runner.ep_kernel_row(PR.Program("spec-mtp", None, (params,), {}, 4), cfg, "release", shapes, mesh)
+    assert mtp["declared_bytes"] == dec(8, cfg.num_layers) + dec(2, 2) + dec(8, 1)
+    assert [c["name"] for c in mtp["calls"]] == ["target", "mtp chain", "mtp observe"]
+    setup = types.SimpleNamespace(setup=types.SimpleNamespace(settings=types.SimpleNamespace(block_size=5)))
+    ds = runner.ep_kernel_row(PR.Program("spec-dspark", None, (params, None, None, None, setup), {}, 4), cfg,
+                              "release", shapes, mesh)
+    assert ds["declared_bytes"] == dec(8, cfg.num_layers) + dec(10, 3)
+    assert AC.kernels_declared_bytes({"ep_kernel": mtp, "hlo": {"top_ops": {"total_bytes": 5.0,
+                                                                             "mosaic_call_bytes": 4.0}}}) == \
+        1.0 + mtp["declared_bytes"]
+
+
 def test_balanced_bound_counts_min_of_experts_and_picks():
     """The balanced bound reads min(E, T·k) experts per layer: equal to the uniform bound at one token; at
     T·k ≥ E every expert, i.e. the uniform bound less its routed-expert bytes plus the whole expert stacks
@@ -1001,7 +1031,8 @@ ENTRY %main (p0: u8[64,128,256], p1: f32[8,256]) -> f32[8,128] {
 def test_mosaic_calls_counted_as_their_kernels_declare():
     """A Pallas TPU kernel call's operands are counted whole by the HLO-op bytes (here a u8 expert stack);
     with the EP kernels' declared bytes the estimate replaces the call's bytes by them (the HBM figure the
-    roofline uses), except for a round (its drafter's kernels are not in the declared bytes)."""
+    roofline uses) — a round's too once they hold its drafter's calls, not a round of an older report whose
+    declared bytes were its verify block's only ("scope")."""
     top = hlo.analyse(MOSAIC)["top_ops"]
     call = 64 * 128 * 256 + 8 * 256 * 4 + 8 * 128 * 4
     assert top["mosaic_call_bytes"] == call and top["total_bytes"] == call + 2 * 8 * 256 * 4
@@ -1012,6 +1043,8 @@ def test_mosaic_calls_counted_as_their_kernels_declare():
     assert e["hlo_op_bytes_kernels_declared"] == 2 * 8 * 256 * 4 + 1e4
     assert e["hlo_op_bytes_over_bound"] == pytest.approx((2 * 8 * 256 * 4 + 1e4) / 4e4)
     assert e["hlo_op_bytes_whole_kernel_operands"] == top["total_bytes"]
+    rnd = dict(row, ep_kernel={"declared_bytes": 3e4, "calls": [{"name": "target"}, {"name": "mtp chain"}]})
+    assert AC.kernels_declared_bytes(rnd) == 2 * 8 * 256 * 4 + 3e4
     rnd = dict(row, ep_kernel={"declared_bytes": 1e4, "scope": "target verify block only"})
     assert AC.kernels_declared_bytes(rnd) is None
     assert AC.estimates(rnd, chips.CPU, 2)["hlo_op_bytes_over_bound"] == pytest.approx(top["total_bytes"] / 4e4)

@@ -140,8 +140,9 @@ def latency_terms(h: dict, roofline_s: float, chip: Chip) -> dict:
 def kernels_declared_bytes(result: dict) -> float | None:
     """The HLO-op bytes with the Mosaic MoE kernels' calls counted as their BlockSpecs declare (the row's
     "ep_kernel", every routed layer) instead of their operands whole (`hlo.is_mosaic_call`): the HBM figure
-    of a program whose only kernels are the EP local matmul. None where that does not hold (no kernels, a
-    speculative round whose drafter kernels the declared bytes leave out, no HLO text)."""
+    of a program whose only kernels are the EP local matmul (a round's: its target's and its drafter's MoE
+    calls, `runner.ep_kernel_row`). None where that does not hold (no kernels, a round of a report before
+    2026-12-08 whose declared bytes left the drafter's calls out ("scope"), no HLO text)."""
     k, top = result.get("ep_kernel"), result.get("hlo", {}).get("top_ops", {})
     if not k or k.get("scope") or not top.get("total_bytes") or "mosaic_call_bytes" not in top:
         return None

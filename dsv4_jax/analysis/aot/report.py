@@ -141,7 +141,7 @@ def ep_kernel_rows(run: dict) -> list[list]:
         if not k:
             continue
         ops = r.get("hlo", {}).get("top_ops", {}).get("total_bytes")
-        rows.append([r["program"] + (" ²" if k.get("scope") else ""), k["kernel"], k["fmt"], k["tokens"],
+        rows.append([r["program"] + (" ²" if k.get("scope") or k.get("calls") else ""), k["kernel"], k["fmt"], k["tokens"],
                      "×".join(map(str, k["dims"])), k["layers"], _g(k["declared_bytes"], GB, ".3g"),
                      _g(k["ideal_bytes"], GB, ".3g"), _g(r.get("cost", {}).get("bytes_accessed"), GB, ".3g"),
                      _g(ops or None, GB, ".3g"),
@@ -386,8 +386,9 @@ def markdown(report: dict) -> str:
                   "layer; next to XLA's bytes accessed and the HLO-op bytes of the whole program (which count a "
                   "kernel call's operands whole: with the layer stacks handed to the kernel in place, every "
                   "call's operands are the whole stack), and the HLO-op bytes with the kernel calls replaced by "
-                  "the declared bytes (the HBM estimate the roofline uses). ² a round: the kernels of its target "
-                  "verify block only (no replacement).", "",
+                  "the declared bytes (the HBM estimate the roofline uses). ² a round: kernel, tokens and layers "
+                  "of its target verify block; declared and ideal bytes also hold its drafter's MoE calls (JSON "
+                  "`ep_kernel.calls`; reports before 2026-12-08: the verify block only, no replacement).", "",
                   table(EP_KERNEL_HEAD, ek), ""]
         col = collective_rows(run)
         if col:
