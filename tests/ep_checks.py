@@ -31,9 +31,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+# A compilation cache private to this process: `process_block.lower(...).compile()` (the decode step's HLO read for
+# expert all-gathers) lowers the very program the decode script's jitted step compiled, but the jit's in-memory
+# cache does not serve explicit lowerings; the persistent cache (keyed on the HLO and the compile options) does,
+# which saves a ~4 s recompile. Same executable either way, so no result changes.
+_CACHE = tempfile.mkdtemp(prefix="ep_checks_xla_")
+atexit.register(shutil.rmtree, _CACHE, True)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 import dsv4_jax  # noqa: E402
 from dsv4_jax.model import decode as D, params as P

@@ -276,11 +276,18 @@ def test_greedy_speculative_equals_plain_at_32k(demo):
     _greedy_speculative_equals_plain(demo, 32768, ("mtp", "dspark"))
 
 
-def test_long_context_tool_writes_its_table(tmp_path, capsys):
+def test_long_context_tool_writes_its_table(tmp_path, capsys, monkeypatch):
     """dsv4-long-context: one row per context from its own subprocess, the state growing with the context,
-    finite logits, peak RSS recorded against the expected bytes; bad options exit 2 and write nothing."""
+    finite logits, peak RSS recorded against the expected bytes; bad options exit 2 and write nothing.
+
+    Each subprocess compiles its prefill-chunk step twice (`lower().compile()` for the temporaries, then the
+    jitted `extend` it times: the jit's in-memory cache does not serve explicit lowerings), so the test gives
+    the subprocesses a persistent compilation cache of their own (keyed on the HLO and the compile options:
+    the second compile loads the first's executable, the same program; a row's compile_s, which no assertion
+    reads, then counts a load where it counted a compile)."""
     import json
     from dsv4_jax.research import long_context
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla_cache"))
     out = tmp_path / "lc"
     assert long_context.main(["--contexts", "300,600", "--chunk", "256", "--decode-steps", "2", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())

@@ -37,7 +37,8 @@ from dsv4_jax.model.params import flatten
 from . import convert_fixtures as fx
 
 SEED = int(os.environ.get("FUZZ_SEED", "40"))
-BUDGET = float(os.environ.get("FUZZ_SECONDS", "20"))      # seconds for all families together
+BUDGET = float(os.environ.get("FUZZ_SECONDS", "8"))       # seconds for all families together (fast run)
+LONG_BUDGET = float(os.environ.get("FUZZ_SECONDS", "60"))  # the slow run's: the same seeded cases, and more
 MIN_CASES = 6                                            # per family, even past the budget
 ALARM = 30
 
@@ -309,7 +310,20 @@ def ckpt_mutation(rng, ckpt) -> tuple[str, str]:
 # ---- the run ---------------------------------------------------------------------------------------------------
 
 def test_fuzz_readers(sources, tmp_path):
-    """Every family: no SILENT wrong load, no TRACEBACK, no HANG, no UNNAMED error; the summary is printed."""
+    """Every family: no SILENT wrong load, no TRACEBACK, no HANG, no UNNAMED error; the summary is printed.
+    (A BUDGET-second run, at least MIN_CASES per family; test_fuzz_readers_long runs the same seeded sequence
+    for LONG_BUDGET seconds.)"""
+    fuzz_readers(sources, tmp_path, BUDGET)
+
+
+@pytest.mark.slow
+def test_fuzz_readers_long(sources, tmp_path):
+    """test_fuzz_readers for LONG_BUDGET seconds: the fast run's cases (the same seed: they come first), then
+    more of each family."""
+    fuzz_readers(sources, tmp_path, LONG_BUDGET)
+
+
+def fuzz_readers(sources, tmp_path, budget: float):
     import time
     rng = np.random.default_rng(SEED)
     base = {"gguf": _gguf_units(sources / "m.gguf"), "hf": _hf_units(sources / "hf"),
@@ -319,7 +333,7 @@ def test_fuzz_readers(sources, tmp_path):
     st_bytes, cfg_text = st_path.read_bytes(), (sources / "hf" / "config.json").read_text()
     counts: dict = {}
     bad = []
-    deadline = time.monotonic() + BUDGET
+    deadline = time.monotonic() + budget
     families = ["gguf", "safetensors", "config", "checkpoint"]
     done = {f: 0 for f in families}
     i = 0
