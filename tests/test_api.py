@@ -134,11 +134,14 @@ class RepeatLast(Drafter):
         return drafts, jax.nn.one_hot(drafts, run.config.vocab_size), jnp.full(pos.shape, run.setup.k, jnp.int32)
 
 
+REPEAT_LAST = RepeatLast()      # registered by both tests below: the second's first run reuses the first's program
+
+
 def test_a_registered_drafter_runs_in_the_loop(tiny):
     config, params, tokens = tiny
     prompts = [tokens[0, :4].tolist()]
     plain, _ = d.generate(params, config, prompts, 8, eos_token_id=-1)
-    registry.register(RepeatLast())
+    registry.register(REPEAT_LAST)
     try:
         assert "test-repeat-last" in registry.names()
         toks, stats = d.generate(params, config, prompts, 8, drafter="test-repeat-last", draft_n_max=2,
@@ -168,7 +171,7 @@ def test_reregistering_a_drafter_changes_the_next_run(tiny):
     prompts = [tokens[0, :4].tolist()]
     runs = []
     try:
-        for drafter in (RepeatLast(), NoDrafts()):
+        for drafter in (REPEAT_LAST, NoDrafts()):
             registry.register(drafter)
             runs.append(d.generate(params, config, prompts, 8, drafter="test-repeat-last", draft_n_max=2,
                                    eos_token_id=-1))
