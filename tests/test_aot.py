@@ -442,10 +442,15 @@ def test_programs_carry_the_forecast_bounds_per_k():
     assert [int(k) for k in verify["by_k"]] == list(F.K_RANGE)
     assert verify["by_k"]["3"] == verify["total"]
     assert verify["by_k"]["6"] == BD.target_bound(cfg, "release", 1, 4096, 7)["total"] > verify["total"]
-    mtp = PR.build("spec-mtp", cfg, mesh, "release", sh).bound
+    mtp_prog = PR.build("spec-mtp", cfg, mesh, "release", sh)
+    mtp = mtp_prog.bound
     assert [int(k) for k in mtp["by_k"]] == list(F.K_RANGE) and mtp["by_k"]["3"] == mtp["total"]
     assert mtp["by_k"]["5"] == BD.mtp_round_bound(cfg, "release", 1, 4096, 5)["total"]
-    dspark = PR.build("spec-dspark", cfg, mesh, "release", sh).bound
+    # the drafter MoE passes the Mosaic declared bytes add (`runner.ep_kernel_row`): k − 1 chain steps, one observe
+    assert mtp_prog.drafter_moe == (("mtp chain", 1, 2), ("mtp observe", 4, 1))
+    dspark_prog = PR.build("spec-dspark", cfg, mesh, "release", sh)
+    assert dspark_prog.drafter_moe == (("dspark block", 5, len(dspark_prog.args[0]["dspark"]["stages"])),)
+    dspark = dspark_prog.bound
     assert [int(k) for k in dspark["by_k"]] == [1, 2, 3, 4, 5] and dspark["by_k"]["3"] == dspark["total"]
     assert "by_k" not in PR.build("decode", cfg, mesh, "release", sh).bound
 
@@ -869,17 +874,17 @@ def test_a_rounds_declared_bytes_hold_its_drafters_moe_calls():
     cfg = runner.model_config("flash", pairs=0, small=True, platform="cpu").with_backends(
         B.Backends(moe="ep", ep=B.ExpertParallel(mesh, local="pallas_tpu")))
     shapes = types.SimpleNamespace(batch=2)
-    params = {"layers": {"ffn": {"experts": {"w1": w1}}}, "dspark": {"stages": [{}, {}, {}]}}
+    params = {"layers": {"ffn": {"experts": {"w1": w1}}}}
     dec = lambda tokens, layers: K.ep_local_declared("release", tokens, (16, 128, 512), cfg.num_experts_per_tok,
                                                      layers, cfg.swiglu_limit)["declared_bytes"]
     verify = runner.ep_kernel_row(PR.Program("verify", None, (params,), {}, 4), cfg, "release", shapes, mesh)
     assert verify["declared_bytes"] == dec(8, cfg.num_layers) and "calls" not in verify
-    mtp = runner.ep_kernel_row(PR.Program("spec-mtp", None, (params,), {}, 4), cfg, "release", shapes, mesh)
+    mtp = runner.ep_kernel_row(PR.Program("spec-mtp", None, (params,), {}, 4, drafter_moe=(
+        ("mtp chain", 1, 2), ("mtp observe", 4, 1))), cfg, "release", shapes, mesh)
     assert mtp["declared_bytes"] == dec(8, cfg.num_layers) + dec(2, 2) + dec(8, 1)
     assert [c["name"] for c in mtp["calls"]] == ["target", "mtp chain", "mtp observe"]
-    setup = types.SimpleNamespace(setup=types.SimpleNamespace(settings=types.SimpleNamespace(block_size=5)))
-    ds = runner.ep_kernel_row(PR.Program("spec-dspark", None, (params, None, None, None, setup), {}, 4), cfg,
-                              "release", shapes, mesh)
+    ds = runner.ep_kernel_row(PR.Program("spec-dspark", None, (params,), {}, 4, drafter_moe=(("dspark block", 5, 3),)),
+                              cfg, "release", shapes, mesh)
     assert ds["declared_bytes"] == dec(8, cfg.num_layers) + dec(10, 3)
     assert AC.kernels_declared_bytes({"ep_kernel": mtp, "hlo": {"top_ops": {"total_bytes": 5.0,
                                                                              "mosaic_call_bytes": 4.0}}}) == \

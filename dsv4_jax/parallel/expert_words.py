@@ -34,7 +34,7 @@ from ..backends import Backends
 from ..ops import quant
 
 ROUTED_EXPERTS = re.compile(r"(^|\.)ffn\.experts\.w[123]$")   # flat leaf paths of routed-expert stacks [E, N, K]
-WORDS_LOCAL = ("dense",)     # EP local matmuls that read words (XLA:TPU's default, backends.EP_LOCAL_AUTO)
+WORDS_LOCAL = ("dense",)     # EP local matmuls that read words (`backends.ep_local_auto`: TPUs but v5p)
 K_MAJOR_PLATFORMS = ("tpu",)  # platforms whose compiler wants the routed stacks contraction-dim major
 
 

@@ -48,6 +48,8 @@ class Program:
     tokens_per_sequence: int
     notes: str = ""
     mesh: object = None     # set when the program holds Mosaic kernels (`uses_mosaic`)
+    # a round's drafter MoE passes, (name, tokens per sequence, layer applications): the passes its bound counts
+    drafter_moe: tuple = ()
 
     def lower(self):
         """`fn.lower(*args)`; with `mesh`, under `jax.set_mesh(mesh)`: Pallas' TPU lowering rules read the chip
@@ -119,12 +121,14 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
     if drafter_name == "mtp":
         round_bound = lambda kk: bounds.mtp_round_bound(config, weights, B, sh.context, kk)
         ks = F.K_RANGE
+        drafter_moe = (("mtp chain", 1, k - 1), ("mtp observe", k + 1, 1))
     else:
         dp = params["dspark"]
         round_bound = lambda kk: bounds.dspark_round_bound(config, weights, B, sh.context, kk,
                                                            setup.settings.block_size, len(dp["stages"]),
                                                            len(setup.taps), dp["markov_w1"].shape[1])
         ks = [kk for kk in F.K_RANGE if kk <= setup.settings.block_size]     # DSpark drafts at most a block
+        drafter_moe = (("dspark block", setup.settings.block_size, len(dp["stages"])),)   # observe: no MoE
     bound = round_bound(k)
     bound["by_k"] = {str(kk): round_bound(kk)["total"] for kk in ks}     # the payoff forecast's rounds
     ints = lambda *shape: I.batch_array(mesh, shape, jnp.int32, rules=rules)
@@ -141,7 +145,7 @@ def _round(drafter_name: str, config: ModelConfig, mesh, weights: str, sh: I.Sha
     knobs = Knobs(temperature=scalar(), top_p=scalar(),
                   drafter=jax.tree.map(lambda _: scalar(), drafter.knobs(drafter.options())))
     return Program(f"spec-{drafter_name}", loop.round_jit, (params, config, carry, knobs, opts), bound, k + 1,
-                   notes)
+                   notes, drafter_moe=drafter_moe)
 
 
 def uses_mosaic(config: ModelConfig, mesh) -> bool:

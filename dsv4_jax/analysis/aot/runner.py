@@ -220,7 +220,6 @@ def run(request: AotRequest, *, log=sys.stdout, checkpoint: Callable | None = No
                                                                  r.rules)
             how_t = counting(ep_config, r.count, r.fit_as_run, r.base)
             shape = tuple(ep_mesh.devices.shape)
-            report["backends"] = how_t.program.backends.describe()
         else:
             ep_mesh, shape = None, mesh_shape(len(devs), r.mesh, r.mesh_preset)
         target = Target(topo, devs, ep_mesh if ep_mesh is not None else parallel.make_mesh(shape, devs), hbm,
@@ -358,9 +357,8 @@ def ep_kernel_row(prog: PR.Program, config: ModelConfig, weights: str, shapes: I
     """With the Mosaic kernels as the EP local matmul (`ExpertParallel.local == "pallas_tpu"`): the bytes
     their BlockSpecs declare per chip for this program (`kernel_hook.ep_local_declared`), next to XLA's.
     Tokens per chip = batch × the program's tokens per sequence / the data axis (the EP shard_map gathers
-    the tokens over the axes that split the experts). A round adds its drafter's MoE calls, the passes
-    `bounds.mtp_round_bound` / `bounds.dspark_round_bound` count: MTP k − 1 chain steps of B tokens and one
-    observe pass of B·(k+1); DSpark one block pass of B·γ through each stage (its observe pass has no MoE)."""
+    the tokens over the axes that split the experts); a round adds its drafter's MoE passes
+    (`programs.Program.drafter_moe`: the passes its bound counts)."""
     ep = config.backends.ep
     if ep is None or ep.local != "pallas_tpu" or weights not in KERNEL_FORMAT:
         return None
@@ -368,16 +366,9 @@ def ep_kernel_row(prog: PR.Program, config: ModelConfig, weights: str, shapes: I
     if dims is None:
         return None
     data = dict(zip(mesh.axis_names, mesh.devices.shape)).get("data", 1)
-    per_chip = lambda tokens_per_seq: max(1, shapes.batch * tokens_per_seq // data)
-    calls = [("target", prog.tokens_per_sequence, config.num_layers)]
-    k = prog.tokens_per_sequence - 1
-    if prog.name == "spec-mtp":
-        calls += [("mtp chain", 1, k - 1), ("mtp observe", k + 1, 1)]
-    elif prog.name == "spec-dspark":
-        setup, stages = prog.args[4].setup, len(prog.args[0]["dspark"]["stages"])
-        calls += [("dspark block", setup.settings.block_size, stages)]
-    parts = [dict(ep_local_declared(weights, per_chip(t), dims, config.num_experts_per_tok, n, config.swiglu_limit),
-                  name=name) for name, t, n in calls if n > 0]
+    calls = (("target", prog.tokens_per_sequence, config.num_layers),) + prog.drafter_moe
+    parts = [dict(ep_local_declared(weights, max(1, shapes.batch * t // data), dims, config.num_experts_per_tok, n,
+                                    config.swiglu_limit), name=name) for name, t, n in calls if n > 0]
     out = dict(parts[0])
     if len(parts) > 1:
         out.update(declared_bytes=sum(x["declared_bytes"] for x in parts),
